@@ -1,0 +1,58 @@
+# draftstream: `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: help setup system-deps demo test test-unit lint bench bench-quick chaos kafka-up kafka-down schemas clean
+
+help: ## List the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
+	@touch $@
+
+setup: $(VENV)/.installed ## Create .venv with pinned dependencies
+
+system-deps: ## Install Debian packages the tests use (prometheus, kcat) when missing
+	@bash deploy/system-deps.sh
+
+demo: setup ## Run the whole pipeline on embedded defaults: broker, simulator, every service
+	$(BIN)/draftstream demo
+
+test: setup system-deps ## Every test tier against a real Kafka 4.4 broker started here
+	@bash deploy/run-tests.sh
+
+test-unit: setup ## Unit tests only (no broker)
+	$(PY) -m pytest tests/unit -q
+
+lint: setup ## ruff, mypy strict on schemas/ and services/, dashboard linter
+	$(BIN)/ruff check schemas services tests bench
+	$(BIN)/mypy
+	@bash deploy/lint-dashboards.sh
+
+bench: setup ## All benchmarks at full size; writes bench/results.json
+	$(PY) -m bench.run
+
+bench-quick: setup ## Benchmarks at tiny sizes (part of make test)
+	$(PY) -m bench.run --quick
+
+chaos: setup ## The longer crash soak
+	$(PY) -m pytest tests/e2e -m chaos -q
+
+kafka-up: ## Start the local Kafka broker
+	@bash deploy/kafka/kafka.sh start
+
+kafka-down: ## Stop the local Kafka broker
+	@bash deploy/kafka/kafka.sh stop
+
+schemas: setup ## Regenerate schemas/generated from the Structs
+	$(BIN)/draftstream schemas export
+
+clean: ## Remove the virtualenv and run state
+	rm -rf $(VENV) .run

@@ -1,0 +1,161 @@
+"""The ``draftstream`` command: one entry point for every service and every chore.
+
+Each stage package contributes its commands through ``services/<stage>/cli.py``'s
+``register(app)``; heavy imports (tokenizers, HTTP clients) happen inside the commands so
+``draftstream --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+
+from services.common.config import ConfigError, Settings, load_settings
+
+app = typer.Typer(
+    name="draftstream",
+    help="Token-exact training data for speculative-decoding drafters, streamed through Kafka.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+run_app = typer.Typer(help="Run one long-lived service.", no_args_is_help=True)
+app.add_typer(run_app, name="run")
+broker_app = typer.Typer(help="The local Kafka broker (no Docker needed).", no_args_is_help=True)
+app.add_typer(broker_app, name="broker")
+topics_app = typer.Typer(help="Kafka topics.", no_args_is_help=True)
+app.add_typer(topics_app, name="topics")
+schemas_app = typer.Typer(help="The wire contracts.", no_args_is_help=True)
+app.add_typer(schemas_app, name="schemas")
+config_app = typer.Typer(help="Configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+err = Console(stderr=True)
+
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="TOML config file (default: ./draftstream.toml if present)")
+]
+
+
+def settings_from(config: Path | None) -> Settings:
+    """Load settings or exit with a one-line error."""
+    try:
+        return load_settings(config)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print one clear error line and exit non-zero."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@broker_app.command("start")
+def broker_start() -> None:
+    """Start the local single-node Kafka (KRaft) broker under .run/kafka."""
+    from services.common import broker
+
+    print(broker.start())
+
+
+@broker_app.command("stop")
+def broker_stop() -> None:
+    """Stop the local broker."""
+    from services.common import broker
+
+    print(broker.stop())
+
+
+@broker_app.command("status")
+def broker_status() -> None:
+    """Say whether the local broker runs (exit 1 when it does not)."""
+    from services.common import broker
+
+    running, text = broker.status()
+    print(text)
+    raise typer.Exit(0 if running else 1)
+
+
+@topics_app.command("create")
+def topics_create(
+    config: ConfigOption = None,
+    dataset: Annotated[list[str] | None, typer.Option("--dataset", "-d", help="Also create prompts.<dataset>")] = None,
+) -> None:
+    """Create every topic draftstream uses (idempotent)."""
+    from services.common.config import check_dataset_name
+    from services.common.kafka import ensure_topics
+
+    settings = settings_from(config)
+    names = list(dataset or []) + list(settings.datasets)
+    try:
+        for name in names:
+            check_dataset_name(name)
+    except ConfigError as exc:
+        fail(str(exc))
+    created = asyncio.run(ensure_topics(settings.kafka, names))
+    print(f"created {len(created)} topic(s): {', '.join(created) or '-'} (others already existed)")
+
+
+@schemas_app.command("export")
+def schemas_export(
+    out: Annotated[Path, typer.Option(help="Output folder")] = Path("schemas/generated"),
+) -> None:
+    """Write the JSON Schema of every event under schemas/generated/."""
+    from schemas.export import export
+
+    written = export(out)
+    print(f"wrote {len(written)} schema file(s) to {out}")
+
+
+@config_app.command("show")
+def config_show(config: ConfigOption = None) -> None:
+    """Print the effective configuration with secrets masked."""
+    print(json.dumps(settings_from(config).redacted(), indent=2))
+
+
+_CONTRIBUTORS = (
+    "services.simulator.cli",
+    "services.inference.cli",
+    "services.reconstruct.cli",
+    "services.audit.cli",
+    "services.sink.cli",
+    "services.budget.cli",
+    "services.publish.cli",
+    "services.dlq.cli",
+    "services.status.cli",
+    "services.demo.cli",
+)
+
+
+def _register_contributors() -> None:
+    for module_name in _CONTRIBUTORS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # that stage is not built in this checkout
+            raise
+        module.register(app, run_app)
+
+
+_register_contributors()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

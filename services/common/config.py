@@ -1,0 +1,328 @@
+"""Settings: one TOML file layered under the environment, read in one place.
+
+Precedence, highest first: constructor arguments, environment variables
+(``DRAFTSTREAM_<SECTION>__<FIELD>``, plus the conventional ``KAFKA_BOOTSTRAP_SERVERS``
+and ``OPENROUTER_API_KEY``), the TOML file (``--config``, else ``draftstream.toml`` when
+present), then the defaults below. Secrets are ``SecretStr``: they print as ``**********``
+and can only come from the environment (a secret in the TOML file is refused).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from schemas import (
+    ACCEPTED_TOPIC,
+    BUDGET_STATE_TOPIC,
+    CONTROL_TOPIC,
+    DEAD_LETTER_TOPIC,
+    PROMPTS_TOPIC_PREFIX,
+    REQUESTS_TOPIC,
+    RESPONSES_TOPIC,
+    SAMPLES_TOPIC,
+)
+
+DEFAULT_CONFIG_FILE = "draftstream.toml"
+
+_frozen = ConfigDict(frozen=True, extra="forbid")
+
+
+class ConfigError(ValueError):
+    """The configuration is unusable; the message names the setting."""
+
+
+class KafkaSettings(BaseModel):
+    """How every service and the CLI reach Kafka (plaintext, SASL and/or TLS)."""
+
+    model_config = _frozen
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic_prefix: str = ""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_check_hostname: bool = True
+    # A 200k-token sample with its prompt and response is several MiB of JSON.
+    max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    compression_type: Literal["gzip", "lz4", "zstd", "snappy"] | None = "gzip"
+    partitions: int = Field(default=3, gt=0)
+    replication_factor: int = Field(default=1, gt=0)
+
+    def topic(self, name: str) -> str:
+        """The physical name of a logical topic."""
+        return f"{self.topic_prefix}{name}"
+
+    def prompts_topic(self, dataset: str) -> str:
+        """The physical topic of one dataset's prompts."""
+        return self.topic(f"{PROMPTS_TOPIC_PREFIX}{dataset}")
+
+    @property
+    def topics(self) -> dict[str, str]:
+        """Logical to physical names of the fixed topics."""
+        return {
+            n: self.topic(n)
+            for n in (
+                REQUESTS_TOPIC,
+                RESPONSES_TOPIC,
+                SAMPLES_TOPIC,
+                ACCEPTED_TOPIC,
+                DEAD_LETTER_TOPIC,
+                CONTROL_TOPIC,
+                BUDGET_STATE_TOPIC,
+            )
+        }
+
+
+class ProviderSettings(BaseModel):
+    """The inference provider and how hard to drive it."""
+
+    model_config = _frozen
+
+    kind: Literal["simulator", "openrouter", "openai", "sglang"] = "simulator"
+    base_url: str = "http://127.0.0.1:8099"
+    model: str = "deepseek/deepseek-v3"
+    api_key: SecretStr | None = None
+    concurrency: int = Field(default=256, gt=0, le=20_000)
+    timeout_s: float = Field(default=120.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    max_attempts: int = Field(default=4, ge=1, le=50)
+    backoff_initial_s: float = Field(default=0.5, ge=0)
+    backoff_max_s: float = Field(default=30.0, ge=0)
+    max_prompt_chars: int = Field(default=2_000_000, gt=0)
+    # Passed through verbatim in the request body (e.g. {"reasoning": {"effort": "high"},
+    # "provider": {"order": ["x"], "require_parameters": true}}).
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    request_logprobs: bool = False
+
+
+class AuditThresholds(BaseModel):
+    """Per-dataset audit switches and tolerances."""
+
+    model_config = _frozen
+
+    disabled_checks: tuple[str, ...] = ()
+    roundtrip_tolerance: float = Field(default=0.05, ge=0, le=1)
+    # Provider's fixed counting offset: usage.completion_tokens - len(output_ids).
+    # None: learned from the first samples of the run.
+    usage_offset: int | None = None
+    usage_tolerance: int = Field(default=0, ge=0)
+    learn_offset_samples: int = Field(default=20, ge=1)
+    require_reasoning: bool = True
+    require_stop: bool = True
+
+
+class DatasetSettings(BaseModel):
+    """What differs between datasets: profile, request shape, caps and audit."""
+
+    model_config = _frozen
+
+    profile: str = "deepseek-v3"
+    send_tools: bool = False
+    max_tokens: int = Field(default=4096, gt=0)
+    cap_completion_tokens: int | None = Field(default=10_000_000, gt=0)
+    cap_usd: float | None = Field(default=None, gt=0)
+    expected_prompts: int | None = Field(default=None, ge=0)
+    audit: AuditThresholds = Field(default_factory=AuditThresholds)
+
+
+class BudgetSettings(BaseModel):
+    """Global caps, the soft threshold and prices for providers that report no cost."""
+
+    model_config = _frozen
+
+    global_cap_completion_tokens: int | None = Field(default=None, gt=0)
+    global_cap_usd: float | None = Field(default=None, gt=0)
+    soft_threshold: float = Field(default=0.8, gt=0, le=1)
+    # USD per million tokens, by model: {"deepseek/deepseek-v3": {"prompt": 0.3, "completion": 1.0}}
+    prices: dict[str, dict[str, float]] = Field(default_factory=dict)
+    rate_window_s: float = Field(default=60.0, gt=0)
+    include_inflight: bool = True
+
+
+class ProfileSettings(BaseModel):
+    """A user-defined model profile (see services.profiles)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tokenizer: str
+    kind: Literal["hf", "tiktoken"] = "hf"
+    end_of_turn: str
+    end_of_turn_id: int
+    think_start: str | None = None
+    think_start_id: int | None = None
+    think_end: str | None = None
+    think_end_id: int | None = None
+    tool_tokens: dict[str, int] = Field(default_factory=dict)
+    tool_format: Literal["kimi", "deepseek", "qwen", "none"] = "none"
+    chat_template: str | None = None
+    chat_template_file: str | None = None
+    trust_remote_code: bool = False
+
+
+class MetricsSettings(BaseModel):
+    """Prometheus exposition: one port per service (0 disables)."""
+
+    model_config = _frozen
+
+    host: str = "127.0.0.1"
+    inference_port: int = 9401
+    reconstruct_port: int = 9402
+    audit_port: int = 9403
+    budget_port: int = 9404
+    sink_port: int = 9405
+    simulator_port: int = 9406
+    publish_port: int = 0
+
+
+class SinkSettings(BaseModel):
+    """Where training shards go and how they rotate."""
+
+    model_config = _frozen
+
+    out_dir: str = "out"
+    rotate_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    format: Literal["jsonl", "parquet"] = "jsonl"
+
+
+class StageSettings(BaseModel):
+    """Batching of the stream stages."""
+
+    model_config = _frozen
+
+    batch_max: int = Field(default=64, gt=0)
+    batch_timeout_ms: int = Field(default=200, ge=0)
+
+
+class Settings(BaseSettings):
+    """The whole configuration; every service reads the sections it needs."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_prefix="DRAFTSTREAM_",
+        env_nested_delimiter="__",
+        nested_model_default_partial_update=True,
+    )
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    provider: ProviderSettings = Field(default_factory=ProviderSettings)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    sink: SinkSettings = Field(default_factory=SinkSettings)
+    stage: StageSettings = Field(default_factory=StageSettings)
+    defaults: DatasetSettings = Field(default_factory=DatasetSettings)
+    datasets: dict[str, DatasetSettings] = Field(default_factory=dict)
+    profiles: dict[str, ProfileSettings] = Field(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Constructor, environment, then the TOML file chosen by :func:`load_settings`."""
+        toml_file = _CURRENT_TOML[0]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    @field_validator("datasets")
+    @classmethod
+    def _dataset_names(cls, value: dict[str, DatasetSettings]) -> dict[str, DatasetSettings]:
+        for name in value:
+            check_dataset_name(name)
+        return value
+
+    def dataset(self, name: str) -> DatasetSettings:
+        """The settings of one dataset: its own section, else ``[defaults]``."""
+        return self.datasets.get(name, self.defaults)
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as plain data with every secret masked (for printing)."""
+        return self.model_dump(mode="json")
+
+
+_CURRENT_TOML: list[Path | None] = [None]
+
+_VALID_TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_dataset_name(name: str) -> str:
+    """Refuse a dataset name that cannot be part of a Kafka topic name or a key."""
+    if not name or len(name) > 200 or not set(name) <= _VALID_TOPIC_CHARS or name in {".", ".."}:
+        raise ConfigError(
+            f"dataset name {name!r} cannot be a topic name: use 1-200 of [a-zA-Z0-9._-]"
+        )
+    return name
+
+
+def _refuse_secrets_in_file(path: Path) -> None:
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    for section, key in (("provider", "api_key"), ("kafka", "sasl_password")):
+        if isinstance(data.get(section), dict) and key in data[section]:
+            raise ConfigError(
+                f"{path}: [{section}] {key} must not be written in a file; "
+                f"set DRAFTSTREAM_{section.upper()}__{key.upper()} in the environment"
+            )
+
+
+def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build the frozen settings from the TOML file, the environment and ``overrides``.
+
+    Args:
+        config: a TOML file; ``None`` uses ``draftstream.toml`` in the working
+            directory when it exists.
+        overrides: section values that win over everything else.
+    """
+    import os
+
+    environ = os.environ
+    path: Path | None
+    if config is None:
+        path = Path(DEFAULT_CONFIG_FILE) if Path(DEFAULT_CONFIG_FILE).is_file() else None
+    else:
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+    if path is not None:
+        try:
+            _refuse_secrets_in_file(path)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+    kafka_over: dict[str, Any] = dict(overrides.pop("kafka", {}) or {})
+    if "KAFKA_BOOTSTRAP_SERVERS" in environ and "DRAFTSTREAM_KAFKA__BOOTSTRAP_SERVERS" not in environ:
+        kafka_over.setdefault("bootstrap_servers", environ["KAFKA_BOOTSTRAP_SERVERS"])
+    provider_over: dict[str, Any] = dict(overrides.pop("provider", {}) or {})
+    if "OPENROUTER_API_KEY" in environ and "DRAFTSTREAM_PROVIDER__API_KEY" not in environ:
+        provider_over.setdefault("api_key", environ["OPENROUTER_API_KEY"])
+    if kafka_over:
+        overrides["kafka"] = kafka_over
+    if provider_over:
+        overrides["provider"] = provider_over
+
+    _CURRENT_TOML[0] = path
+    try:
+        return Settings(**overrides)
+    except ValueError as exc:
+        raise ConfigError(f"invalid configuration{f' in {path}' if path else ''}:\n{exc}") from None
+    finally:
+        _CURRENT_TOML[0] = None

@@ -1,0 +1,221 @@
+"""Kafka plumbing shared by every service and the CLI: clients, topics, dead letters.
+
+This is the only module (with services.common.stage and the inference shell) that
+builds aiokafka clients, so security settings (SASL PLAIN/SCRAM, TLS) apply everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from schemas import BUDGET_STATE_TOPIC, CONTROL_TOPIC, DLQ_HEADERS
+from services.common.config import KafkaSettings
+
+Headers = list[tuple[str, bytes]]
+
+
+def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
+    """Connection and security arguments common to producers, consumers and admins."""
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": kafka.bootstrap_servers,
+        "security_protocol": kafka.security_protocol,
+    }
+    if kafka.security_protocol in ("SSL", "SASL_SSL"):
+        context = ssl.create_default_context(cafile=kafka.ssl_cafile)
+        context.check_hostname = kafka.ssl_check_hostname
+        if kafka.ssl_certfile:
+            context.load_cert_chain(kafka.ssl_certfile, kafka.ssl_keyfile)
+        kwargs["ssl_context"] = context
+    if kafka.security_protocol.startswith("SASL"):
+        kwargs["sasl_mechanism"] = kafka.sasl_mechanism or "PLAIN"
+        kwargs["sasl_plain_username"] = kafka.sasl_username
+        kwargs["sasl_plain_password"] = (
+            kafka.sasl_password.get_secret_value() if kafka.sasl_password else None
+        )
+    return kwargs
+
+
+def make_producer(kafka: KafkaSettings, **extra: Any) -> AIOKafkaProducer:
+    """An idempotent producer able to carry the largest sample (not yet started)."""
+    kwargs: dict[str, Any] = {
+        "acks": "all",
+        "enable_idempotence": True,
+        "max_request_size": kafka.max_message_bytes,
+        "compression_type": kafka.compression_type,
+        "linger_ms": 5,
+        "request_timeout_ms": 60_000,
+    }
+    kwargs.update(extra)
+    return AIOKafkaProducer(**client_kwargs(kafka), **kwargs)
+
+
+def make_consumer(
+    kafka: KafkaSettings, *topics: str, group_id: str | None, **extra: Any
+) -> AIOKafkaConsumer:
+    """A consumer with manual commits and fetch limits sized for large samples."""
+    kwargs: dict[str, Any] = {
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_partition_fetch_bytes": kafka.max_message_bytes + 1024 * 1024,
+        "fetch_max_bytes": max(kafka.max_message_bytes * 2, 64 * 1024 * 1024),
+        "isolation_level": "read_uncommitted",
+        "session_timeout_ms": 30_000,
+        "heartbeat_interval_ms": 3_000,
+        "max_poll_interval_ms": 600_000,
+    }
+    kwargs.update(extra)
+    return AIOKafkaConsumer(*topics, **client_kwargs(kafka), **kwargs)
+
+
+def make_admin(kafka: KafkaSettings) -> AIOKafkaAdminClient:
+    """An admin client (not yet started)."""
+    return AIOKafkaAdminClient(**client_kwargs(kafka))
+
+
+def topic_configs(kafka: KafkaSettings, logical: str) -> dict[str, str]:
+    """Per-topic configuration: large messages everywhere, compaction for state topics."""
+    configs = {"max.message.bytes": str(kafka.max_message_bytes + 1024 * 1024)}
+    if logical in (CONTROL_TOPIC, BUDGET_STATE_TOPIC):
+        configs["cleanup.policy"] = "compact"
+        configs["min.cleanable.dirty.ratio"] = "0.1"
+        configs["segment.ms"] = "3600000"
+    return configs
+
+
+async def ensure_topics(kafka: KafkaSettings, datasets: Iterable[str] = ()) -> list[str]:
+    """Create the fixed topics and ``prompts.<dataset>`` for each dataset; idempotent.
+
+    Returns the physical names that were newly created.
+    """
+    wanted: dict[str, str] = dict(kafka.topics)  # logical -> physical
+    for dataset in datasets:
+        wanted[f"prompts.{dataset}"] = kafka.prompts_topic(dataset)
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        new = [
+            NewTopic(
+                name=physical,
+                num_partitions=1 if logical in (CONTROL_TOPIC, BUDGET_STATE_TOPIC) else kafka.partitions,
+                replication_factor=kafka.replication_factor,
+                topic_configs=topic_configs(kafka, logical),
+            )
+            for logical, physical in wanted.items()
+            if physical not in existing
+        ]
+        created: list[str] = []
+        for topic in new:
+            try:
+                await admin.create_topics([topic])
+                created.append(topic.name)
+            except TopicAlreadyExistsError:
+                pass
+        return created
+    finally:
+        await admin.close()
+
+
+def header(headers: Sequence[tuple[str, bytes]] | None, name: str) -> str | None:
+    """The last value of a header as text, or None."""
+    found: str | None = None
+    for key, value in headers or ():
+        if key == name and value is not None:
+            found = value.decode("utf-8", "replace")
+    return found
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A stage's verdict that a record cannot go on: why, with the first reason primary."""
+
+    reason: str
+    message: str
+    reasons: tuple[str, ...] = ()
+    http_status: int | None = None
+    attempt: int = 1
+
+    @property
+    def all_reasons(self) -> tuple[str, ...]:
+        """Every reason code, the primary first."""
+        return (self.reason, *(r for r in self.reasons if r != self.reason))
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One record to publish."""
+
+    topic: str
+    value: bytes
+    key: bytes | None = None
+    headers: Headers = field(default_factory=list)
+
+
+_MAX_HEADER_TEXT = 4000
+
+
+def dead_letter(
+    *,
+    dlq_topic: str,
+    stage: str,
+    verdict: DeadLetter,
+    value: bytes | None,
+    key: bytes | None,
+    topic: str,
+    partition: int,
+    offset: int,
+    in_headers: Sequence[tuple[str, bytes]] | None = None,
+    dataset: str | None = None,
+    now_ms: int | None = None,
+) -> Outgoing:
+    """The dead letter for a failed record: its value byte for byte plus error headers.
+
+    Replay and first-failure headers carried by a replayed record are kept, so a record
+    that fails again still shows how often it was replayed and when it first failed.
+    """
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    replay_count = header(in_headers, DLQ_HEADERS.REPLAY_COUNT) or "0"
+    first_failure = header(in_headers, DLQ_HEADERS.FIRST_FAILURE) or str(now)
+    key_text = key.decode("utf-8", "replace") if key is not None else ""
+    if dataset is None:
+        dataset = key_text.partition(":")[0] if ":" in key_text else ""
+    message = verdict.message
+    if len(message) > _MAX_HEADER_TEXT:
+        message = message[:_MAX_HEADER_TEXT] + "…"
+    out: Headers = [
+        (DLQ_HEADERS.STAGE, stage.encode()),
+        (DLQ_HEADERS.REASON, verdict.reason.encode()),
+        (DLQ_HEADERS.REASONS, ",".join(verdict.all_reasons).encode()),
+        (DLQ_HEADERS.MESSAGE, message.encode("utf-8", "replace")),
+        (DLQ_HEADERS.TOPIC, topic.encode()),
+        (DLQ_HEADERS.PARTITION, str(partition).encode()),
+        (DLQ_HEADERS.OFFSET, str(offset).encode()),
+        (DLQ_HEADERS.DATASET, dataset.encode("utf-8", "replace")),
+        (DLQ_HEADERS.KEY, key_text.encode("utf-8", "replace")),
+        (DLQ_HEADERS.ATTEMPT, str(verdict.attempt).encode()),
+        (DLQ_HEADERS.REPLAY_COUNT, replay_count.encode()),
+        (DLQ_HEADERS.FIRST_FAILURE, first_failure.encode()),
+        (DLQ_HEADERS.FAILED_AT, str(now).encode()),
+    ]
+    if verdict.http_status is not None:
+        out.append((DLQ_HEADERS.HTTP_STATUS, str(verdict.http_status).encode()))
+    return Outgoing(topic=dlq_topic, value=value or b"", key=key, headers=out)
+
+
+async def publish_all(producer: AIOKafkaProducer, records: Iterable[Outgoing]) -> None:
+    """Send records and wait until the broker has acknowledged every one of them."""
+    futures = [
+        await producer.send(r.topic, r.value, key=r.key, headers=r.headers or None) for r in records
+    ]
+    if futures:
+        await asyncio.gather(*futures)

@@ -1,0 +1,55 @@
+"""Logging set-up with secret redaction: no configured secret ever reaches a log line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable
+
+from services.common.config import Settings
+
+REDACTED = "**********"
+
+
+class RedactingFilter(logging.Filter):
+    """Replaces every known secret value in a record's final message."""
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        super().__init__()
+        self._secrets = [s for s in secrets if s and len(s) >= 4]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Render the message, mask secrets, and keep the record."""
+        if not self._secrets:
+            return True
+        message = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        for secret in self._secrets:
+            message = message.replace(secret, REDACTED)
+            if record.exc_text:
+                record.exc_text = record.exc_text.replace(secret, REDACTED)
+        record.msg, record.args = message, None
+        return True
+
+
+def secrets_of(settings: Settings) -> list[str]:
+    """The secret values present in the settings."""
+    found = []
+    if settings.provider.api_key is not None:
+        found.append(settings.provider.api_key.get_secret_value())
+    if settings.kafka.sasl_password is not None:
+        found.append(settings.kafka.sasl_password.get_secret_value())
+    return found
+
+
+def setup_logging(settings: Settings, level: str = "INFO") -> None:
+    """Log to stderr with timestamps, every secret redacted."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RedactingFilter(secrets_of(settings)))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("aiokafka", "httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

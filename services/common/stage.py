@@ -1,0 +1,164 @@
+"""The consume → decide → publish → commit loop shared by the batch stages.
+
+reconstruct, audit and sink read a topic in batches, hand each batch to one core
+call, publish what it returns (outputs or dead letters), wait for the broker's
+acknowledgement, and only then commit the batch's offsets. A crash anywhere before the
+commit replays the batch (at-least-once; duplicates downstream are idempotent by key),
+a crash after it loses nothing because the outputs were already acknowledged.
+
+Written on aiokafka directly rather than as a FastStream subscriber because the stages
+need the raw record (value bytes, headers, partition, offset) for byte-exact dead
+letters, one commit per published batch, and a pause/stop they control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+
+from services.common.config import Settings
+from services.common.kafka import (
+    DeadLetter,
+    Outgoing,
+    dead_letter,
+    make_consumer,
+    make_producer,
+    publish_all,
+)
+from services.common.metrics import CONSUMER_LAG, DEAD_LETTERS, STAGE_RECORDS
+
+log = logging.getLogger(__name__)
+
+Result = list[Outgoing] | DeadLetter
+BatchHandler = Callable[[Sequence[ConsumerRecord[bytes, bytes]]], Awaitable[list[Result]]]
+
+
+@dataclass
+class StageRunner:
+    """Runs one batch stage until :meth:`stop` is called."""
+
+    settings: Settings
+    stage: str
+    topics: Sequence[str]
+    group_id: str
+    handler: BatchHandler
+    producer: AIOKafkaProducer | None = None
+    pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        self._stopping = asyncio.Event()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._own_producer = self.producer is None
+        self.processed = 0
+
+    async def start(self) -> None:
+        """Connect the consumer and the producer."""
+        kafka = self.settings.kafka
+        if self.producer is None:
+            self.producer = make_producer(kafka)
+            await self.producer.start()
+        self._consumer = make_consumer(kafka, group_id=self.group_id)
+        if self.pattern:
+            self._consumer.subscribe(pattern=self.pattern)
+        else:
+            self._consumer.subscribe(list(self.topics))
+        await self._consumer.start()
+
+    def stop(self) -> None:
+        """Ask the loop to finish its current batch and return."""
+        self._stopping.set()
+
+    async def close(self) -> None:
+        """Release the Kafka clients."""
+        if self._consumer is not None:
+            await self._consumer.stop()
+        if self.producer is not None and self._own_producer:
+            await self.producer.stop()
+
+    async def run(self) -> None:
+        """Consume until stopped; never lets one bad record stop the stage."""
+        assert self._consumer is not None and self.producer is not None  # noqa: S101 - start() first
+        consumer = self._consumer
+        stage_cfg = self.settings.stage
+        while not self._stopping.is_set():
+            batches = await consumer.getmany(
+                timeout_ms=stage_cfg.batch_timeout_ms or 100, max_records=stage_cfg.batch_max
+            )
+            records = [r for part in batches.values() for r in part]
+            if not records:
+                await self._report_lag(consumer)
+                continue
+            results = await self._decide(records)
+            outgoing: list[Outgoing] = []
+            for record, result in zip(records, results, strict=True):
+                if isinstance(result, DeadLetter):
+                    DEAD_LETTERS.labels(stage=self.stage, reason=result.reason).inc()
+                    outgoing.append(self._dead_letter(record, result))
+                else:
+                    outgoing.extend(result)
+            await publish_all(self.producer, outgoing)
+            await consumer.commit(
+                {tp: part[-1].offset + 1 for tp, part in batches.items() if part}
+            )
+            self.processed += len(records)
+            STAGE_RECORDS.labels(stage=self.stage).inc(len(records))
+            await self._report_lag(consumer)
+
+    async def _decide(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[Result]:
+        """The handler's verdicts; a failing batch is retried record by record."""
+        try:
+            results = await self.handler(records)
+            if len(results) != len(records):
+                raise RuntimeError(f"handler returned {len(results)} results for {len(records)} records")
+            return results
+        except Exception:
+            log.exception("%s: batch of %d failed; isolating the bad record(s)", self.stage, len(records))
+        isolated: list[Result] = []
+        for record in records:
+            try:
+                (one,) = await self.handler([record])
+                isolated.append(one)
+            except Exception as exc:  # noqa: BLE001 - a poison record becomes a dead letter
+                log.exception("%s: record %s@%d failed", self.stage, record.topic, record.offset)
+                isolated.append(DeadLetter("internal_error", f"{type(exc).__name__}: {exc}"))
+        return isolated
+
+    def _dead_letter(self, record: ConsumerRecord[bytes, bytes], verdict: DeadLetter) -> Outgoing:
+        return dead_letter(
+            dlq_topic=self.settings.kafka.topic("dead-letter"),
+            stage=self.stage,
+            verdict=verdict,
+            value=record.value,
+            key=record.key,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            in_headers=list(record.headers or ()),
+        )
+
+    async def _report_lag(self, consumer: AIOKafkaConsumer) -> None:
+        lag: dict[str, int] = {}
+        for tp in consumer.assignment():
+            highwater = consumer.highwater(tp)
+            if highwater is None:
+                continue
+            position = await consumer.position(tp)
+            lag[tp.topic] = lag.get(tp.topic, 0) + max(0, highwater - position)
+        for topic, value in lag.items():
+            CONSUMER_LAG.labels(group=self.group_id, topic=topic).set(value)
+
+
+async def run_stage(runner: StageRunner) -> None:
+    """Start, run until stopped or cancelled, and close a stage."""
+    await runner.start()
+    try:
+        await runner.run()
+    finally:
+        await runner.close()
+
+
+__all__ = ["BatchHandler", "Result", "StageRunner", "TopicPartition", "run_stage"]
