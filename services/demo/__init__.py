@@ -1,0 +1,1 @@
+"""The one-command demo and its bundled datasets."""

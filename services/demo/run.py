@@ -1,0 +1,359 @@
+"""``draftstream demo``: the whole pipeline on this machine, on embedded defaults.
+
+Starts (or reuses) a Kafka broker, the provider simulator with a few faults on, and every
+service as its own process, exactly as a user would run them; publishes the bundled
+datasets; waits until every prompt is accounted for (an accepted row or a dead letter);
+prints the summary; replays the inference dead letters and shows them accepted; then
+shuts everything down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import schemas as s
+from services.common.config import Settings, load_settings
+from services.common.kafka import header, make_consumer
+
+DATA = Path(__file__).parent / "data"
+DATASETS = ("math", "code", "tools")
+SERVICES = ("inference", "reconstruct", "audit", "budget", "sink")
+REPO = Path(__file__).resolve().parents[2]
+
+console = Console()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def demo_config(run_dir: Path, bootstrap: str, sim_port: int) -> str:
+    """The embedded demo configuration (TOML)."""
+    prefix = f"demo{int(time.time())}."
+    return f"""# Written by `draftstream demo`; a starting point for a real config.
+[kafka]
+bootstrap_servers = "{bootstrap}"
+topic_prefix = "{prefix}"
+
+[provider]
+kind = "simulator"
+base_url = "http://127.0.0.1:{sim_port}/api/v1"
+model = "deepseek/deepseek-v3"
+concurrency = 64
+max_attempts = 2
+backoff_initial_s = 0.05
+backoff_max_s = 0.2
+timeout_s = 10
+
+[sink]
+out_dir = "{run_dir / 'out'}"
+
+[stage]
+batch_max = 32
+batch_timeout_ms = 100
+
+[metrics]
+inference_port = {free_port()}
+reconstruct_port = {free_port()}
+audit_port = {free_port()}
+budget_port = {free_port()}
+sink_port = {free_port()}
+simulator_port = 0
+
+[datasets.math]
+profile = "deepseek-v3"
+max_tokens = 2048
+
+[datasets.code]
+profile = "deepseek-v3"
+max_tokens = 2048
+
+[datasets.tools]
+profile = "deepseek-v3"
+max_tokens = 2048
+"""
+
+
+@dataclass
+class Processes:
+    """The processes the demo started, stopped in reverse order on exit."""
+
+    log_dir: Path
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    logs: list[IO[bytes]] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Start one process with its output in ``<log_dir>/<name>.log``."""
+        log = (self.log_dir / f"{name}.log").open("wb")
+        self.logs.append(log)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)  # noqa: S603 - our own CLI
+        self.procs.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        """Fail loudly when a service died."""
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.log_dir / name}.log")
+
+    def stop_all(self) -> None:
+        """SIGTERM everything, then SIGKILL what is left after 20 s."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for _, proc in reversed(self.procs):
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
+
+
+def cli(*args: str) -> list[str]:
+    """The argv that runs a draftstream command in this interpreter."""
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def run_cli(args: list[str], env: dict[str, str], what: str) -> str:
+    """Run a short draftstream command; raise with its output when it fails."""
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)  # noqa: S603
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def wait_http(url: str, timeout: float) -> None:
+    """Wait until a local HTTP endpoint answers."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def accepted_keys(out_dir: Path) -> Counter[str]:
+    """How often each key appears in the training files."""
+    keys: Counter[str] = Counter()
+    for part in sorted(out_dir.glob("*/part-*.jsonl")):
+        for line in part.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                with suppress(ValueError):
+                    keys[json.loads(line)["id"]] += 1
+    return keys
+
+
+@dataclass
+class DeadLetterView:
+    """The dead-letter topic read to its end: one entry per record."""
+
+    records: list[tuple[str, str, str]] = field(default_factory=list)  # key, stage, reason
+
+    def keys(self) -> set[str]:
+        """Every key with at least one dead letter."""
+        return {k for k, _, _ in self.records}
+
+
+async def read_dead_letters(settings: Settings) -> DeadLetterView:
+    """Read every dead letter currently on the topic."""
+    topic = settings.kafka.topic(s.DEAD_LETTER_TOPIC)
+    consumer = make_consumer(settings.kafka, group_id=None)
+    await consumer.start()
+    view = DeadLetterView()
+    try:
+        partitions = consumer.partitions_for_topic(topic) or set()
+        if not partitions:
+            await consumer.stop()
+            return view
+        from aiokafka import TopicPartition
+
+        tps = [TopicPartition(topic, p) for p in partitions]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        while any(await consumer.position(tp) < ends[tp] for tp in tps):
+            batches = await consumer.getmany(timeout_ms=500)
+            for part in batches.values():
+                for r in part:
+                    view.records.append(
+                        (
+                            (r.key or b"").decode("utf-8", "replace"),
+                            header(r.headers, s.DLQ_HEADERS.STAGE) or "?",
+                            header(r.headers, s.DLQ_HEADERS.REASON) or "?",
+                        )
+                    )
+    finally:
+        await consumer.stop()
+    return view
+
+
+def count_prompts(files: dict[str, Path]) -> dict[str, int]:
+    """Prompts in each bundled dataset (non-empty lines)."""
+    return {name: sum(1 for line in path.read_text("utf-8").splitlines() if line.strip()) for name, path in files.items()}
+
+
+def wait_accounted(settings: Settings, out_dir: Path, expected: int, procs: Processes, timeout: float) -> None:
+    """Block until accepted keys plus dead-lettered keys cover every published prompt."""
+    with Progress(
+        TextColumn("[bold]accounted for"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("prompts", total=expected)
+        deadline = time.monotonic() + timeout
+        while True:
+            procs.check_alive()
+            accepted = set(accepted_keys(out_dir))
+            dead = asyncio.run(read_dead_letters(settings)).keys()
+            done = len(accepted | dead)
+            progress.update(task, completed=min(done, expected))
+            if done >= expected:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {done} of {expected} prompts accounted for after {timeout:.0f} s")
+            time.sleep(1.0)
+
+
+def summary(settings: Settings, out_dir: Path, published: dict[str, int]) -> tuple[Counter[str], DeadLetterView]:
+    """Print accepted and dead-lettered per dataset, reasons, spend, and where the files are."""
+    accepted = accepted_keys(out_dir)
+    view = asyncio.run(read_dead_letters(settings))
+    dead_only = view.keys() - set(accepted)
+    table = Table(title="draftstream demo: where every prompt ended")
+    for col in ("dataset", "published", "accepted", "dead-lettered", "accounted"):
+        table.add_column(col, justify="right" if col != "dataset" else "left")
+    for name, n in published.items():
+        acc = sum(1 for k in accepted if k.startswith(f"{name}:"))
+        dead = sum(1 for k in dead_only if k.startswith(f"{name}:"))
+        table.add_row(name, str(n), str(acc), str(dead), "yes" if acc + dead == n else "NO")
+    console.print(table)
+    reasons: Counter[tuple[str, str]] = Counter((stage, reason) for k, stage, reason in view.records if k in dead_only)
+    rt = Table(title="dead letters by stage and reason")
+    rt.add_column("stage")
+    rt.add_column("reason")
+    rt.add_column("count", justify="right")
+    for (stage, reason), n in reasons.most_common():
+        rt.add_row(stage, reason, str(n))
+    console.print(rt)
+    duplicates = sum(1 for n in accepted.values() if n > 1)
+    console.print(f"duplicate keys in the training files: {duplicates}")
+    console.print(f"training files: {out_dir}/<dataset>/part-*.jsonl")
+    return accepted, view
+
+
+def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
+    """Run the demo end to end; returns the exit status."""
+    started = time.monotonic()
+    run_dir = REPO / ".run" / "demo"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    (run_dir / "logs").mkdir(parents=True)
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    own_broker = False
+    bootstrap = env.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not bootstrap:
+        from services.common import broker
+
+        console.print("[bold]starting the local Kafka broker[/] (first run downloads its jars)")
+        console.print(broker.start())
+        own_broker = True
+        bootstrap = f"127.0.0.1:{os.environ.get('KAFKA_PORT', '9092')}"
+    sim_port = free_port()
+    config = run_dir / "draftstream.toml"
+    config.write_text(demo_config(run_dir, bootstrap, sim_port), encoding="utf-8")
+    env["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
+    settings = load_settings(config)
+    procs = Processes(run_dir / "logs")
+    files = {name: DATA / f"{name}.jsonl" for name in DATASETS}
+    published = count_prompts(files)
+    try:
+        console.print(f"[bold]config[/] {config}")
+        run_cli(cli("topics", "create", "--config", str(config), *sum((["-d", d] for d in DATASETS), [])), env, "topics")
+        procs.start(
+            "simulator",
+            cli(
+                "simulate-provider",
+                "--port",
+                str(sim_port),
+                "--fault-rate",
+                "429=0.15",
+                "--fault-rate",
+                "5xx=0.05",
+                "--fault-rate",
+                "truncate=0.03",
+                "--fault-rate",
+                "bad_usage=0.03",
+                "--fault-rate",
+                "noncanonical_len=0.02",
+            ),
+            env,
+        )
+        wait_http(f"http://127.0.0.1:{sim_port}/health", 60)
+        for name in SERVICES:
+            procs.start(name, cli("run", name, "--config", str(config)), env)
+        console.print(f"[bold]started[/] simulator on :{sim_port} and {', '.join(SERVICES)} (logs in {procs.log_dir})")
+        for name, path in files.items():
+            out = run_cli(cli("publish", str(path), "--dataset", name, "--config", str(config)), env, f"publish {name}")
+            console.print(out.strip().splitlines()[-1] if out.strip() else f"published {name}")
+        expected = sum(published.values())
+        out_dir = Path(settings.sink.out_dir)
+        wait_accounted(settings, out_dir, expected, procs, timeout)
+        accepted, view = summary(settings, out_dir, published)
+        console.print(run_cli(cli("budget", "--config", str(config)), env, "budget"))
+        # Replay: inference dead letters were transient provider failures; send them again.
+        retryable = {k for k, stage, _ in view.records if stage == "inference"} - set(accepted)
+        if retryable:
+            console.print(f"[bold]replaying[/] {len(retryable)} inference dead letter(s)")
+            console.print(run_cli(cli("dlq", "replay", "--stage", "inference", "--config", str(config)), env, "replay"))
+            deadline = time.monotonic() + 120
+            while not retryable <= set(accepted_keys(out_dir)) and time.monotonic() < deadline:
+                procs.check_alive()
+                time.sleep(1)
+            now_accepted = accepted_keys(out_dir)
+            recovered = len(retryable & set(now_accepted))
+            console.print(f"replay: {recovered} of {len(retryable)} replayed prompts are now accepted (the rest failed again)")
+            dup = sum(1 for n in now_accepted.values() if n > 1)
+            console.print(f"duplicate keys in the training files after replay: {dup}")
+        else:
+            console.print("no inference dead letters to replay this time")
+        console.print(f"[bold green]demo finished[/] in {time.monotonic() - started:.0f} s")
+        return 0
+    except RuntimeError as exc:
+        console.print(f"[bold red]demo failed:[/] {exc}")
+        return 1
+    finally:
+        if not keep:
+            procs.stop_all()
+            if own_broker:
+                from services.common import broker
+
+                broker.stop()
