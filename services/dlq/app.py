@@ -1,0 +1,287 @@
+"""Reading the dead-letter topic and replaying its records (the Kafka shell of the dlq tool).
+
+The dead-letter topic is read with a manually assigned consumer (no group, nothing
+committed): from the beginning up to the end offsets taken at start, then it stops.
+Replays are remembered in the compacted ``dlq-replayed`` topic keyed by the dead
+letter's ``<partition>:<offset>``; a replay sends the records, waits for the broker's
+acknowledgement, then writes their ledger entries. A crash between the two can send a
+record twice, which downstream stages absorb (they are idempotent by key); running the
+command twice never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from schemas import DEAD_LETTER_TOPIC
+from services.common.config import KafkaSettings, Settings
+from services.common.kafka import Outgoing, make_admin, make_consumer, make_producer, publish_all
+from services.common.metrics import REPLAYS
+from services.dlq.core import (
+    DEFAULT_MAX_REPLAYS,
+    REPLAYED_TOPIC,
+    DeadLetterRecord,
+    Filters,
+    PlannedReplay,
+    plan_replay,
+)
+
+_READ_DEADLINE_S = 120.0
+
+
+class DlqError(Exception):
+    """The dead-letter tool cannot do what was asked; the message is one line."""
+
+
+async def topic_partitions(admin: AIOKafkaAdminClient, topics: Sequence[str]) -> dict[str, list[int]]:
+    """Partition numbers of each topic that exists (missing topics are left out)."""
+    if not topics:
+        return {}
+    described = await admin.describe_topics(list(topics))
+    return {
+        d["topic"]: sorted(p["partition"] for p in d["partitions"])
+        for d in described
+        if d.get("error_code", 0) == 0
+    }
+
+
+async def read_to_end(
+    kafka: KafkaSettings,
+    topic: str,
+    handle: Callable[[ConsumerRecord[bytes, bytes]], None],
+    *,
+    deadline_s: float = _READ_DEADLINE_S,
+) -> bool:
+    """Feed every record of ``topic`` present now to ``handle``; False if the topic is missing.
+
+    Manual assignment, no consumer group, nothing committed: a read-only snapshot.
+    """
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        if topic not in set(await admin.list_topics()):
+            return False
+        partitions = (await topic_partitions(admin, [topic])).get(topic, [])
+    finally:
+        await admin.close()
+    tps = [TopicPartition(topic, p) for p in partitions]
+    if not tps:
+        return True
+    consumer = make_consumer(kafka, group_id=None)
+    await consumer.start()
+    try:
+        consumer.assign(tps)
+        end = await consumer.end_offsets(tps)
+        start = await consumer.beginning_offsets(tps)
+        todo = {tp for tp in tps if end[tp] > start[tp]}
+        if not todo:
+            return True
+        await consumer.seek_to_beginning(*todo)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + deadline_s
+        while todo:
+            if loop.time() > give_up:
+                raise DlqError(f"could not read {topic} to its end within {deadline_s:.0f}s")
+            batches = await consumer.getmany(*todo, timeout_ms=500, max_records=1000)
+            for tp, records in batches.items():
+                for record in records:
+                    if record.offset < end[tp]:
+                        handle(record)
+            for tp in list(todo):
+                if await consumer.position(tp) >= end[tp]:
+                    todo.discard(tp)
+        return True
+    finally:
+        await consumer.stop()
+
+
+def to_dead_letter(record: ConsumerRecord[bytes, bytes]) -> DeadLetterRecord:
+    """The pure view of a consumed dead-letter record."""
+    return DeadLetterRecord(
+        partition=record.partition,
+        offset=record.offset,
+        timestamp_ms=record.timestamp,
+        key=record.key,
+        value=record.value,
+        headers=tuple((k, v) for k, v in (record.headers or ()) if v is not None),
+    )
+
+
+async def read_dead_letters(settings: Settings, filters: Filters | None = None) -> list[DeadLetterRecord]:
+    """Every dead letter present now that passes ``filters``, in partition/offset order."""
+    filters = filters or Filters()
+    found: list[DeadLetterRecord] = []
+
+    def keep(record: ConsumerRecord[bytes, bytes]) -> None:
+        letter = to_dead_letter(record)
+        if filters.matches(letter):
+            found.append(letter)
+
+    await read_to_end(settings.kafka, settings.kafka.topic(DEAD_LETTER_TOPIC), keep)
+    found.sort(key=lambda r: (r.partition, r.offset))
+    return found
+
+
+async def read_replayed(kafka: KafkaSettings) -> set[str]:
+    """Ids (``<partition>:<offset>``) of dead letters already replayed, from the ledger."""
+    done: set[str] = set()
+
+    def note(record: ConsumerRecord[bytes, bytes]) -> None:
+        if record.key is None:
+            return
+        ident = record.key.decode("utf-8", "replace")
+        if record.value is None:
+            done.discard(ident)  # a tombstone forgets a replay
+        else:
+            done.add(ident)
+
+    await read_to_end(kafka, kafka.topic(REPLAYED_TOPIC), note)
+    return done
+
+
+async def ensure_ledger(kafka: KafkaSettings) -> None:
+    """Create the compacted replay ledger topic if it does not exist."""
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        name = kafka.topic(REPLAYED_TOPIC)
+        if name in set(await admin.list_topics()):
+            return
+        try:
+            await admin.create_topics(
+                [
+                    NewTopic(
+                        name=name,
+                        num_partitions=1,
+                        replication_factor=kafka.replication_factor,
+                        topic_configs={"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1"},
+                    )
+                ]
+            )
+        except TopicAlreadyExistsError:
+            pass
+    finally:
+        await admin.close()
+
+
+async def list_topics(kafka: KafkaSettings) -> set[str]:
+    """Names of the topics that exist on the cluster."""
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        return set(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
+@dataclass
+class ReplayReport:
+    """What a replay did (or, with ``dry_run``, would do) with each matching dead letter."""
+
+    replayed: list[PlannedReplay] = field(default_factory=list)
+    already_replayed: list[DeadLetterRecord] = field(default_factory=list)
+    over_max_replays: list[DeadLetterRecord] = field(default_factory=list)
+    missing_topic: list[tuple[DeadLetterRecord, str]] = field(default_factory=list)
+    no_target: list[DeadLetterRecord] = field(default_factory=list)
+    wrong_kind: list[DeadLetterRecord] = field(default_factory=list)
+    matched: int = 0
+    dry_run: bool = False
+
+
+async def replay(
+    settings: Settings,
+    filters: Filters | None = None,
+    *,
+    to: str | None = None,
+    max_replays: int = DEFAULT_MAX_REPLAYS,
+    dry_run: bool = False,
+    now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+) -> ReplayReport:
+    """Re-send matching dead letters to their original topic (or ``to``'s input topic).
+
+    Skips records already replayed (ledger), refuses those replayed ``max_replays`` times,
+    reports those whose target topic does not exist. ``dry_run`` sends and records nothing.
+    """
+    kafka = settings.kafka
+    records = await read_dead_letters(settings, filters)
+    replayed_ids = await read_replayed(kafka)
+    plan = plan_replay(
+        records,
+        kafka=kafka,
+        existing_topics=await list_topics(kafka),
+        replayed_ids=replayed_ids,
+        to=to,
+        max_replays=max_replays,
+    )
+    report = ReplayReport(
+        replayed=plan.send,
+        already_replayed=plan.already_replayed,
+        over_max_replays=plan.over_max_replays,
+        missing_topic=plan.missing_topic,
+        no_target=plan.no_target,
+        wrong_kind=plan.wrong_kind,
+        matched=len(records),
+        dry_run=dry_run,
+    )
+    if dry_run or not plan.send:
+        return report
+
+    await ensure_ledger(kafka)
+    ledger_topic = kafka.topic(REPLAYED_TOPIC)
+    producer = make_producer(kafka)
+    await producer.start()
+    try:
+        # The records first, acknowledged; then the ledger (see the module docstring).
+        await publish_all(
+            producer,
+            (
+                Outgoing(topic=p.topic, value=p.payload, key=p.record.key, headers=p.headers)
+                for p in plan.send
+            ),
+        )
+        at = now_ms()
+        await publish_all(
+            producer,
+            (
+                Outgoing(
+                    topic=ledger_topic,
+                    key=p.record.id.encode(),
+                    value=json.dumps(
+                        {
+                            "topic": p.topic,
+                            "key": p.record.key_text,
+                            "replay_count": p.record.replay_count + 1,
+                            "replayed_at_ms": at,
+                        }
+                    ).encode(),
+                )
+                for p in plan.send
+            ),
+        )
+    finally:
+        await producer.stop()
+    for p in plan.send:
+        REPLAYS.labels(stage=p.record.stage, reason=p.record.reason).inc()
+    return report
+
+
+__all__ = [
+    "DlqError",
+    "ReplayReport",
+    "ensure_ledger",
+    "list_topics",
+    "read_dead_letters",
+    "read_replayed",
+    "read_to_end",
+    "topic_partitions",
+    "replay",
+    "to_dead_letter",
+]

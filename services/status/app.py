@@ -1,0 +1,120 @@
+"""Reading the status numbers from Kafka: end offsets, committed offsets, budget, dead letters.
+
+Everything is read without joining a consumer group or committing anything: end and
+beginning offsets through a group-less consumer, committed offsets of the stage groups
+through the admin client, and the ``budget-state`` and ``dead-letter`` topics read once
+to their current end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from aiokafka import ConsumerRecord, TopicPartition
+
+from schemas import (
+    BUDGET_STATE_TOPIC,
+    DEAD_LETTER_TOPIC,
+    DLQ_HEADERS,
+    BudgetSnapshot,
+    SchemaError,
+    decode,
+)
+from services.common.config import Settings
+from services.common.kafka import header, make_admin, make_consumer
+from services.dlq.app import read_to_end, topic_partitions
+from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot
+
+
+def _matches(physical: str, prefix: str, logical: str) -> bool:
+    wanted = f"{prefix}{logical}"
+    return physical.startswith(wanted) if logical.endswith(".") else physical == wanted
+
+
+async def _committed(admin: Any, group: str) -> dict[TopicPartition, int]:
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    except Exception:  # noqa: BLE001 - an unknown or dead group simply has no offsets
+        return {}
+    return {tp: meta.offset for tp, meta in offsets.items() if meta is not None and meta.offset >= 0}
+
+
+async def collect(
+    settings: Settings,
+    *,
+    groups: Mapping[str, tuple[str, ...]] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> StatusSnapshot:
+    """Read one :class:`StatusSnapshot` from the cluster.
+
+    Args:
+        groups: consumer group -> logical topics it reads; default the four stage groups.
+    """
+    groups = GROUP_INPUTS if groups is None else groups
+    kafka = settings.kafka
+    prefix = kafka.topic_prefix
+    snapshot = StatusSnapshot(taken_at=clock(), topic_prefix=prefix, groups=tuple(groups))
+
+    consumer = make_consumer(kafka, group_id=None)
+    admin = make_admin(kafka)
+    await consumer.start()
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        logical_topics = {logical for _, logical in STAGE_TOPICS} | {
+            t for inputs in groups.values() for t in inputs
+        }
+        ours = sorted(t for t in existing if any(_matches(t, prefix, lg) for lg in logical_topics))
+        partitions = await topic_partitions(admin, ours)
+        tps = [TopicPartition(topic, p) for topic in ours for p in partitions.get(topic, [])]
+        end: dict[TopicPartition, int] = await consumer.end_offsets(tps) if tps else {}
+        start: dict[TopicPartition, int] = await consumer.beginning_offsets(tps) if tps else {}
+        for tp, offset in end.items():
+            snapshot.topic_records[tp.topic] = snapshot.topic_records.get(tp.topic, 0) + offset
+
+        for group, inputs in groups.items():
+            committed = await _committed(admin, group)
+            for tp in tps:
+                if not any(_matches(tp.topic, prefix, logical) for logical in inputs):
+                    continue
+                snapshot.lags.append(
+                    GroupLag(
+                        group=group,
+                        topic=tp.topic,
+                        partition=tp.partition,
+                        end=end.get(tp, 0),
+                        committed=committed.get(tp),
+                        start=start.get(tp, 0),
+                    )
+                )
+    finally:
+        await admin.close()
+        await consumer.stop()
+
+    latest: dict[str, BudgetSnapshot] = {}
+
+    def budget(record: ConsumerRecord[bytes, bytes]) -> None:
+        if record.value is None:
+            return
+        try:
+            snap = decode(record.value, BudgetSnapshot)
+        except SchemaError:
+            snapshot.unreadable_budget_records += 1
+            return
+        latest[snap.scope] = snap
+
+    def dead(record: ConsumerRecord[bytes, bytes]) -> None:
+        headers = list(record.headers or ())
+        stage = header(headers, DLQ_HEADERS.STAGE) or "unknown"
+        reason = header(headers, DLQ_HEADERS.REASON) or "unknown"
+        snapshot.dead_letters[(stage, reason)] += 1
+
+    await read_to_end(kafka, kafka.topic(BUDGET_STATE_TOPIC), budget)
+    await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead)
+    snapshot.budgets = list(latest.values())
+    return snapshot
+
+
+__all__ = ["collect"]

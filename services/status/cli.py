@@ -1,0 +1,58 @@
+"""``draftstream status``: budget, throughput, consumer lag and dead letters on one screen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def status_command(
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C")] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", "-n", help="Seconds between refreshes", min=0.5)
+    ] = 2.0,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
+) -> None:
+    """Show the budget table, records per stage, consumer lag and dead letters by reason."""
+    import asyncio
+
+    from aiokafka.errors import KafkaConnectionError
+    from rich.console import Console
+    from rich.live import Live
+
+    from services.cli import fail, settings_from
+    from services.status.app import collect
+    from services.status.core import StatusSnapshot, render
+
+    settings = settings_from(config)
+    console = Console()
+
+    async def once() -> StatusSnapshot:
+        try:
+            return await collect(settings)
+        except KafkaConnectionError:
+            fail(f"cannot reach Kafka at {settings.kafka.bootstrap_servers}")
+
+    async def loop() -> None:
+        previous = await once()
+        with Live(render(previous), console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                await asyncio.sleep(interval)
+                current = await once()
+                live.update(render(current, previous), refresh=True)
+                previous = current
+
+    if not watch:
+        console.print(render(asyncio.run(once())))
+        return
+    try:
+        asyncio.run(loop())
+    except KeyboardInterrupt:
+        pass
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
+    """Add ``draftstream status``."""
+    app.command("status")(status_command)

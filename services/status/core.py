@@ -1,0 +1,194 @@
+"""The status screen's model and rendering (pure: the numbers come from services.status.app).
+
+Four panels: the budget table (latest :class:`schemas.BudgetSnapshot` per scope), records
+per stage topic (end offsets, with a rate between two snapshots under ``--watch``),
+consumer lag per stage group, and dead letters by stage and reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Final
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from schemas import (
+    ACCEPTED_TOPIC,
+    DEAD_LETTER_TOPIC,
+    PROMPTS_TOPIC_PREFIX,
+    RESPONSES_TOPIC,
+    SAMPLES_TOPIC,
+    BudgetSnapshot,
+)
+
+# Consumer groups of the stream stages and the logical topics they read.
+GROUP_INPUTS: Final[dict[str, tuple[str, ...]]] = {
+    "draftstream-inference": (PROMPTS_TOPIC_PREFIX,),
+    "draftstream-reconstruct": (RESPONSES_TOPIC,),
+    "draftstream-audit": (SAMPLES_TOPIC,),
+    "draftstream-sink": (ACCEPTED_TOPIC,),
+}
+STAGE_TOPICS: Final[tuple[tuple[str, str], ...]] = (
+    ("publish", PROMPTS_TOPIC_PREFIX),
+    ("inference", RESPONSES_TOPIC),
+    ("reconstruct", SAMPLES_TOPIC),
+    ("audit", ACCEPTED_TOPIC),
+    ("failed", DEAD_LETTER_TOPIC),
+)
+
+
+@dataclass(frozen=True)
+class GroupLag:
+    """How far one consumer group is behind on one topic partition."""
+
+    group: str
+    topic: str
+    partition: int
+    end: int
+    committed: int | None  # None: the group has committed nothing on this topic
+    start: int = 0  # earliest offset still on the broker
+
+    @property
+    def lag(self) -> int:
+        """Records written but not yet processed by the group."""
+        return max(0, self.end - (self.start if self.committed is None else self.committed))
+
+
+@dataclass
+class StatusSnapshot:
+    """Everything the status screen shows, read at one moment."""
+
+    taken_at: float
+    budgets: list[BudgetSnapshot] = field(default_factory=list)
+    topic_records: dict[str, int] = field(default_factory=dict)  # physical topic -> records written
+    lags: list[GroupLag] = field(default_factory=list)
+    dead_letters: Counter[tuple[str, str]] = field(default_factory=Counter)
+    unreadable_budget_records: int = 0
+    topic_prefix: str = ""
+    groups: tuple[str, ...] = tuple(GROUP_INPUTS)
+
+    def stage_records(self, logical: str) -> int:
+        """Records written to a logical topic (all ``prompts.*`` for the prompts prefix)."""
+        physical = f"{self.topic_prefix}{logical}"
+        if logical.endswith("."):
+            return sum(n for t, n in self.topic_records.items() if t.startswith(physical))
+        return self.topic_records.get(physical, 0)
+
+
+def _money(value: float | None) -> str:
+    return "-" if value is None else f"${value:,.2f}"
+
+
+def _tokens(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def budget_table(snapshot: StatusSnapshot) -> Table:
+    """One row per budget scope: state, tokens and dollars against their caps."""
+    table = Table(title="budget", title_justify="left")
+    for name in ("scope", "state", "completion tokens", "cap", "spent", "cap $", "requests", "updated"):
+        table.add_column(name, justify="left" if name in ("scope", "state", "updated") else "right")
+    for b in sorted(snapshot.budgets, key=lambda s: (s.scope != "global", s.scope)):
+        style = {"halted": "bold red", "soft-limit": "yellow"}.get(b.state, "green")
+        updated = datetime.fromtimestamp(b.updated_at, tz=UTC).strftime("%H:%M:%SZ") if b.updated_at else "-"
+        table.add_row(
+            b.scope,
+            f"[{style}]{b.state}[/]",
+            _tokens(b.completion_tokens),
+            _tokens(b.cap_completion_tokens),
+            _money(b.cost_usd),
+            _money(b.cap_usd),
+            f"{b.requests:,}",
+            updated,
+        )
+    if not snapshot.budgets:
+        table.add_row("(no budget snapshots yet)", "", "", "", "", "", "", "")
+    return table
+
+
+def throughput_table(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> Table:
+    """Records written per stage output topic, and the rate since ``previous``."""
+    table = Table(title="throughput", title_justify="left")
+    table.add_column("stage")
+    table.add_column("topic")
+    table.add_column("records", justify="right")
+    table.add_column("rate", justify="right")
+    elapsed = snapshot.taken_at - previous.taken_at if previous is not None else 0.0
+    for stage, logical in STAGE_TOPICS:
+        count = snapshot.stage_records(logical)
+        rate = "-"
+        if previous is not None and elapsed > 0:
+            rate = f"{(count - previous.stage_records(logical)) / elapsed:,.1f}/s"
+        shown = f"{logical}*" if logical.endswith(".") else logical
+        table.add_row(stage, shown, f"{count:,}", rate)
+    return table
+
+
+def lag_table(snapshot: StatusSnapshot) -> Table:
+    """Consumer lag per stage group, summed over the topics it reads."""
+    table = Table(title="consumer lag", title_justify="left")
+    table.add_column("group")
+    table.add_column("topics", justify="right")
+    table.add_column("written", justify="right")
+    table.add_column("lag", justify="right")
+    for group in snapshot.groups:
+        rows = [lag for lag in snapshot.lags if lag.group == group]
+        if not rows:
+            table.add_row(group, "0", "0", "-")
+            continue
+        written = sum(r.end for r in rows)
+        lag = sum(r.lag for r in rows)
+        started = any(r.committed is not None for r in rows)
+        style = "green" if lag == 0 else "yellow"
+        table.add_row(
+            group,
+            str(len({r.topic for r in rows})),
+            f"{written:,}",
+            f"[{style}]{lag:,}[/]" + ("" if started else " (not started)"),
+        )
+    return table
+
+
+def dead_letter_table(snapshot: StatusSnapshot) -> Table:
+    """Dead letters by stage and reason, largest first."""
+    table = Table(title=f"dead letters: {sum(snapshot.dead_letters.values()):,}", title_justify="left")
+    table.add_column("stage")
+    table.add_column("reason")
+    table.add_column("count", justify="right")
+    for (stage, reason), count in sorted(snapshot.dead_letters.items(), key=lambda kv: (-kv[1], kv[0])):
+        table.add_row(stage, reason, f"{count:,}")
+    return table
+
+
+def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> RenderableType:
+    """The whole status screen."""
+    when = datetime.fromtimestamp(snapshot.taken_at, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    header = f"[bold]draftstream status[/] at {when}"
+    if snapshot.topic_prefix:
+        header += f"  (topic prefix {snapshot.topic_prefix})"
+    parts: list[RenderableType] = [
+        header,
+        budget_table(snapshot),
+        throughput_table(snapshot, previous),
+        lag_table(snapshot),
+        dead_letter_table(snapshot),
+    ]
+    if snapshot.unreadable_budget_records:
+        parts.append(f"[yellow]{snapshot.unreadable_budget_records} unreadable budget-state record(s)[/]")
+    return Group(*parts)
+
+
+__all__ = [
+    "GROUP_INPUTS",
+    "STAGE_TOPICS",
+    "GroupLag",
+    "StatusSnapshot",
+    "budget_table",
+    "dead_letter_table",
+    "lag_table",
+    "render",
+    "throughput_table",
+]

@@ -1,0 +1,128 @@
+"""The status screen on a real broker: records per stage, consumer lag, budget and dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from aiokafka import TopicPartition
+from typer.testing import CliRunner
+
+from schemas import BudgetSnapshot, encode
+from services.common.kafka import (
+    DeadLetter,
+    dead_letter,
+    ensure_topics,
+    make_consumer,
+    make_producer,
+    publish_all,
+)
+from services.publish.app import publish
+from services.status.app import collect
+
+pytestmark = pytest.mark.kafka
+
+DATA = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
+
+
+async def prepare(settings) -> None:
+    kafka = settings.kafka
+    await ensure_topics(kafka, ["math"])
+    await publish(settings, [DATA / "openai_math.jsonl", DATA / "alpaca.jsonl"], dataset="math")
+    producer = make_producer(kafka)
+    await producer.start()
+    try:
+        await publish_all(
+            producer,
+            [
+                dead_letter(
+                    dlq_topic=kafka.topic("dead-letter"),
+                    stage="audit",
+                    verdict=DeadLetter("usage_mismatch", "off by 3"),
+                    value=b"{}",
+                    key=b"math:a",
+                    topic=kafka.topic("samples"),
+                    partition=0,
+                    offset=i,
+                )
+                for i in range(2)
+            ],
+        )
+        snap = BudgetSnapshot(
+            scope="math",
+            completion_tokens=12345,
+            cost_usd=1.5,
+            requests=4,
+            cap_completion_tokens=100000,
+            state="soft-limit",
+        )
+        await producer.send_and_wait(kafka.topic("budget-state"), encode(snap), key=b"math")
+        newer = BudgetSnapshot(
+            scope="math",
+            completion_tokens=23456,
+            cost_usd=2.5,
+            requests=7,
+            cap_completion_tokens=100000,
+            state="halted",
+        )
+        await producer.send_and_wait(kafka.topic("budget-state"), encode(newer), key=b"math")
+        await producer.send_and_wait(kafka.topic("budget-state"), b"not json", key=b"junk")
+    finally:
+        await producer.stop()
+
+
+async def commit(settings, group: str, topic: str, offsets: dict[int, int]) -> None:
+    consumer = make_consumer(settings.kafka, group_id=group)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in offsets]
+        consumer.assign(tps)
+        await consumer.commit({TopicPartition(topic, p): o for p, o in offsets.items()})
+    finally:
+        await consumer.stop()
+
+
+async def test_collect_counts_lag_budget_and_dead_letters(settings_factory) -> None:
+    settings = settings_factory()
+    await prepare(settings)
+    prefix = settings.kafka.topic_prefix
+    prompts = settings.kafka.prompts_topic("math")
+    group = f"{prefix}inference-test"
+    # the group has processed everything on partition 0 and nothing elsewhere
+    before = await collect(settings, groups={group: ("prompts.",)})
+    p0 = next(lag for lag in before.lags if lag.partition == 0)
+    await commit(settings, group, prompts, {0: p0.end})
+
+    snap = await collect(settings, groups={group: ("prompts.",), f"{prefix}idle": ("samples",)})
+    assert snap.stage_records("prompts.") == 4
+    assert snap.topic_records[prompts] == 4
+    assert snap.stage_records("dead-letter") == 2
+    lag = sum(x.lag for x in snap.lags if x.group == group)
+    assert lag == 4 - p0.end
+    assert {x.committed for x in snap.lags if x.group == group and x.partition == 0} == {p0.end}
+    assert snap.dead_letters == {("audit", "usage_mismatch"): 2}
+    (budget,) = snap.budgets
+    assert budget.state == "halted" and budget.completion_tokens == 23456  # latest per scope
+    assert snap.unreadable_budget_records == 1
+
+
+def test_cli_status_prints_counts_and_lag(settings_factory, tmp_path: Path) -> None:
+    from services.cli import app
+
+    settings = settings_factory()
+    asyncio.run(prepare(settings))
+    config = tmp_path / "draftstream.toml"
+    config.write_text(
+        f'[kafka]\nbootstrap_servers = "{settings.kafka.bootstrap_servers}"\n'
+        f'topic_prefix = "{settings.kafka.topic_prefix}"\n'
+    )
+    result = CliRunner().invoke(app, ["status", "-c", str(config)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    publish_line = next(ln for ln in lines if "prompts.*" in ln)
+    assert " 4 " in publish_line
+    inference_lag = next(ln for ln in lines if "draftstream-inference" in ln)
+    assert "4 (not started)" in inference_lag
+    assert any("usage_mismatch" in ln and " 2 " in ln for ln in lines)
+    assert any(ln.strip().startswith("│ math") and "halted" in ln and "23,456" in ln for ln in lines)
