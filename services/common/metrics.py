@@ -40,35 +40,23 @@ TOKENS = Counter(
     "draftstream_tokens_total", "Tokens spent by kind (prompt, completion, reasoning)", ["dataset", "kind"]
 )
 DOLLARS = Counter("draftstream_spend_dollars_total", "Dollars spent", ["dataset"])
-BUDGET_CAP = Gauge(
-    "draftstream_budget_cap", "Budget cap by unit (completion_tokens, dollars)", ["dataset", "unit"]
-)
+BUDGET_CAP = Gauge("draftstream_budget_cap", "Budget cap by unit (completion_tokens, dollars)", ["dataset", "unit"])
 BUDGET_SPENT = Gauge("draftstream_budget_spent", "Budget spent by unit", ["dataset", "unit"])
 BUDGET_REMAINING = Gauge("draftstream_budget_remaining", "Budget remaining by unit", ["dataset", "unit"])
-BUDGET_STATE = Gauge(
-    "draftstream_budget_state", "Budget state: 0 running, 1 soft limit, 2 halted", ["dataset"]
-)
+BUDGET_STATE = Gauge("draftstream_budget_state", "Budget state: 0 running, 1 soft limit, 2 halted", ["dataset"])
 BUDGET_SOFT_LIMIT = Gauge(
     "draftstream_budget_soft_limit_reached", "1 when spend is past the soft threshold", ["dataset"]
 )
-BUDGET_PROJECTED = Gauge(
-    "draftstream_budget_projected_dollars", "Projected total dollars for the dataset", ["dataset"]
-)
-BUDGET_RATE = Gauge(
-    "draftstream_budget_burn_rate_dollars_per_second", "Moving spend rate", ["dataset"]
-)
+BUDGET_PROJECTED = Gauge("draftstream_budget_projected_dollars", "Projected total dollars for the dataset", ["dataset"])
+BUDGET_RATE = Gauge("draftstream_budget_burn_rate_dollars_per_second", "Moving spend rate", ["dataset"])
 RESPONSES_WITHOUT_USAGE = Counter(
     "draftstream_responses_without_usage_total", "Responses counted by estimated tokens", ["dataset"]
 )
 HALTS = Counter("draftstream_halts_total", "Halt events published", ["scope", "by"])
 
 # reconstruct / audit / sink
-RECONSTRUCTED = Counter(
-    "draftstream_reconstructed_total", "Samples rebuilt, by method", ["dataset", "method"]
-)
-AUDIT_CHECKS = Counter(
-    "draftstream_audit_checks_total", "Audit check results", ["dataset", "check", "result"]
-)
+RECONSTRUCTED = Counter("draftstream_reconstructed_total", "Samples rebuilt, by method", ["dataset", "method"])
+AUDIT_CHECKS = Counter("draftstream_audit_checks_total", "Audit check results", ["dataset", "check", "result"])
 ACCEPTED = Counter("draftstream_accepted_samples_total", "Samples that passed the audit", ["dataset"])
 SINK_BYTES = Counter("draftstream_sink_bytes_total", "Bytes written to training shards", ["dataset"])
 SINK_FILES = Counter("draftstream_sink_files_total", "Training shard files opened", ["dataset"])
@@ -77,15 +65,21 @@ SINK_DUPLICATES = Counter(
     "draftstream_sink_duplicates_skipped_total", "Rows skipped because the key was written", ["dataset"]
 )
 
-# every stage
-DEAD_LETTERS = Counter(
-    "draftstream_dead_letters_total", "Records sent to dead-letter", ["stage", "reason"]
+# provider simulator
+SIMULATOR_REQUESTS = Counter(
+    "draftstream_simulator_requests_total",
+    "Chat requests the provider simulator answered, by outcome (ok, bad_request, or a transient fault)",
+    ["outcome"],
 )
+SIMULATOR_CONTENT_FAULTS = Counter(
+    "draftstream_simulator_content_faults_total", "Content faults the simulator injected", ["fault"]
+)
+
+# every stage
+DEAD_LETTERS = Counter("draftstream_dead_letters_total", "Records sent to dead-letter", ["stage", "reason"])
 REPLAYS = Counter("draftstream_replays_total", "Dead letters replayed", ["stage", "reason"])
 STAGE_RECORDS = Counter("draftstream_stage_records_total", "Records consumed by a stage", ["stage"])
-CONSUMER_LAG = Gauge(
-    "draftstream_consumer_lag_records", "Records not yet consumed", ["group", "topic"]
-)
+CONSUMER_LAG = Gauge("draftstream_consumer_lag_records", "Records not yet consumed", ["group", "topic"])
 
 
 def serve(port: int, host: str = "127.0.0.1") -> None:

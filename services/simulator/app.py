@@ -1,0 +1,427 @@
+"""The simulator's HTTP shell: an aiohttp server speaking OpenRouter's chat-completions dialect.
+
+Endpoints: ``POST /api/v1/chat/completions`` and ``POST /v1/chat/completions``,
+``GET /health``, ``GET /_sim/stats`` (``?after=<unix time>`` adds ``requests_after``).
+Generation is cached per prompt and latency is an ``asyncio.sleep``, so one core serves
+thousands of concurrent requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from services.common.config import Settings
+from services.common.metrics import SIMULATOR_CONTENT_FAULTS, SIMULATOR_REQUESTS
+from services.simulator.core import (
+    CONTENT_FAULTS,
+    TRANSIENT_FAULTS,
+    ChatRequest,
+    Generation,
+    GenerationParams,
+    ProfileLike,
+    RequestError,
+    build_response_body,
+    choose_content_faults,
+    choose_transient_fault,
+    error_body,
+    generate,
+    parse_fault_header,
+    parse_request,
+    prompt_digest,
+    prompt_text_fallback,
+    request_messages,
+)
+
+__all__ = [
+    "FAULT_HEADER",
+    "KEY_HEADER",
+    "RunningSimulator",
+    "SimulatorOptions",
+    "SimulatorServer",
+    "SimulatorService",
+    "create_app",
+    "get_profile",
+    "start_simulator",
+]
+
+log = logging.getLogger(__name__)
+
+KEY_HEADER = "X-Draftstream-Key"
+FAULT_HEADER = "X-Simulator-Fault"
+_CACHE_MAX = 50_000
+_RECENT = 100
+
+
+@dataclass(frozen=True)
+class SimulatorOptions:
+    """Everything the simulator can be told: profile, latency, lengths, fault rates, flags."""
+
+    profile: str = "deepseek-v3"
+    seed: int = 0
+    latency_s: float = 0.0
+    latency_jitter_s: float = 0.0
+    reasoning_tokens: tuple[int, int] = (40, 200)
+    content_tokens: tuple[int, int] = (20, 120)
+    rate_429: float = 0.0
+    retry_after_s: float = 0.1
+    rate_5xx: float = 0.0
+    rate_timeout: float = 0.0
+    timeout_sleep_s: float = 30.0
+    rate_drop: float = 0.0
+    rate_malformed: float = 0.0
+    rate_error_in_200: float = 0.0
+    rate_truncate: float = 0.0
+    rate_empty_reasoning: float = 0.0
+    rate_bad_usage: float = 0.0
+    rate_noncanonical_len: float = 0.0
+    rate_noncanonical_same: float = 0.0
+    count_end_of_turn: bool = True
+    count_think_end: bool = True
+    logprobs: bool = False
+    debug_true_ids: bool = False
+    price_per_token: float = 2e-6
+    prompt_price_per_token: float = 0.0
+    provider_name: str = "SimProvider"
+
+    def fault_rates(self) -> dict[str, float]:
+        """Rate of every fault by its name (``429``, ``5xx``, ..., ``noncanonical_same``)."""
+        return {name: float(getattr(self, f"rate_{name}")) for name in TRANSIENT_FAULTS + CONTENT_FAULTS}
+
+    def with_fault_rates(self, rates: dict[str, float]) -> SimulatorOptions:
+        """A copy with some fault rates replaced; raises ValueError on unknown names or bad rates."""
+        changes: dict[str, Any] = {}
+        for name, rate in rates.items():
+            if name not in TRANSIENT_FAULTS and name not in CONTENT_FAULTS:
+                raise ValueError(f"unknown fault {name!r}; known: {', '.join(TRANSIENT_FAULTS + CONTENT_FAULTS)}")
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"fault rate for {name!r} must be within 0..1, got {rate}")
+            changes[f"rate_{name}"] = rate
+        return dataclasses.replace(self, **changes)
+
+    def params(self) -> GenerationParams:
+        """The generation parameters these options imply."""
+        return GenerationParams(
+            seed=self.seed,
+            reasoning_tokens=self.reasoning_tokens,
+            content_tokens=self.content_tokens,
+            count_end_of_turn=self.count_end_of_turn,
+            count_think_end=self.count_think_end,
+            price_per_token=self.price_per_token,
+            prompt_price_per_token=self.prompt_price_per_token,
+        )
+
+
+def get_profile(name: str, settings: Settings | None = None) -> ProfileLike:
+    """Load a model profile (``services.profiles`` caches it per process: about a second once)."""
+    from services.profiles import load_profile
+
+    return load_profile(name, settings)
+
+
+class _Stats:
+    """Request accounting for ``/_sim/stats`` and :meth:`RunningSimulator.requests_after`."""
+
+    def __init__(self) -> None:
+        self.started_at = time.time()
+        self.total = 0
+        self.times: list[float] = []
+        self.keys: Counter[str] = Counter()
+        self.faults: Counter[str] = Counter()
+        self.key_faults: defaultdict[str, list[str]] = defaultdict(list)
+        self.statuses: Counter[str] = Counter()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
+
+    def record(self, key: str | None, at: float) -> None:
+        self.total += 1
+        self.times.append(at)
+        if key is not None:
+            self.keys[key] += 1
+
+    def fault(self, key: str | None, name: str) -> None:
+        self.faults[name] += 1
+        if key is not None:
+            self.key_faults[key].append(name)
+
+    def requests_after(self, t: float) -> int:
+        return len(self.times) - bisect.bisect_right(self.times, t)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "started_at": self.started_at,
+            "total_requests": self.total,
+            "keys": dict(self.keys),
+            "faults": dict(self.faults),
+            "key_faults": dict(self.key_faults),
+            "statuses": dict(self.statuses),
+            "last_request_at": self.times[-1] if self.times else None,
+            "last_request_times": self.times[-_RECENT:],
+            "recent": list(self.recent),
+        }
+
+
+class SimulatorServer:
+    """The aiohttp application and the state behind it (cache, RNG, stats)."""
+
+    def __init__(self, options: SimulatorOptions, profile: ProfileLike) -> None:
+        self.options = options
+        self.profile = profile
+        self.params = options.params()
+        self.rates = options.fault_rates()
+        self.rng = random.Random(options.seed)  # noqa: S311 - fault injection, not crypto
+        self.stats = _Stats()
+        self._cache: dict[tuple[Any, ...], Generation] = {}
+        self._prompt_tokens: dict[bytes, int] = {}
+
+    def web_app(self) -> web.Application:
+        """The aiohttp application with every route."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/api/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/_sim/stats", self.stats_view)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Liveness: always ok once serving."""
+        return web.json_response({"status": "ok", "profile": self.profile.name})
+
+    async def stats_view(self, request: web.Request) -> web.Response:
+        """Counters so out-of-process tests can assert on what reached the provider."""
+        snap = self.stats.snapshot()
+        after = request.query.get("after")
+        if after is not None:
+            try:
+                snap["requests_after"] = self.stats.requests_after(float(after))
+            except ValueError:
+                return web.json_response(error_body(400, "'after' must be a unix time"), status=400)
+        return web.json_response(snap)
+
+    def _prompt_token_count(self, request: ChatRequest, digest: bytes) -> int:
+        if digest not in self._prompt_tokens:
+            render = getattr(self.profile, "render_prompt", None)
+            try:
+                if render is None:
+                    raise NotImplementedError
+                text = render(request_messages(request), request.tools)
+            except Exception:  # no chat template, or an unusual prompt: count plain text instead
+                text = prompt_text_fallback(request)
+            self._prompt_tokens[digest] = len(self.profile.encode(text))
+        return self._prompt_tokens[digest]
+
+    def _generation(self, request: ChatRequest, forced: list[str]) -> Generation:
+        digest = prompt_digest(request)
+        faults = sorted(set(choose_content_faults(digest, self.options.seed, self.rates)) | set(forced))
+        cache_key = (digest, request.max_tokens, bool(request.tools), request.tool_choice == "none", *faults)
+        cached = self._cache.get(cache_key)
+        if cached is None:
+            if len(self._cache) >= _CACHE_MAX:
+                self._cache.clear()
+            cached = generate(
+                self.profile,
+                request,
+                self.params,
+                content_faults=faults,
+                prompt_tokens=self._prompt_token_count(request, digest),
+            )
+            self._cache[cache_key] = cached
+        return cached
+
+    def _reply(self, status: int, body: dict[str, Any], key: str | None, **headers: str) -> web.Response:
+        self.stats.statuses[str(status)] += 1
+        return web.Response(
+            status=status, body=msgspec.json.encode(body), content_type="application/json", headers=headers
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """``POST .../chat/completions``: faults first, then the deterministic answer."""
+        at = time.time()
+        key = request.headers.get(KEY_HEADER)
+        self.stats.record(key, at)
+        try:
+            forced = parse_fault_header(request.headers.get(FAULT_HEADER))
+            chat = parse_request(await request.read())
+        except RequestError as exc:
+            SIMULATOR_REQUESTS.labels("bad_request").inc()
+            return self._reply(exc.status, error_body(exc.status, exc.message), key)
+
+        forced_transient = [f for f in forced if f in TRANSIENT_FAULTS]
+        drawn = choose_transient_fault(self.rng, self.rates)
+        transient = forced_transient[0] if forced_transient else drawn
+        if transient is not None:
+            self.stats.fault(key, transient)
+        SIMULATOR_REQUESTS.labels(transient or "ok").inc()
+        self.stats.recent.append({"at": at, "key": key, "fault": transient})
+
+        if transient == "429":
+            retry = self.options.retry_after_s
+            retry_text = str(int(retry)) if float(retry).is_integer() else f"{retry:g}"
+            return self._reply(
+                429, error_body(429, "Rate limit exceeded (simulated)"), key, **{"Retry-After": retry_text}
+            )
+
+        delay = self.options.latency_s
+        if self.options.latency_jitter_s > 0:
+            delay += self.rng.uniform(0.0, self.options.latency_jitter_s)
+        if transient == "timeout":
+            delay += self.options.timeout_sleep_s
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+        if transient == "5xx":
+            status = self.rng.choice((500, 502, 503))
+            return self._reply(status, error_body(status, "Upstream error (simulated)"), key)
+        if transient == "error_in_200":
+            return self._reply(200, error_body(502, "Provider returned error (simulated)"), key)
+
+        try:
+            generation = self._generation(chat, [f for f in forced if f in CONTENT_FAULTS])
+        except RequestError as exc:
+            return self._reply(exc.status, error_body(exc.status, exc.message), key)
+        for name in generation.faults:
+            self.stats.fault(key, name)
+            SIMULATOR_CONTENT_FAULTS.labels(name).inc()
+        for name in generation.fallbacks:
+            self.stats.fault(key, f"{name}_fallback")
+
+        body = msgspec.json.encode(
+            build_response_body(
+                self.profile,
+                generation,
+                chat,
+                self.params,
+                provider=self.options.provider_name,
+                response_id=f"gen-sim-{uuid.uuid4().hex[:20]}",
+                created=int(at),
+                logprobs=chat.logprobs or self.options.logprobs,
+                debug_true_ids=self.options.debug_true_ids,
+            )
+        )
+        if transient == "malformed":
+            self.stats.statuses["200"] += 1
+            broken = body[: max(1, len(body) // 2)] + b"\x00<html>oops"
+            return web.Response(status=200, body=broken, content_type="application/json")
+        if transient == "drop":
+            return await self._drop(request, body)
+        self.stats.statuses["200"] += 1
+        return web.Response(status=200, body=body, content_type="application/json")
+
+    async def _drop(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        """Promise the whole body, send half of it, then cut the connection."""
+        self.stats.statuses["drop"] += 1
+        response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        response.content_length = len(body)
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
+        return response
+
+
+class RunningSimulator:
+    """A simulator serving on a port, for tests, benchmarks and the demo."""
+
+    def __init__(self, server: SimulatorServer, runner: web.AppRunner, host: str, port: int) -> None:
+        self.server = server
+        self._runner = runner
+        self.host = host
+        self.port = port
+        self.base_url = f"http://{host}:{port}"
+        self.url = f"{self.base_url}/api/v1"
+
+    def stats(self) -> dict[str, Any]:
+        """The same counters ``GET /_sim/stats`` returns."""
+        return self.server.stats.snapshot()
+
+    def requests_after(self, t: float) -> int:
+        """How many chat requests arrived after unix time ``t``."""
+        return self.server.stats.requests_after(t)
+
+    async def close(self) -> None:
+        """Stop serving; in-flight handlers are cancelled."""
+        await self._runner.cleanup()
+
+
+async def start_simulator(
+    options: SimulatorOptions | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    profile: ProfileLike | None = None,
+) -> RunningSimulator:
+    """Start a simulator on ``host:port`` (0: any free port) and return once it accepts requests."""
+    options = options or SimulatorOptions()
+    if profile is None:
+        profile = await asyncio.to_thread(get_profile, options.profile)
+    server = SimulatorServer(options, profile)
+    runner = web.AppRunner(server.web_app(), handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    await site.start()
+    bound = port
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            bound = int(address[1])
+            break
+    log.info("simulator (%s) listening on http://%s:%d", profile.name, host, bound)
+    return RunningSimulator(server, runner, host, bound)
+
+
+class SimulatorService:
+    """The simulator as a long-lived :class:`services.common.service.Service`."""
+
+    def __init__(self, options: SimulatorOptions, host: str, port: int, profile: ProfileLike | None) -> None:
+        self.options = options
+        self.host = host
+        self.port = port
+        self._profile = profile
+        self._running: RunningSimulator | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def running(self) -> RunningSimulator | None:
+        """The live server once started."""
+        return self._running
+
+    async def start(self) -> None:
+        """Load the profile and start listening."""
+        self._running = await start_simulator(self.options, self.host, self.port, profile=self._profile)
+
+    async def run(self) -> None:
+        """Serve until :meth:`stop`."""
+        await self._stopped.wait()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return."""
+        self._stopped.set()
+
+    async def close(self) -> None:
+        """Stop listening."""
+        if self._running is not None:
+            await self._running.close()
+            self._running = None
+
+
+def create_app(
+    settings: Settings,
+    *,
+    options: SimulatorOptions | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8099,
+    profile: ProfileLike | None = None,
+) -> SimulatorService:
+    """Composition root: a simulator service (``settings`` reserved for metrics and defaults)."""
+    del settings  # the simulator needs nothing from the pipeline's settings yet
+    return SimulatorService(options or SimulatorOptions(), host, port, profile)

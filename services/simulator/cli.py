@@ -1,0 +1,117 @@
+"""``draftstream simulate-provider``: run the OpenRouter-shaped simulator until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def _parse_range(text: str, option: str) -> tuple[int, int]:
+    """``"40-200"`` (or ``"100"``) as an inclusive token range."""
+    from services.cli import fail
+
+    low, sep, high = text.partition("-")
+    try:
+        lo = int(low)
+        hi = int(high) if sep else lo
+    except ValueError:
+        fail(f"{option} must look like 40-200, got {text!r}")
+    if lo < 1 or hi < lo:
+        fail(f"{option} must be a range of positive integers low-high, got {text!r}")
+    return lo, hi
+
+
+def _parse_rates(items: list[str]) -> dict[str, float]:
+    """``name=rate`` pairs as a dict."""
+    from services.cli import fail
+
+    rates: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            rates[name.strip()] = float(value)
+        except ValueError:
+            fail(f"--fault-rate takes name=rate (e.g. 429=0.05), got {item!r}")
+    return rates
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
+    """Add ``simulate-provider`` to the root command."""
+
+    @app.command("simulate-provider")
+    def simulate_provider(
+        port: Annotated[int, typer.Option(help="Port to listen on")] = 8099,
+        host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
+        profile: Annotated[str, typer.Option(help="Model profile whose tokenizer generates")] = "deepseek-v3",
+        seed: Annotated[int, typer.Option(help="Seed of generation and of transient faults")] = 0,
+        latency: Annotated[float, typer.Option(help="Fixed latency per response, seconds")] = 0.0,
+        jitter: Annotated[float, typer.Option(help="Extra uniform latency 0..jitter, seconds")] = 0.0,
+        reasoning_tokens: Annotated[str, typer.Option(help="Reasoning length range, tokens")] = "40-200",
+        content_tokens: Annotated[str, typer.Option(help="Content length range, tokens")] = "20-120",
+        fault_rate: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--fault-rate",
+                help="name=rate, repeatable; names: 429 5xx timeout drop malformed error_in_200 "
+                "truncate empty_reasoning bad_usage noncanonical_len noncanonical_same",
+            ),
+        ] = None,
+        retry_after: Annotated[float, typer.Option(help="Retry-After of a 429, seconds")] = 0.1,
+        timeout_sleep: Annotated[float, typer.Option(help="How long a 'timeout' fault stalls, seconds")] = 30.0,
+        count_end_of_turn: Annotated[
+            bool, typer.Option(help="Count the end-of-turn token in usage.completion_tokens")
+        ] = True,
+        count_think_end: Annotated[
+            bool, typer.Option(help="Count the think-end token in usage.completion_tokens")
+        ] = True,
+        logprobs: Annotated[bool, typer.Option(help="Always return logprobs")] = False,
+        debug_true_ids: Annotated[bool, typer.Option(help="Add debug_true_ids to every response")] = False,
+        price_per_token: Annotated[float, typer.Option(help="USD per completion token in usage.cost")] = 2e-6,
+        metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics on this port (0: off)")] = 0,
+        config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (custom profiles)")] = None,
+    ) -> None:
+        """Serve an OpenRouter-shaped provider simulator (ground-truth ids, fault injection)."""
+        import asyncio
+
+        from services.cli import fail, settings_from
+        from services.common.logs import setup_logging
+        from services.common.service import run_service
+        from services.simulator.app import SimulatorOptions, create_app, get_profile
+
+        settings = settings_from(config)
+        setup_logging(settings)
+        try:
+            options = SimulatorOptions(
+                profile=profile,
+                seed=seed,
+                latency_s=latency,
+                latency_jitter_s=jitter,
+                reasoning_tokens=_parse_range(reasoning_tokens, "--reasoning-tokens"),
+                content_tokens=_parse_range(content_tokens, "--content-tokens"),
+                retry_after_s=retry_after,
+                timeout_sleep_s=timeout_sleep,
+                count_end_of_turn=count_end_of_turn,
+                count_think_end=count_think_end,
+                logprobs=logprobs,
+                debug_true_ids=debug_true_ids,
+                price_per_token=price_per_token,
+            ).with_fault_rates(_parse_rates(fault_rate or []))
+        except ValueError as exc:
+            fail(str(exc))
+        if min(latency, jitter, retry_after, timeout_sleep, price_per_token) < 0:
+            fail("latency, jitter, retry-after, timeout-sleep and price must not be negative")
+        try:
+            loaded = get_profile(profile, settings)
+        except Exception as exc:  # ProfileError and tokenizer load failures: one clear line
+            fail(f"cannot load profile {profile!r}: {exc}")
+        service = create_app(settings, options=options, host=host, port=port, profile=loaded)
+        try:
+            asyncio.run(
+                run_service(service, name="simulator", metrics_port=metrics_port, metrics_host=settings.metrics.host)
+            )
+        except OSError as exc:
+            fail(f"cannot listen on {host}:{port}: {exc}")
