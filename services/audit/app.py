@@ -1,0 +1,189 @@
+"""The audit worker: ``samples`` → checks → ``accepted`` or ``dead-letter``.
+
+A StageRunner batch handler: decode each record, group by profile, run the checks with
+one decode and one encode call per group, publish passing samples to ``accepted`` and
+turn failing ones into dead letters carrying every failing code (the first primary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from aiokafka import AIOKafkaProducer, ConsumerRecord
+
+from schemas import (
+    ACCEPTED_TOPIC,
+    SAMPLES_TOPIC,
+    SampleAudited,
+    SampleReconstructed,
+    SchemaError,
+    decode,
+    encode,
+)
+from services.audit.core import AuditProfile, OffsetLearner, audit_batch, failure_message
+from services.common.config import AuditThresholds, Settings
+from services.common.kafka import DeadLetter, Outgoing
+from services.common.metrics import ACCEPTED, AUDIT_CHECKS
+from services.common.stage import Result, StageRunner
+
+log = logging.getLogger(__name__)
+
+STAGE = "audit"
+GROUP_ID = "draftstream-audit"
+
+ProfileLoader = Callable[[str], AuditProfile]
+
+
+class UnknownProfile(Exception):
+    """The sample names a profile that cannot be loaded."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def default_profile_loader(settings: Settings) -> ProfileLoader:
+    """Load profiles through services.profiles (each loaded once, then cached)."""
+    cache: dict[str, AuditProfile] = {}
+    failed: dict[str, UnknownProfile] = {}  # a profile that failed to load is not retried per batch
+
+    def load(name: str) -> AuditProfile:
+        if name in failed:
+            raise failed[name]
+        if name not in cache:
+            from services.profiles import ProfileError, load_profile
+
+            try:
+                cache[name] = load_profile(name, settings)
+            except ProfileError as exc:
+                failed[name] = UnknownProfile(getattr(exc, "reason", "unknown_profile"), str(exc))
+                raise failed[name] from None
+        return cache[name]
+
+    return load
+
+
+class AuditService:
+    """The audit stage as a Service (start/run/stop/close)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        profiles: ProfileLoader | None = None,
+        producer: AIOKafkaProducer | None = None,
+        learner: OffsetLearner | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """Wire the stage; ``profiles`` maps a profile name to a loaded profile."""
+        self.settings = settings
+        self.profiles = profiles or default_profile_loader(settings)
+        self.learner = learner or OffsetLearner()
+        self.clock = clock
+        self._reported: set[str] = set()
+        self.accepted_topic = settings.kafka.topic(ACCEPTED_TOPIC)
+        self.runner = StageRunner(
+            settings=settings,
+            stage=STAGE,
+            topics=[settings.kafka.topic(SAMPLES_TOPIC)],
+            group_id=GROUP_ID,
+            handler=self.handle,
+            producer=producer,
+        )
+
+    async def handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
+        """Decide every record of a batch: outputs for passing samples, dead letters otherwise."""
+        results: list[Result | None] = [None] * len(records)
+        groups: dict[str, list[tuple[int, SampleReconstructed]]] = {}
+        for i, record in enumerate(records):
+            try:
+                sample = decode(record.value, SampleReconstructed)
+            except SchemaError as exc:
+                results[i] = DeadLetter(exc.reason, f"sample does not decode: {exc.message}")
+                continue
+            groups.setdefault(sample.profile, []).append((i, sample))
+        for name, members in groups.items():
+            try:
+                profile = self.profiles(name)
+            except UnknownProfile as exc:
+                for i, _ in members:
+                    results[i] = DeadLetter("unknown_profile", f"profile {name!r}: {exc} ({exc.reason})")
+                continue
+            samples = [s for _, s in members]
+            audited: list[SampleAudited | None]
+            try:
+                audited = list(await asyncio.to_thread(
+                    audit_batch, samples, profile, self.settings_thresholds, self.learner,
+                    audited_at=self.clock(),
+                ))
+            except Exception as exc:  # noqa: BLE001 - a tokenizer that chokes is a dead letter
+                log.warning("audit of %d %s sample(s) failed: %s; auditing one by one",
+                            len(samples), name, exc)
+                audited = []
+                for i, s in members:
+                    try:
+                        audited.extend(audit_batch([s], profile, self.settings_thresholds, self.learner,
+                                                   audited_at=self.clock()))
+                    except Exception as one:  # noqa: BLE001
+                        results[i] = DeadLetter("decode_failed", f"{type(one).__name__}: {one}")
+                        audited.append(None)
+            self._log_learned()
+            for (i, _), verdict in zip(members, audited, strict=True):
+                if verdict is None:
+                    continue
+                results[i] = self._route(records[i], verdict)
+        return [r if r is not None else DeadLetter("internal_error", "no verdict") for r in results]
+
+    def _log_learned(self) -> None:
+        for key, offset in self.learner.fixed.items():
+            if key not in self._reported:
+                self._reported.add(key)
+                info = self.learner.summary()[key]
+                log.info("usage offset for %s learned: %s (gaps seen: %s)", key, offset, info["gaps"])
+
+    def settings_thresholds(self, dataset: str) -> AuditThresholds:
+        """The audit thresholds of a dataset."""
+        return self.settings.dataset(dataset).audit
+
+    def _route(self, record: ConsumerRecord[bytes, bytes], verdict: SampleAudited) -> Result:
+        for r in verdict.results:
+            AUDIT_CHECKS.labels(dataset=verdict.dataset, check=r.code,
+                                result="pass" if r.passed else "fail").inc()
+        if not verdict.passed:
+            return DeadLetter(verdict.reasons[0], failure_message(verdict), reasons=tuple(verdict.reasons))
+        ACCEPTED.labels(dataset=verdict.dataset).inc()
+        key = record.key if record.key is not None else f"{verdict.dataset}:{verdict.sample_id}".encode()
+        return [Outgoing(topic=self.accepted_topic, value=encode(verdict), key=key)]
+
+    async def start(self) -> None:
+        """Connect to Kafka."""
+        await self.runner.start()
+
+    async def run(self) -> None:
+        """Audit until stopped."""
+        await self.runner.run()
+
+    def stop(self) -> None:
+        """Finish the current batch and return."""
+        self.runner.stop()
+
+    async def close(self) -> None:
+        """Release the Kafka clients and log what the offset learner learned."""
+        summary = self.learner.summary()
+        if summary:
+            log.info("usage offsets: %s", summary)
+        await self.runner.close()
+
+
+def create_app(
+    settings: Settings,
+    *,
+    profiles: ProfileLoader | None = None,
+    producer: AIOKafkaProducer | None = None,
+    learner: OffsetLearner | None = None,
+) -> AuditService:
+    """The composition root of the audit worker."""
+    return AuditService(settings, profiles=profiles, producer=producer, learner=learner)

@@ -1,0 +1,80 @@
+"""``draftstream run audit`` (the worker) and ``draftstream audit FILE`` (offline checks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")]
+
+
+def run_audit(config: ConfigOpt = None) -> None:
+    """Audit samples: passing ones to accepted, failing ones to dead-letter with every reason."""
+    import asyncio
+
+    from services.audit.app import create_app
+    from services.cli import settings_from
+    from services.common.logs import setup_logging
+    from services.common.service import run_service
+
+    settings = settings_from(config)
+    setup_logging(settings)
+    asyncio.run(run_service(create_app(settings), name="audit", metrics_port=settings.metrics.audit_port,
+                            metrics_host=settings.metrics.host))
+
+
+def audit_file(
+    file: Annotated[Path, typer.Argument(help="JSONL file, one SampleReconstructed per line")],
+    profile: Annotated[
+        str | None, typer.Option("--profile", "-p", help="Audit every sample with this profile")
+    ] = None,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Exit 1 when any sample failed (default: exit 0)")
+    ] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Run the audit checks over a JSONL of samples and print failures by code.
+
+    Exit status: 0 after printing the table, whatever it shows; 1 with --strict when any
+    sample failed; 2 when the file or the configuration cannot be used.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from services.audit.app import default_profile_loader
+    from services.audit.core import OffsetLearner, offline_audit
+    from services.cli import fail, settings_from
+
+    settings = settings_from(config)
+    if not file.is_file():
+        fail(f"{file} is not a file")
+    learner = OffsetLearner()
+    with file.open("rb") as f:
+        report = offline_audit(
+            f, default_profile_loader(settings), lambda ds: settings.dataset(ds).audit, learner,
+            profile_override=profile,
+        )
+    console = Console()
+    table = Table(title=f"audit {file}: {report.passed}/{report.total} passed, {report.failed} failed")
+    table.add_column("code")
+    table.add_column("failures", justify="right")
+    table.add_column("example key")
+    table.add_column("example message", overflow="fold")
+    for code, count in sorted(report.failures.items(), key=lambda kv: (-kv[1], kv[0])):
+        table.add_row(code, str(count), report.examples[code], report.messages[code])
+    console.print(table)
+    for code, count in sorted(report.notes.items()):
+        console.print(f"note: {code}: {count} sample(s) with a difference (reported, not failed)")
+    for key, info in learner.summary().items():
+        console.print(f"usage offset {key}: {info['offset']} (from {info['samples']} sample(s), "
+                      f"gaps {info['gaps']})", highlight=False)
+    if strict and report.failed:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
+    """Add ``run audit`` and ``audit`` to the root CLI."""
+    run_app.command("audit")(run_audit)
+    app.command("audit")(audit_file)

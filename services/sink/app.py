@@ -1,0 +1,308 @@
+"""The training-data sink: ``accepted`` → ``DIR/<dataset>/part-NNNNN.jsonl`` (or ``.parquet``).
+
+Durability and exactly-once rows, in the order the StageRunner gives us:
+
+1. the handler writes the batch's rows and flushes + fsyncs every touched part (and the
+   directory when a part was created) before it returns;
+2. only then does the runner commit the batch's offsets.
+
+A crash before the commit replays the batch; rows already on disk are recognised by
+their ``id`` in the key index and skipped (``SINK_DUPLICATES``). At start the index is
+rebuilt from every existing part. Restart policy (decided): the bytes after the last
+newline of a JSONL part are a torn write and are truncated (reported), and writing
+always continues in a NEW part, never appending to one written before the restart. A
+corrupt complete line in an old part is reported and skipped, the file left as is.
+Parquet parts are written whole, one per batch and dataset, to a temporary name then
+renamed, so they are never torn; leftover temporary files are removed at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from aiokafka import AIOKafkaProducer, ConsumerRecord
+
+from schemas import ACCEPTED_TOPIC, SampleAudited, SchemaError, decode
+from services.common.config import Settings
+from services.common.kafka import DeadLetter
+from services.common.metrics import SINK_BYTES, SINK_DUPLICATES, SINK_FILES, SINK_ROWS
+from services.common.stage import Result, StageRunner
+from services.sink.core import parse_line, part_name, part_number, row_line, torn_tail, training_row
+
+log = logging.getLogger(__name__)
+
+STAGE = "sink"
+GROUP_ID = "draftstream-sink"
+
+
+@dataclass
+class ScanReport:
+    """What the start-up scan of existing parts found."""
+
+    keys: int = 0
+    parts: int = 0
+    corrupt_lines: list[str] = field(default_factory=list)  # "path:line"
+    truncated: list[str] = field(default_factory=list)  # "path: N bytes"
+    bad_files: list[str] = field(default_factory=list)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardWriter:
+    """Writes rows to rotating part files per dataset, each key once."""
+
+    def __init__(self, out_dir: str | Path, *, fmt: str = "jsonl", rotate_bytes: int = 256 * 1024 * 1024):
+        """Point at an output folder (created if missing); call :meth:`scan` before writing."""
+        self.out_dir = Path(out_dir)
+        self.fmt = fmt
+        self.rotate_bytes = rotate_bytes
+        self.keys: set[str] = set()
+        self._next_part: dict[str, int] = {}
+        self._open: dict[str, tuple[IO[bytes], Path]] = {}
+
+    def scan(self) -> ScanReport:
+        """Rebuild the key index from existing parts; truncate torn JSONL tails."""
+        report = ScanReport()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for ds_dir in sorted(p for p in self.out_dir.iterdir() if p.is_dir()):
+            highest = -1
+            for path in sorted(ds_dir.iterdir()):
+                if path.name.endswith(".tmp"):
+                    path.unlink()
+                    continue
+                number = part_number(path.name)
+                if number is None:
+                    continue
+                highest = max(highest, number)
+                report.parts += 1
+                if path.suffix == ".jsonl":
+                    self._scan_jsonl(path, report)
+                else:
+                    self._scan_parquet(path, report)
+            self._next_part[ds_dir.name] = highest + 1
+        report.keys = len(self.keys)
+        for where in report.truncated:
+            log.warning("sink: truncated a torn write at the end of %s", where)
+        for where in report.corrupt_lines:
+            log.warning("sink: corrupt line skipped at %s", where)
+        for where in report.bad_files:
+            log.warning("sink: unreadable part skipped: %s", where)
+        return report
+
+    def _scan_jsonl(self, path: Path, report: ScanReport) -> None:
+        data = path.read_bytes()
+        torn = torn_tail(data)
+        if torn:
+            with path.open("r+b") as f:
+                f.truncate(len(data) - torn)
+                f.flush()
+                os.fsync(f.fileno())
+            report.truncated.append(f"{path}: {torn} bytes")
+            data = data[: len(data) - torn]
+        for n, line in enumerate(data.splitlines(), start=1):
+            if not line.strip():
+                continue
+            key = parse_line(line)
+            if key is None:
+                report.corrupt_lines.append(f"{path}:{n}")
+            else:
+                self.keys.add(key)
+
+    def _scan_parquet(self, path: Path, report: ScanReport) -> None:
+        try:
+            import pyarrow.parquet as pq
+
+            ids = pq.read_table(path, columns=["id"]).column("id").to_pylist()
+        except Exception as exc:  # noqa: BLE001 - an unreadable part is reported, not fatal
+            report.bad_files.append(f"{path}: {exc}")
+            return
+        self.keys.update(str(k) for k in ids if k)
+
+    def _new_part(self, dataset: str) -> Path:
+        ds_dir = self.out_dir / dataset
+        created = not ds_dir.exists()
+        ds_dir.mkdir(parents=True, exist_ok=True)
+        if created:
+            _fsync_dir(self.out_dir)
+        number = self._next_part.get(dataset, 0)
+        self._next_part[dataset] = number + 1
+        SINK_FILES.labels(dataset=dataset).inc()
+        return ds_dir / part_name(number, self.fmt)
+
+    def write(self, rows: Sequence[tuple[str, str, dict[str, Any]]]) -> int:
+        """Write (dataset, key, row) rows not yet written, durably; returns how many were new.
+
+        Returns only after every touched file (and new directory entry) is fsynced.
+        """
+        fresh: list[tuple[str, str, dict[str, Any]]] = []
+        seen: set[str] = set()
+        for dataset, key, row in rows:
+            if key in self.keys or key in seen:
+                SINK_DUPLICATES.labels(dataset=dataset).inc()
+                continue
+            seen.add(key)
+            fresh.append((dataset, key, row))
+        if self.fmt == "parquet":
+            self._write_parquet(fresh)
+        else:
+            self._write_jsonl(fresh)
+        for dataset, key, _ in fresh:
+            self.keys.add(key)
+            SINK_ROWS.labels(dataset=dataset).inc()
+        return len(fresh)
+
+    def _write_jsonl(self, rows: list[tuple[str, str, dict[str, Any]]]) -> None:
+        touched: dict[str, IO[bytes]] = {}
+        new_dirs: set[Path] = set()
+        for dataset, _, row in rows:
+            line = row_line(row)
+            current = self._open.get(dataset)
+            size = current[0].tell() if current is not None else 0
+            if current is not None and size > 0 and size + len(line) > self.rotate_bytes:
+                f, _path = current
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+                touched.pop(dataset, None)
+                current = None
+            if current is None:
+                path = self._new_part(dataset)
+                # "xb": a part is never reopened, so a fresh file can never follow a torn line.
+                current = (path.open("xb"), path)
+                self._open[dataset] = current
+                new_dirs.add(path.parent)
+            current[0].write(line)
+            touched[dataset] = current[0]
+            SINK_BYTES.labels(dataset=dataset).inc(len(line))
+        for f in touched.values():
+            f.flush()
+            os.fsync(f.fileno())
+        for d in new_dirs:
+            _fsync_dir(d)
+
+    def _write_parquet(self, rows: list[tuple[str, str, dict[str, Any]]]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        by_dataset: dict[str, list[dict[str, Any]]] = {}
+        for dataset, _, row in rows:
+            by_dataset.setdefault(dataset, []).append(row)
+        for dataset, batch in by_dataset.items():
+            path = self._new_part(dataset)
+            tmp = path.with_name(path.name + ".tmp")
+            table = pa.Table.from_pylist([_parquet_row(r) for r in batch])
+            pq.write_table(table, tmp)
+            with tmp.open("rb") as f:
+                os.fsync(f.fileno())
+            tmp.rename(path)
+            _fsync_dir(path.parent)
+            SINK_BYTES.labels(dataset=dataset).inc(path.stat().st_size)
+
+    def close(self) -> None:
+        """Flush, fsync and close every open part."""
+        for f, _ in self._open.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        self._open.clear()
+
+
+def _parquet_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Nested free-form fields (tools, metadata, conversations) as JSON text in Parquet."""
+    import json
+
+    out = dict(row)
+    for name in ("conversations", "tools", "metadata"):
+        out[name] = json.dumps(row[name], ensure_ascii=False)
+    return out
+
+
+class SinkService:
+    """The sink stage as a Service (start/run/stop/close)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        out_dir: str | Path | None = None,
+        producer: AIOKafkaProducer | None = None,
+    ) -> None:
+        """Wire the stage; ``out_dir`` overrides settings.sink.out_dir."""
+        self.settings = settings
+        self.writer = ShardWriter(
+            out_dir if out_dir is not None else settings.sink.out_dir,
+            fmt=settings.sink.format,
+            rotate_bytes=settings.sink.rotate_bytes,
+        )
+        self.scan_report: ScanReport | None = None
+        self.runner = StageRunner(
+            settings=settings,
+            stage=STAGE,
+            topics=[settings.kafka.topic(ACCEPTED_TOPIC)],
+            group_id=GROUP_ID,
+            handler=self.handle,
+            producer=producer,
+        )
+
+    async def handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
+        """Write the batch's rows durably; dead-letter what is not an accepted sample."""
+        results: list[Result] = []
+        rows: list[tuple[str, str, dict[str, Any]]] = []
+        for record in records:
+            try:
+                audited = decode(record.value, SampleAudited)
+            except SchemaError as exc:
+                results.append(DeadLetter(exc.reason, f"accepted record does not decode: {exc.message}"))
+                continue
+            if not audited.passed:
+                results.append(DeadLetter("not_accepted", "record on accepted did not pass the audit",
+                                          reasons=tuple(audited.reasons)))
+                continue
+            row = training_row(audited)
+            rows.append((audited.dataset, row["id"], row))
+            results.append([])
+        try:
+            self.writer.write(rows)
+        except OSError as exc:
+            # Disk trouble: these records go to dead-letter (replayable) rather than being lost.
+            log.error("sink: write failed: %s", exc)
+            return [DeadLetter("sink_write_failed", f"{type(exc).__name__}: {exc}")
+                    if isinstance(r, list) else r for r in results]
+        return results
+
+    async def start(self) -> None:
+        """Rebuild the key index, then connect to Kafka."""
+        self.scan_report = self.writer.scan()
+        log.info("sink: %d key(s) in %d existing part(s)", self.scan_report.keys, self.scan_report.parts)
+        await self.runner.start()
+
+    async def run(self) -> None:
+        """Write until stopped."""
+        await self.runner.run()
+
+    def stop(self) -> None:
+        """Finish the current batch and return."""
+        self.runner.stop()
+
+    async def close(self) -> None:
+        """Close the parts and the Kafka clients."""
+        self.writer.close()
+        await self.runner.close()
+
+
+def create_app(
+    settings: Settings, *, out_dir: str | Path | None = None, producer: AIOKafkaProducer | None = None
+) -> SinkService:
+    """The composition root of the sink."""
+    return SinkService(settings, out_dir=out_dir, producer=producer)

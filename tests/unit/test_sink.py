@@ -1,0 +1,128 @@
+"""The sink's rows and shard files: rotation, each key once across restarts, torn tails."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from schemas import SampleAudited, decode
+from services.sink.app import ShardWriter
+from services.sink.core import parse_line, part_number, torn_tail, training_row
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "payloads" / "v1_audited.json"
+
+
+def audited(sample_id: str = "a1", dataset: str = "math") -> SampleAudited:
+    """The v1 fixture, renamed."""
+    base = decode(FIXTURE.read_bytes(), SampleAudited)
+    sample = msgspec.structs.replace(base.sample, sample_id=sample_id, dataset=dataset)
+    return msgspec.structs.replace(base, sample=sample, sample_id=sample_id, dataset=dataset)
+
+
+def rows(*ids: str, dataset: str = "math") -> list[tuple[str, str, dict[str, Any]]]:
+    out = []
+    for i in ids:
+        row = training_row(audited(i, dataset))
+        out.append((dataset, row["id"], row))
+    return out
+
+
+def read_ids(out: Path, dataset: str = "math") -> list[str]:
+    ids: list[str] = []
+    for part in sorted((out / dataset).glob("part-*.jsonl")):
+        for line in part.read_bytes().splitlines():
+            key = parse_line(line)
+            if key is not None:
+                ids.append(key)
+    return ids
+
+
+def test_training_row_has_specforge_and_speculators_fields() -> None:
+    row = training_row(audited())
+    assert row["id"] == "math:a1"
+    assert row["input_ids"] == [5, 6, 7, 8]
+    assert row["prompt_ids"] == [5, 6] and row["output_ids"] == [7, 8]
+    assert row["loss_mask"] == [0, 0, 1, 1]
+    assert [t["role"] for t in row["conversations"]] == ["system", "user", "assistant"]
+    last = row["conversations"][-1]
+    assert last["content"] == "4" and last["reasoning_content"] == "think"
+    assert last["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a":2}'}
+    assert row["tools"][0]["function"]["name"] == "add"
+    meta = row["metadata"]
+    assert meta["provider"] == "openrouter" and meta["model"] == "deepseek/deepseek-v3"
+    assert meta["usage"]["completion_tokens"] == 3
+    assert meta["finish_reason"] == "stop" and meta["reconstruction_method"] == "native"
+    assert meta["audit"]["checks"] == {"ends_with_end_of_turn": True}
+    json.dumps(row)  # plain JSON all the way down
+
+
+def test_pure_helpers() -> None:
+    assert part_number("part-00012.jsonl") == 12
+    assert part_number("part-1.jsonl") is None and part_number("notes.txt") is None
+    assert torn_tail(b'{"id":"a"}\n{"id"') == 5
+    assert torn_tail(b'{"id":"a"}\n') == 0
+    assert parse_line(b"{not json") is None
+    assert parse_line(b'{"id":"math:x"}') == "math:x"
+
+
+def test_writes_rotates_and_skips_duplicates(tmp_path: Path) -> None:
+    one_row = len(json.dumps(training_row(audited())))
+    writer = ShardWriter(tmp_path, rotate_bytes=one_row * 2 + 10)
+    writer.scan()
+    assert writer.write(rows("a", "b", "c")) == 3
+    assert writer.write(rows("b", "d", "d")) == 1  # b already written, d twice in the batch
+    writer.close()
+    parts = sorted((tmp_path / "math").glob("part-*.jsonl"))
+    assert len(parts) == 2, parts
+    assert sorted(read_ids(tmp_path)) == ["math:a", "math:b", "math:c", "math:d"]
+    for part in parts:
+        assert part.read_bytes().endswith(b"\n")
+
+
+def test_restart_rebuilds_index_truncates_torn_tail_and_opens_a_new_part(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path)
+    writer.scan()
+    writer.write(rows("a", "b"))
+    writer.close()
+    part0 = tmp_path / "math" / "part-00000.jsonl"
+    with part0.open("ab") as f:
+        f.write(b'not json at all\n{"id": "math:c", "input_ids": [1, 2')  # corrupt line + torn tail
+    restarted = ShardWriter(tmp_path)
+    report = restarted.scan()
+    assert report.keys == 2
+    assert len(report.truncated) == 1 and len(report.corrupt_lines) == 1
+    assert part0.read_bytes().endswith(b"not json at all\n")
+    assert restarted.write(rows("a", "c")) == 1
+    restarted.close()
+    assert (tmp_path / "math" / "part-00001.jsonl").is_file()
+    assert sorted(read_ids(tmp_path)) == ["math:a", "math:b", "math:c"]
+
+
+def test_datasets_get_their_own_folders(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path)
+    writer.scan()
+    writer.write([*rows("a", dataset="math"), *rows("a", dataset="code")])
+    writer.close()
+    assert read_ids(tmp_path, "math") == ["math:a"]
+    assert read_ids(tmp_path, "code") == ["code:a"]
+
+
+def test_parquet_parts_and_index(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    writer = ShardWriter(tmp_path, fmt="parquet")
+    writer.scan()
+    assert writer.write(rows("a", "b")) == 2
+    (tmp_path / "math" / "part-00007.parquet.tmp").write_bytes(b"half a file")
+    (tmp_path / "math" / "part-00003.parquet").write_bytes(b"garbage")
+    restarted = ShardWriter(tmp_path, fmt="parquet")
+    report = restarted.scan()
+    assert report.keys == 2 and len(report.bad_files) == 1
+    assert not (tmp_path / "math" / "part-00007.parquet.tmp").exists()
+    assert restarted.write(rows("b", "c")) == 1
+    table = pq.read_table(tmp_path / "math" / "part-00004.parquet")
+    assert table.column("id").to_pylist() == ["math:c"]
+    assert json.loads(table.column("metadata").to_pylist()[0])["provider"] == "openrouter"
