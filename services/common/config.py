@@ -154,14 +154,18 @@ class BudgetSettings(BaseModel):
 
 
 class ProfileSettings(BaseModel):
-    """A user-defined model profile (see services.profiles)."""
+    """A user-defined model profile, or a refinement of a built-in one (see services.profiles).
+
+    Under a built-in name (``[profiles.kimi-k2]``) or with ``base`` set, only the fields
+    written override the built-in; a new profile must give ``end_of_turn`` and its id.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tokenizer: str
     kind: Literal["hf", "tiktoken"] = "hf"
-    end_of_turn: str
-    end_of_turn_id: int
+    end_of_turn: str = ""
+    end_of_turn_id: int = -1
     think_start: str | None = None
     think_start_id: int | None = None
     think_end: str | None = None
@@ -171,6 +175,9 @@ class ProfileSettings(BaseModel):
     chat_template: str | None = None
     chat_template_file: str | None = None
     trust_remote_code: bool = False
+    base: str | None = None
+    # tiktoken only: the pre-tokenizer regex (default: Kimi's for kimi profiles, else Qwen's).
+    pat_str: str | None = None
 
 
 class MetricsSettings(BaseModel):
@@ -268,9 +275,7 @@ _VALID_TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01
 def check_dataset_name(name: str) -> str:
     """Refuse a dataset name that cannot be part of a Kafka topic name or a key."""
     if not name or len(name) > 200 or not set(name) <= _VALID_TOPIC_CHARS or name in {".", ".."}:
-        raise ConfigError(
-            f"dataset name {name!r} cannot be a topic name: use 1-200 of [a-zA-Z0-9._-]"
-        )
+        raise ConfigError(f"dataset name {name!r} cannot be a topic name: use 1-200 of [a-zA-Z0-9._-]")
     return name
 
 

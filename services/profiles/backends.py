@@ -1,0 +1,310 @@
+"""Tokenizer backends behind a profile: HF ``tokenizers`` JSON, tiktoken ranks, HF folders.
+
+Each backend answers the same small set of questions (encode with special tokens parsed
+as specials, decode keeping them, exact bytes of one token and the inverse), so a
+:class:`services.profiles.Profile` never cares which library tokenizes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import unicodedata
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class TokenizerBackend(Protocol):
+    """What a profile needs from a tokenizer library."""
+
+    vocab_size: int
+    chat_template: str | None
+    # Ids of every added/special token: text spelling one becomes this id, never bytes.
+    special_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings become their special ids; no BOS."""
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`encode` over many texts in one call."""
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``, special tokens kept."""
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        """:meth:`decode` over many sequences."""
+
+    def token_bytes(self, id_: int) -> bytes:
+        """The exact bytes one token stands for."""
+
+    def id_of_bytes(self, b: bytes) -> int | None:
+        """The id whose bytes are exactly ``b`` (special tokens first), else None."""
+
+    def token_string(self, id_: int) -> str:
+        """The raw vocabulary string of one id (GPT-2 byte-level form)."""
+
+    def id_of_token_string(self, s: str) -> int | None:
+        """The id of a raw vocabulary string, else None."""
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    """Inverse of :func:`bytes_to_unicode`."""
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def byte_level_to_bytes(token: str) -> bytes | None:
+    """Bytes of a byte-level BPE vocabulary string, or None when it is not byte-level."""
+    table = unicode_to_bytes()
+    try:
+        return bytes(table[c] for c in token)
+    except KeyError:
+        return None
+
+
+def bytes_to_byte_level(b: bytes) -> str:
+    """The byte-level BPE vocabulary string of some bytes."""
+    table = bytes_to_unicode()
+    return "".join(table[x] for x in b)
+
+
+class TokenizersBackend:
+    """A Hugging Face ``tokenizers`` tokenizer (tokenizer.json), byte-level BPE aware."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        vocab: dict[str, int] = tokenizer.get_vocab(with_added_tokens=True)
+        added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._id_to_str: dict[int, str] = {i: s for s, i in vocab.items()}
+        self._str_to_id = vocab
+        self._added_ids = set(added.values())
+        self.special_ids = frozenset(self._added_ids)
+        self.vocab_size = max(self._id_to_str) + 1
+        self._bytes: dict[int, bytes] = {}
+        self._by_bytes: dict[bytes, int] = {}
+        for s, i in vocab.items():
+            if i in self._added_ids:
+                continue
+            b = byte_level_to_bytes(s)
+            if b is None:  # not byte-level (e.g. a sentencepiece-style piece)
+                b = s.replace("\u2581", " ").encode("utf-8")
+            self._bytes[i] = b
+            self._by_bytes.setdefault(b, i)
+        # Added (special) tokens win over a regular token spelling the same bytes.
+        for content, i in added.items():
+            b = content.encode("utf-8")
+            self._bytes[i] = b
+            self._by_bytes[b] = i
+
+    @classmethod
+    def from_file(cls, path: str | Path, chat_template: str | None = None) -> TokenizersBackend:
+        """Load a tokenizer.json file."""
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)), chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (added tokens parsed as specials, no BOS)."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of many texts in one (parallel) call."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` with special tokens kept."""
+        text: str = self._tok.decode(ids, skip_special_tokens=False)
+        return text
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        """Texts of many sequences."""
+        out: list[str] = self._tok.decode_batch(batch, skip_special_tokens=False)
+        return out
+
+    def token_bytes(self, id_: int) -> bytes:
+        """Exact bytes of one id; KeyError when the id is not in the vocabulary."""
+        return self._bytes[id_]
+
+    def id_of_bytes(self, b: bytes) -> int | None:
+        """The id whose bytes are exactly ``b``."""
+        return self._by_bytes.get(b)
+
+    def token_string(self, id_: int) -> str:
+        """Raw vocabulary string of one id."""
+        return self._id_to_str[id_]
+
+    def id_of_token_string(self, s: str) -> int | None:
+        """Id of a raw vocabulary string."""
+        return self._str_to_id.get(s)
+
+
+def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
+    """Read a ``*.tiktoken`` / ``tiktoken.model`` ranks file (base64 token, rank per line)."""
+    ranks: dict[bytes, int] = {}
+    for line in Path(path).read_bytes().splitlines():
+        if not line.strip():
+            continue
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+class TiktokenBackend:
+    """A tiktoken ``Encoding`` (Qwen's and Kimi's tokenizers), with optional NFC normalising."""
+
+    def __init__(self, encoding: Any, *, nfc: bool = False, chat_template: str | None = None) -> None:
+        self._enc = encoding
+        self._nfc = nfc
+        self.chat_template = chat_template
+        self.vocab_size = int(encoding.n_vocab)
+        self._specials: dict[str, int] = dict(encoding._special_tokens)
+        self._special_ids = {i: s for s, i in self._specials.items()}
+        self.special_ids = frozenset(self._special_ids)
+        ordered = sorted(self._specials, key=len, reverse=True)
+        self._special_split = re.compile("(" + "|".join(re.escape(s) for s in ordered) + ")") if ordered else None
+
+    @classmethod
+    def from_ranks(
+        cls,
+        name: str,
+        ranks_path: str | Path,
+        pat_str: str,
+        special_tokens: dict[str, int],
+        *,
+        nfc: bool = False,
+        chat_template: str | None = None,
+    ) -> TiktokenBackend:
+        """Build an Encoding from a ranks file, a pre-tokenizer regex and special tokens."""
+        import tiktoken
+
+        enc = tiktoken.Encoding(
+            name,
+            pat_str=pat_str,
+            mergeable_ranks=load_tiktoken_ranks(ranks_path),
+            special_tokens=special_tokens,
+        )
+        return cls(enc, nfc=nfc, chat_template=chat_template)
+
+    def _norm(self, text: str) -> str:
+        # Like HF's added-token handling: special tokens are split out first and only the
+        # text between them is normalised (NFC of a whole text could fuse a combining mark
+        # onto the ">" closing a special token and destroy it).
+        if not self._nfc:
+            return text
+        if self._special_split is None:
+            return unicodedata.normalize("NFC", text)
+        parts = self._special_split.split(text)
+        return "".join(p if i % 2 else unicodedata.normalize("NFC", p) for i, p in enumerate(parts))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (every special token allowed, no BOS)."""
+        ids: list[int] = self._enc.encode(self._norm(text), allowed_special="all")
+        return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of many texts (tiktoken's threaded batch)."""
+        out: list[list[int]] = self._enc.encode_batch([self._norm(t) for t in texts], allowed_special="all")
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` with special tokens kept (invalid UTF-8 as U+FFFD)."""
+        text: str = self._enc.decode(ids, errors="replace")
+        return text
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        """Texts of many sequences."""
+        out: list[str] = self._enc.decode_batch(batch, errors="replace")
+        return out
+
+    def token_bytes(self, id_: int) -> bytes:
+        """Exact bytes of one id; KeyError when the id is not in the vocabulary."""
+        try:
+            b: bytes = self._enc.decode_single_token_bytes(id_)
+        except Exception as exc:  # tiktoken raises KeyError or a pyo3 error for unknown ids
+            raise KeyError(id_) from exc
+        return b
+
+    def id_of_bytes(self, b: bytes) -> int | None:
+        """The id whose bytes are exactly ``b`` (special tokens included)."""
+        special = self._specials.get(b.decode("utf-8", "replace"))
+        if special is not None:
+            return special
+        try:
+            return int(self._enc.encode_single_token(b))
+        except KeyError:
+            return None
+
+    def token_string(self, id_: int) -> str:
+        """Raw vocabulary string of one id, in GPT-2 byte-level form (specials as they are)."""
+        if id_ in self._special_ids:
+            return self._special_ids[id_]
+        return bytes_to_byte_level(self.token_bytes(id_))
+
+    def id_of_token_string(self, s: str) -> int | None:
+        """Id of a byte-level vocabulary string or a special token."""
+        if s in self._specials:
+            return self._specials[s]
+        b = byte_level_to_bytes(s)
+        return None if b is None else self.id_of_bytes(b)
+
+
+def read_added_tokens(folder: Path) -> dict[str, int]:
+    """Special tokens declared in a model folder's tokenizer_config.json (``added_tokens_decoder``)."""
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return {}
+    data = json.loads(config.read_text(encoding="utf-8"))
+    decoder = data.get("added_tokens_decoder") or {}
+    return {str(v["content"]): int(k) for k, v in decoder.items()}
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """A model folder's own chat template (chat_template.jinja or tokenizer_config.json)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def from_hf_folder(folder: Path, *, trust_remote_code: bool) -> TokenizerBackend:
+    """A backend for a local Hugging Face model folder, via ``AutoTokenizer``.
+
+    Fast tokenizers are driven through their ``tokenizers`` object; remote-code tiktoken
+    tokenizers (Kimi's ``TikTokenTokenizer``) through their ``tiktoken.Encoding``.
+    """
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)  # noqa: S615 - local folder
+    template = getattr(hf, "chat_template", None) or read_chat_template(folder)
+    backend_tok = getattr(hf, "backend_tokenizer", None)
+    if backend_tok is not None:
+        return TokenizersBackend(backend_tok, template)
+    encoding = getattr(hf, "model", None)
+    if encoding is not None and hasattr(encoding, "encode_single_token"):
+        return TiktokenBackend(encoding, chat_template=template)
+    raise TypeError(f"unsupported tokenizer class {type(hf).__name__} in {folder}")

@@ -1,0 +1,127 @@
+"""The reconstruct stage's shell: ``responses`` in, ``samples`` (or dead letters) out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+
+from aiokafka import ConsumerRecord
+
+from schemas import RESPONSES_TOPIC, SAMPLES_TOPIC, ResponseReceived, SchemaError, decode, encode, sample_key
+from services.common.config import Settings
+from services.common.kafka import DeadLetter, Outgoing
+from services.common.metrics import RECONSTRUCTED
+from services.common.stage import Result, StageRunner
+from services.profiles import Profile, ProfileError, load_profile
+from services.reconstruct.core import reconstruct_batch
+
+log = logging.getLogger(__name__)
+
+STAGE = "reconstruct"
+GROUP_ID = "draftstream-reconstruct"
+
+
+class ProfileCache:
+    """Profiles by name: injected ones first, others loaded once; load failures remembered."""
+
+    def __init__(self, settings: Settings, profiles: Mapping[str, Profile] | None = None) -> None:
+        self._settings = settings
+        self._loaded: dict[str, Profile] = dict(profiles or {})
+        self._failed: dict[str, ProfileError] = {}
+
+    def get(self, name: str) -> Profile | ProfileError:
+        """The profile, or the error that prevents loading it."""
+        if name in self._loaded:
+            return self._loaded[name]
+        if name in self._failed:
+            return self._failed[name]
+        try:
+            profile = load_profile(name, self._settings)
+        except ProfileError as exc:
+            log.error("profile %s cannot be loaded: %s", name, exc)
+            self._failed[name] = exc
+            return exc
+        self._loaded[name] = profile
+        return profile
+
+    def profile_name(self, response: ResponseReceived) -> str:
+        """The profile a response is rebuilt with: its own, else its dataset's."""
+        return response.profile or self._settings.dataset(response.dataset).profile
+
+
+def decide(records: Sequence[ConsumerRecord[bytes, bytes]], profiles: ProfileCache, samples_topic: str) -> list[Result]:
+    """Verdicts for a batch: decode, group by profile, rebuild each group in one batch call."""
+    results: list[Result | None] = [None] * len(records)
+    groups: dict[str, list[tuple[int, ResponseReceived]]] = {}
+    for index, record in enumerate(records):
+        try:
+            response = decode(record.value, ResponseReceived)
+        except SchemaError as exc:
+            results[index] = DeadLetter(exc.reason, exc.message)
+            continue
+        groups.setdefault(profiles.profile_name(response), []).append((index, response))
+    for name, members in groups.items():
+        profile = profiles.get(name)
+        if isinstance(profile, ProfileError):
+            for index, _ in members:
+                results[index] = DeadLetter(profile.reason, profile.message)
+            continue
+        verdicts = reconstruct_batch([r for _, r in members], profile)
+        for (index, response), verdict in zip(members, verdicts, strict=True):
+            if isinstance(verdict, DeadLetter):
+                results[index] = verdict
+                continue
+            RECONSTRUCTED.labels(dataset=response.dataset, method=verdict.method).inc()
+            key = sample_key(response.dataset, response.sample_id).encode()
+            results[index] = [Outgoing(topic=samples_topic, value=encode(verdict), key=key)]
+    return [r if r is not None else DeadLetter("internal_error", "no verdict") for r in results]
+
+
+class ReconstructService:
+    """The long-running reconstruct stage (a :class:`services.common.service.Service`)."""
+
+    def __init__(self, settings: Settings, profiles: Mapping[str, Profile] | None = None) -> None:
+        self.settings = settings
+        self.profiles = ProfileCache(settings, profiles)
+        self._samples_topic = settings.kafka.topic(SAMPLES_TOPIC)
+        self.runner = StageRunner(
+            settings=settings,
+            stage=STAGE,
+            topics=[settings.kafka.topic(RESPONSES_TOPIC)],
+            group_id=GROUP_ID,
+            handler=self._handle,
+        )
+
+    async def _handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
+        # Tokenizing is CPU work: keep the event loop (and the consumer heartbeat) free.
+        return await asyncio.to_thread(decide, records, self.profiles, self._samples_topic)
+
+    async def start(self) -> None:
+        """Load the configured profiles, then connect to Kafka."""
+        names = {self.settings.defaults.profile, *(d.profile for d in self.settings.datasets.values())}
+        for name in sorted(names):
+            await asyncio.to_thread(self.profiles.get, name)
+        await self.runner.start()
+
+    async def run(self) -> None:
+        """Consume until stopped."""
+        await self.runner.run()
+
+    def stop(self) -> None:
+        """Finish the current batch and return."""
+        self.runner.stop()
+
+    async def close(self) -> None:
+        """Release the Kafka clients."""
+        await self.runner.close()
+
+    @property
+    def processed(self) -> int:
+        """Records consumed so far."""
+        return self.runner.processed
+
+
+def create_app(settings: Settings, *, profiles: Mapping[str, Profile] | None = None) -> ReconstructService:
+    """The composition root: a reconstruct service, with ``profiles`` injected when given."""
+    return ReconstructService(settings, profiles)

@@ -1,0 +1,120 @@
+"""``draftstream run reconstruct`` (the worker) and ``draftstream reconstruct FILE`` (offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")]
+
+
+def run_reconstruct(config: ConfigOpt = None) -> None:
+    """Rebuild token ids: responses in, samples (or dead letters) out."""
+    import asyncio
+
+    from services.cli import settings_from
+    from services.common.logs import setup_logging
+    from services.common.service import run_service
+    from services.reconstruct.app import create_app
+
+    settings = settings_from(config)
+    setup_logging(settings)
+    asyncio.run(
+        run_service(
+            create_app(settings),
+            name="reconstruct",
+            metrics_port=settings.metrics.reconstruct_port,
+            metrics_host=settings.metrics.host,
+        )
+    )
+
+
+def reconstruct_file(
+    file: Annotated[Path, typer.Argument(help="JSONL file, one ResponseReceived per line")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write samples here (JSONL; default: stdout)")] = None,
+    profile: Annotated[
+        str | None, typer.Option("--profile", "-p", help="Rebuild every response with this profile")
+    ] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when any line failed")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Rebuild a JSONL of responses offline; bad lines are reported with their line numbers.
+
+    Exit status: 0 after the summary; 1 with --strict when a line failed; 2 when the file,
+    the profile or the configuration cannot be used.
+    """
+    import sys
+    from collections import Counter
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from schemas import ResponseReceived, encode
+    from services.cli import fail, settings_from
+    from services.common.kafka import DeadLetter
+    from services.profiles import Profile, ProfileError, load_profile
+    from services.reconstruct.core import reconstruct_lines
+
+    settings = settings_from(config)
+    if not file.is_file():
+        fail(f"{file} is not a file")
+    if profile is not None:
+        try:
+            load_profile(profile, settings)
+        except ProfileError as exc:
+            fail(f"{exc.reason}: {exc.message}")
+    cache: dict[str, Profile | DeadLetter] = {}
+
+    def resolve(response: ResponseReceived) -> Profile | DeadLetter:
+        name = profile or response.profile or settings.dataset(response.dataset).profile
+        if name not in cache:
+            try:
+                cache[name] = load_profile(name, settings)
+            except ProfileError as exc:
+                cache[name] = DeadLetter(exc.reason, exc.message)
+        return cache[name]
+
+    err = Console(stderr=True)
+    methods: Counter[str] = Counter()
+    failures: Counter[str] = Counter()
+    total = 0
+    sink = out.open("wb") if out is not None else sys.stdout.buffer
+    try:
+        with file.open("rb") as f:
+            for result in reconstruct_lines(f, resolve):
+                total += 1
+                if isinstance(result.verdict, DeadLetter):
+                    failures[result.verdict.reason] += 1
+                    err.print(
+                        f"{file}:{result.line}: {result.verdict.reason}: {result.verdict.message}",
+                        highlight=False,
+                        soft_wrap=True,
+                        markup=False,
+                    )
+                    continue
+                methods[result.verdict.method] += 1
+                sink.write(encode(result.verdict) + b"\n")
+    finally:
+        if out is not None:
+            sink.close()
+        else:
+            sink.flush()
+    ok = sum(methods.values())
+    table = Table(title=f"reconstruct {file}: {ok}/{total} rebuilt, {total - ok} failed")
+    table.add_column("outcome")
+    table.add_column("lines", justify="right")
+    for method, count in sorted(methods.items()):
+        table.add_row(f"rebuilt ({method})", str(count))
+    for reason, count in sorted(failures.items(), key=lambda kv: (-kv[1], kv[0])):
+        table.add_row(f"failed: {reason}", str(count))
+    err.print(table)
+    if strict and failures:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
+    """Add ``run reconstruct`` and ``reconstruct`` to the root CLI."""
+    run_app.command("reconstruct")(run_reconstruct)
+    app.command("reconstruct")(reconstruct_file)

@@ -1,0 +1,114 @@
+"""The reconstruct worker on a real broker: responses in, samples out, bad records dead-lettered."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from schemas import (
+    DEAD_LETTER_TOPIC,
+    DLQ_HEADERS,
+    RESPONSES_TOPIC,
+    SAMPLES_TOPIC,
+    SampleReconstructed,
+    decode,
+    encode,
+)
+from services.common.config import Settings
+from services.common.kafka import ensure_topics, header, make_consumer, make_producer
+from services.common.metrics import RECONSTRUCTED
+from services.reconstruct.app import create_app
+from tests.kafka_fixture import wait_until
+from tests.unit.test_profiles import deepseek, qwen
+from tests.unit.test_reconstruct import response, tc
+
+pytestmark = pytest.mark.kafka
+
+
+async def read_topic(settings: Settings, logical: str, count: int, timeout: float = 60.0) -> list[Any]:
+    """Read ``count`` records from the start of a topic (fails after ``timeout``)."""
+    consumer = make_consumer(settings.kafka, settings.kafka.topic(logical), group_id=None)
+    await consumer.start()
+    got: list[Any] = []
+    try:
+
+        async def enough() -> bool:
+            batches = await consumer.getmany(timeout_ms=200)
+            for part in batches.values():
+                got.extend(part)
+            return len(got) >= count
+
+        await wait_until(enough, timeout=timeout, interval=0, message=f"{count} record(s) on {logical}")
+    finally:
+        await consumer.stop()
+    return got
+
+
+async def test_worker_rebuilds_and_dead_letters(settings_factory: Callable[..., Settings]) -> None:
+    settings = settings_factory(stage={"batch_max": 3, "batch_timeout_ms": 50})
+    await ensure_topics(settings.kafka)
+    ds, qw = deepseek(), qwen()
+    good1 = response(sample_id="good1")
+    qwen_good = response(sample_id="qwen1", content="", tool_calls=[tc("calc", '{"x": 1}')], profile="qwen3")
+    empty = response(sample_id="empty", reasoning="", content="")
+    bad_args = response(sample_id="badargs", tool_calls=[tc("calc", "{oops")])
+    unknown = response(sample_id="unknown", profile="no-such-profile")
+    good2 = response(sample_id="good2", content="Four.")
+    records = [
+        (b"math:good1", encode(good1)),
+        (b"math:poison", b"\x00 not json"),
+        (b"math:qwen1", encode(qwen_good)),
+        (b"math:empty", encode(empty)),
+        (b"math:badargs", encode(bad_args)),
+        (b"math:unknown", encode(unknown)),
+        (b"math:good2", encode(good2)),
+    ]
+    before = RECONSTRUCTED.labels(dataset="math", method="reencode")._value.get()
+    producer = make_producer(settings.kafka)
+    await producer.start()
+    try:
+        for key, value in records:
+            await producer.send_and_wait(settings.kafka.topic(RESPONSES_TOPIC), value, key=key)
+    finally:
+        await producer.stop()
+
+    service = create_app(settings, profiles={"deepseek-v3": ds, "qwen3": qw})
+    await service.start()
+    task = asyncio.create_task(service.run())
+    try:
+        samples = await read_topic(settings, SAMPLES_TOPIC, 3)
+        dead = await read_topic(settings, DEAD_LETTER_TOPIC, 4)
+        await wait_until(
+            lambda: service.processed >= len(records), timeout=60, message="all records processed"
+        )
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, 60)
+        await service.close()
+
+    by_key = {r.key: decode(r.value, SampleReconstructed) for r in samples}
+    assert set(by_key) == {b"math:good1", b"math:qwen1", b"math:good2"}
+    s1 = by_key[b"math:good1"]
+    assert s1.profile == "deepseek-v3" and s1.method == "reencode"
+    assert ds.decode(s1.output_ids) == "Let me think.</think>The answer is 4.<｜end▁of▁sentence｜>"
+    assert s1.loss_mask == [0] * len(s1.prompt_ids) + [1] * len(s1.output_ids)
+    q = by_key[b"math:qwen1"]
+    assert q.profile == "qwen3" and q.output_ids[-1] == 151645 and 151657 in q.output_ids
+    assert ds.decode(by_key[b"math:good2"].output_ids).endswith("Four.<｜end▁of▁sentence｜>")
+
+    reasons = {r.key: header(r.headers, DLQ_HEADERS.REASON) for r in dead}
+    assert reasons == {
+        b"math:poison": "invalid_json",
+        b"math:empty": "empty_response",
+        b"math:badargs": "invalid_tool_arguments",
+        b"math:unknown": "unknown_profile",
+    }
+    sent = dict(records)
+    for r in dead:
+        assert r.value == sent[r.key]  # byte for byte
+        assert header(r.headers, DLQ_HEADERS.STAGE) == "reconstruct"
+        assert header(r.headers, DLQ_HEADERS.TOPIC) == settings.kafka.topic(RESPONSES_TOPIC)
+    assert RECONSTRUCTED.labels(dataset="math", method="reencode")._value.get() - before == 3
