@@ -10,7 +10,6 @@ import asyncio
 import ssl
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -19,8 +18,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 
 from schemas import BUDGET_STATE_TOPIC, CONTROL_TOPIC, DLQ_HEADERS
 from services.common.config import KafkaSettings
-
-Headers = list[tuple[str, bytes]]
+from services.common.records import DeadLetter, Headers, Outgoing
 
 
 def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
@@ -38,9 +36,7 @@ def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
     if kafka.security_protocol.startswith("SASL"):
         kwargs["sasl_mechanism"] = kafka.sasl_mechanism or "PLAIN"
         kwargs["sasl_plain_username"] = kafka.sasl_username
-        kwargs["sasl_plain_password"] = (
-            kafka.sasl_password.get_secret_value() if kafka.sasl_password else None
-        )
+        kwargs["sasl_plain_password"] = kafka.sasl_password.get_secret_value() if kafka.sasl_password else None
     return kwargs
 
 
@@ -58,9 +54,7 @@ def make_producer(kafka: KafkaSettings, **extra: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**client_kwargs(kafka), **kwargs)
 
 
-def make_consumer(
-    kafka: KafkaSettings, *topics: str, group_id: str | None, **extra: Any
-) -> AIOKafkaConsumer:
+def make_consumer(kafka: KafkaSettings, *topics: str, group_id: str | None, **extra: Any) -> AIOKafkaConsumer:
     """A consumer with manual commits and fetch limits sized for large samples."""
     kwargs: dict[str, Any] = {
         "group_id": group_id,
@@ -69,8 +63,9 @@ def make_consumer(
         "max_partition_fetch_bytes": kafka.max_message_bytes + 1024 * 1024,
         "fetch_max_bytes": max(kafka.max_message_bytes * 2, 64 * 1024 * 1024),
         "isolation_level": "read_uncommitted",
-        "session_timeout_ms": 30_000,
-        "heartbeat_interval_ms": 3_000,
+        # A SIGKILLed member holds its partitions until the session times out: keep it short.
+        "session_timeout_ms": 10_000,
+        "heartbeat_interval_ms": 1_000,
         "max_poll_interval_ms": 600_000,
     }
     kwargs.update(extra)
@@ -135,32 +130,6 @@ def header(headers: Sequence[tuple[str, bytes]] | None, name: str) -> str | None
     return found
 
 
-@dataclass(frozen=True)
-class DeadLetter:
-    """A stage's verdict that a record cannot go on: why, with the first reason primary."""
-
-    reason: str
-    message: str
-    reasons: tuple[str, ...] = ()
-    http_status: int | None = None
-    attempt: int = 1
-
-    @property
-    def all_reasons(self) -> tuple[str, ...]:
-        """Every reason code, the primary first."""
-        return (self.reason, *(r for r in self.reasons if r != self.reason))
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """One record to publish."""
-
-    topic: str
-    value: bytes
-    key: bytes | None = None
-    headers: Headers = field(default_factory=list)
-
-
 _MAX_HEADER_TEXT = 4000
 
 
@@ -214,8 +183,6 @@ def dead_letter(
 
 async def publish_all(producer: AIOKafkaProducer, records: Iterable[Outgoing]) -> None:
     """Send records and wait until the broker has acknowledged every one of them."""
-    futures = [
-        await producer.send(r.topic, r.value, key=r.key, headers=r.headers or None) for r in records
-    ]
+    futures = [await producer.send(r.topic, r.value, key=r.key, headers=r.headers or None) for r in records]
     if futures:
         await asyncio.gather(*futures)

@@ -28,7 +28,7 @@ from schemas import (
     decode,
     sample_key,
 )
-from services.common.kafka import DeadLetter  # a plain dataclass: the shared verdict type
+from services.common.records import DeadLetter
 from services.profiles import ProfileError
 
 __all__ = [
