@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 from aiokafka import ConsumerRecord
-from aiokafka.admin import ConfigResource, ConfigResourceType
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 import schemas as s
 from services.common.config import Settings
@@ -27,7 +27,9 @@ from tests.unit.test_schemas import all_events, make_response
 pytestmark = pytest.mark.kafka
 
 
-async def consume_n(settings: Settings, topic: str, n: int, timeout: float = 30.0) -> list[ConsumerRecord[bytes, bytes]]:
+async def consume_n(
+    settings: Settings, topic: str, n: int, timeout: float = 30.0
+) -> list[ConsumerRecord[bytes, bytes]]:
     consumer = make_consumer(settings.kafka, topic, group_id=None)
     await consumer.start()
     got: list[ConsumerRecord[bytes, bytes]] = []
@@ -42,7 +44,9 @@ async def consume_n(settings: Settings, topic: str, n: int, timeout: float = 30.
     return got
 
 
-async def test_topics_are_created_idempotently_with_compacted_control(settings_factory: Callable[..., Settings]) -> None:
+async def test_topics_are_created_idempotently_with_compacted_control(
+    settings_factory: Callable[..., Settings],
+) -> None:
     settings = settings_factory()
     first = await ensure_topics(settings.kafka, ["math"])
     assert settings.kafka.topic("control") in first
@@ -51,7 +55,9 @@ async def test_topics_are_created_idempotently_with_compacted_control(settings_f
     admin = make_admin(settings.kafka)
     await admin.start()
     try:
-        described = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, settings.kafka.topic("control"))])
+        described = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, settings.kafka.topic("control"))]
+        )
     finally:
         await admin.close()
     entries = {e[0]: e[1] for e in described[0].resources[0][4]}
