@@ -1,0 +1,535 @@
+#!/usr/bin/env bash
+# A real single-node Apache Kafka broker (KRaft: broker and controller in one JVM),
+# without Docker: the jars come from Maven Central (deploy/kafka/pom.xml), the JVM is
+# the host's (Java 17+).
+#
+#   deploy/kafka/kafka.sh fetch     resolve the jars once (skipped when already complete)
+#   deploy/kafka/kafka.sh start     fetch, format storage if needed, start, wait until ready
+#   deploy/kafka/kafka.sh stop      SIGTERM, up to 30 s (90 s while recording the CDS
+#                                   archive, see KAFKA_CDS), then SIGKILL
+#   deploy/kafka/kafka.sh status    "running pid=.. port=.." (exit 0) or "stopped" (exit 1)
+#   deploy/kafka/kafka.sh restart
+#
+# Environment (all optional):
+#   DRAFTSTREAM_HOME       root of the run state (default: the repository root)
+#   KAFKA_RUN_DIR          pid, log, config and data (default: $DRAFTSTREAM_HOME/.run/kafka)
+#   KAFKA_LIBS_DIR         the jars (default: $DRAFTSTREAM_HOME/.run/kafka/libs)
+#   KAFKA_HOST             address to listen on and advertise (default: 127.0.0.1)
+#   KAFKA_PORT             PLAINTEXT client port (default: 9092)
+#   KAFKA_CONTROLLER_PORT  KRaft controller port (default: 9093)
+#   KAFKA_SASL_SSL_PORT    when set, also open a SASL_SSL listener there (PLAIN and
+#                          SCRAM-SHA-256/512, self-signed TLS under $KAFKA_RUN_DIR/tls)
+#   KAFKA_SASL_USER        SASL user (default: draftstream)
+#   KAFKA_SASL_PASSWORD    SASL password (default: draftstream-secret)
+#   KAFKA_START_TIMEOUT    seconds to wait for readiness (default: 60)
+#   KAFKA_HEAP_OPTS        JVM heap flags (default: -Xmx512m -Xms256m)
+#   KAFKA_JVM_OPTS         extra JVM flags, e.g. -XX:TieredStopAtLevel=1 (starts ~1 s
+#                          faster on 2 cores, runs slower: fine for tests, not for bench)
+#   KAFKA_CDS              class-data sharing archive of the Kafka classes, kept in
+#                          $KAFKA_LIBS_DIR/.cds: "on" (default: use it, or record it
+#                          during the first run; that run starts ~1.5 s and stops ~5 s
+#                          slower, later starts ~2 s faster), "reuse" (use it only if it
+#                          exists), "off"
+#   JAVA_HOME              which JVM to use (default: `java` on PATH)
+set -euo pipefail
+
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_ROOT=$(cd "$SCRIPT_DIR/../.." && pwd)
+DRAFTSTREAM_HOME=${DRAFTSTREAM_HOME:-$REPO_ROOT}
+RUN_DIR=${KAFKA_RUN_DIR:-$DRAFTSTREAM_HOME/.run/kafka}
+LIBS_DIR=${KAFKA_LIBS_DIR:-$DRAFTSTREAM_HOME/.run/kafka/libs}
+HOST=${KAFKA_HOST:-127.0.0.1}
+PORT=${KAFKA_PORT:-9092}
+CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-9093}
+SASL_SSL_PORT=${KAFKA_SASL_SSL_PORT:-}
+SASL_USER=${KAFKA_SASL_USER:-draftstream}
+SASL_PASSWORD=${KAFKA_SASL_PASSWORD:-draftstream-secret}
+START_TIMEOUT=${KAFKA_START_TIMEOUT:-60}
+STOP_TIMEOUT=30
+read -r -a HEAP_OPTS <<<"${KAFKA_HEAP_OPTS:--Xmx512m -Xms256m}"
+read -r -a EXTRA_JVM_OPTS <<<"${KAFKA_JVM_OPTS:-}"
+CDS=${KAFKA_CDS:-on}
+JVM_ID=""   # java.vm.version, set by check_java
+PYTHON=""   # resolved by probe_ready
+JAVA=${JAVA_HOME:+$JAVA_HOME/bin/}java
+KEYTOOL=${JAVA_HOME:+$JAVA_HOME/bin/}keytool
+
+POM=$SCRIPT_DIR/pom.xml
+TEMPLATE=$SCRIPT_DIR/server.properties
+LOG4J_CONFIG=$SCRIPT_DIR/log4j2.properties
+
+DATA_DIR=$RUN_DIR/data
+TLS_DIR=$RUN_DIR/tls
+PROPS=$RUN_DIR/server.properties
+PID_FILE=$RUN_DIR/kafka.pid
+STATE_FILE=$RUN_DIR/kafka.state   # ports of the running broker, written at start
+LOG_FILE=$RUN_DIR/kafka.log
+FORMAT_LOG=$RUN_DIR/format.log
+FORMAT_STAMP=$DATA_DIR/.draftstream-format   # what the storage was formatted for
+LIBS_MARKER=.draftstream-complete            # in $LIBS_DIR: sha256 of the pom it came from
+
+log() { printf 'kafka.sh: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# ---------------------------------------------------------------------------------------
+# jars
+# ---------------------------------------------------------------------------------------
+
+pom_hash() { sha256sum "$POM" | cut -d' ' -f1; }
+
+libs_ready() {
+    [[ -f $LIBS_DIR/$LIBS_MARKER && $(<"$LIBS_DIR/$LIBS_MARKER") == "$(pom_hash)" ]] && return 0
+    # A directory the user filled by hand (KAFKA_LIBS_DIR set, no marker of ours): use it.
+    [[ -n ${KAFKA_LIBS_DIR:-} && ! -f $LIBS_DIR/$LIBS_MARKER ]] &&
+        compgen -G "$LIBS_DIR/kafka_2.13-*.jar" >/dev/null
+}
+
+cmd_fetch() {
+    if libs_ready; then
+        return 0
+    fi
+    command -v mvn >/dev/null || die "mvn (Apache Maven) is needed once to download the Kafka jars"
+    mkdir -p "$(dirname "$LIBS_DIR")"
+    # Resolve into a fresh sibling directory and swap it in, so that a failed or
+    # interrupted download never leaves a half-filled libs dir, and jars of an older
+    # pom (say, a second slf4j-api) never linger next to the new ones.
+    local tmp
+    tmp=$(mktemp -d "${LIBS_DIR%/}.fetch.XXXXXX")
+    log "resolving Kafka jars with Maven into $LIBS_DIR (once) ..."
+    # (sed: Maven prints stray colour codes even in batch mode)
+    if ! mvn -q -B -Dstyle.color=never -f "$POM" dependency:copy-dependencies \
+        -DincludeScope=runtime -DoutputDirectory="$tmp" 2>&1 | sed -e $'s/\x1b\\[[0-9;]*m//g' >&2; then
+        rm -rf "$tmp"
+        die "mvn dependency:copy-dependencies failed (see the output above)"
+    fi
+    compgen -G "$tmp/kafka_2.13-*.jar" >/dev/null || { rm -rf "$tmp"; die "no kafka_2.13 jar was resolved"; }
+    pom_hash >"$tmp/$LIBS_MARKER"
+    if [[ -d $LIBS_DIR ]]; then
+        [[ -f $LIBS_DIR/$LIBS_MARKER || -z $(ls -A "$LIBS_DIR") ]] ||
+            { rm -rf "$tmp"; die "$LIBS_DIR exists and was not filled by kafka.sh; refusing to replace it"; }
+        rm -rf "$LIBS_DIR"
+    fi
+    mv "$tmp" "$LIBS_DIR"
+    # `mvn -f` may leave deploy/kafka/target behind; nothing in it is needed.
+    rm -rf "$SCRIPT_DIR/target"
+    log "jars ready: $(find "$LIBS_DIR" -name '*.jar' | wc -l) files"
+}
+
+# ---------------------------------------------------------------------------------------
+# process helpers
+# ---------------------------------------------------------------------------------------
+
+# True when process $1 exists and is not a zombie.
+is_alive() {
+    local stat
+    stat=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+    [[ $stat != Z* ]]
+}
+
+# True when $1 is a live process whose command line is our broker (not a recycled pid).
+is_our_broker() {
+    local pid=$1 args
+    is_alive "$pid" || return 1
+    args=$(ps -ww -o args= -p "$pid" 2>/dev/null) || return 1
+    [[ $args == *kafka.Kafka*"$PROPS"* ]]
+}
+
+running_pid() {
+    [[ -f $PID_FILE ]] || return 1
+    local pid
+    pid=$(<"$PID_FILE")
+    [[ $pid =~ ^[0-9]+$ ]] && is_our_broker "$pid" && printf '%s\n' "$pid"
+}
+
+# A bare TCP connect with bash's /dev/tcp (the address is local: no hang to fear).
+port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
+
+# Readiness: the port answers AND a Metadata request lists this broker and a controller.
+# A dozen lines of stdlib Python speak the protocol here so that the script needs no
+# virtualenv; kcat is the fallback where there is no python3.
+resolve_python() {
+    if [[ -z $PYTHON ]] && command -v python3 >/dev/null; then
+        # The real interpreter, not a pyenv/asdf shim, which costs 0.2 s of CPU per call.
+        PYTHON=$(python3 -c 'import sys; print(sys.executable)' 2>/dev/null) || PYTHON=python3
+    fi
+}
+
+probe_ready() {
+    local host=$1 port=$2
+    resolve_python
+    if [[ -n $PYTHON ]]; then
+        "$PYTHON" - "$host" "$port" <<'PY'
+import socket, struct, sys
+
+host, port = sys.argv[1], int(sys.argv[2])
+try:
+    client = b"draftstream-kafka-sh"
+    # Metadata v1 (api key 3), correlation id 1, an empty topic list (= no topics).
+    req = struct.pack(">hhih", 3, 1, 1, len(client)) + client + struct.pack(">i", 0)
+    with socket.create_connection((host, port), timeout=2) as sock:
+        sock.settimeout(5)
+        sock.sendall(struct.pack(">i", len(req)) + req)
+        buf = b""
+        while len(buf) < 4 or len(buf) < 4 + struct.unpack_from(">i", buf)[0]:
+            chunk = sock.recv(65536)
+            if not chunk:
+                sys.exit(2)
+            buf += chunk
+    off = 8  # size, correlation id
+    (n,) = struct.unpack_from(">i", buf, off)
+    off += 4
+    ports = []
+    for _ in range(n):
+        (hlen,) = struct.unpack_from(">h", buf, off + 4)
+        off += 6 + hlen
+        ports.append(struct.unpack_from(">i", buf, off)[0])
+        (rlen,) = struct.unpack_from(">h", buf, off + 4)
+        off += 6 + max(rlen, 0)
+    (controller,) = struct.unpack_from(">i", buf, off)
+    sys.exit(0 if controller >= 0 and port in ports else 1)
+except (OSError, struct.error):
+    sys.exit(2)
+PY
+    elif command -v kcat >/dev/null; then
+        kcat -b "$host:$port" -L -m 3 2>/dev/null | grep -q "at $host:$port"
+    else
+        port_open "$host" "$port"
+    fi
+}
+
+kafka_version() { grep -o -m1 'Kafka version: [^ ]*' "$LOG_FILE" 2>/dev/null | cut -d' ' -f3; }
+
+# ---------------------------------------------------------------------------------------
+# configuration, TLS, storage
+# ---------------------------------------------------------------------------------------
+
+sed_escape() { printf '%s' "$1" | sed -e 's/[\\|&]/\\&/g'; }
+
+check_port() {
+    if ! [[ $2 =~ ^[0-9]+$ ]] || ((10#$2 < 1 || 10#$2 > 65535)); then
+        die "$1 must be a TCP port, got '$2'"
+    fi
+}
+
+render_config() {
+    local extra="" tmp
+    [[ -n $SASL_SSL_PORT ]] && extra=",SASL_SSL://$HOST:$SASL_SSL_PORT"
+    tmp=$(mktemp "$PROPS.XXXXXX")
+    chmod 600 "$tmp"
+    sed -e "s|@HOST@|$(sed_escape "$HOST")|g" \
+        -e "s|@PORT@|$PORT|g" \
+        -e "s|@CONTROLLER_PORT@|$CONTROLLER_PORT|g" \
+        -e "s|@EXTRA_LISTENERS@|$(sed_escape "$extra")|g" \
+        -e "s|@LOG_DIR@|$(sed_escape "$DATA_DIR")|g" \
+        "$TEMPLATE" >"$tmp"
+    if [[ -n $SASL_SSL_PORT ]]; then
+        local storepass
+        storepass=$(<"$TLS_DIR/storepass")
+        cat >>"$tmp" <<EOF
+
+# --- SASL_SSL listener (added by kafka.sh because KAFKA_SASL_SSL_PORT is set) ---------
+listener.name.sasl_ssl.sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
+sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
+# PLAIN users live in this JAAS config; SCRAM credentials were written into the cluster
+# metadata at format time (kafka-storage format --add-scram).
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$SASL_USER="$SASL_PASSWORD";
+listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.ssl.keystore.type=PKCS12
+listener.name.sasl_ssl.ssl.keystore.location=$TLS_DIR/broker.p12
+listener.name.sasl_ssl.ssl.keystore.password=$storepass
+listener.name.sasl_ssl.ssl.key.password=$storepass
+EOF
+    fi
+    mv "$tmp" "$PROPS"
+}
+
+# A local CA and a broker certificate it signs (CN=localhost, SAN DNS:localhost and
+# IP:127.0.0.1), made once with the JDK's keytool. Clients trust $TLS_DIR/ca.pem.
+ensure_tls() {
+    if [[ -f $TLS_DIR/broker.p12 && -f $TLS_DIR/ca.pem && -f $TLS_DIR/storepass ]]; then
+        return 0
+    fi
+    command -v "$KEYTOOL" >/dev/null || die "keytool (from the JDK) is needed for the SASL_SSL listener"
+    log "creating a local CA and broker certificate in $TLS_DIR ..."
+    rm -rf "$TLS_DIR"
+    mkdir -p "$TLS_DIR"
+    chmod 700 "$TLS_DIR"
+    local pass kt
+    pass=$(head -c 24 /dev/urandom | base64 | tr -dc 'A-Za-z0-9')
+    kt=("$KEYTOOL" -noprompt -storetype PKCS12 -storepass "$pass")
+    (
+        cd "$TLS_DIR"
+        "${kt[@]}" -genkeypair -keystore ca.p12 -alias ca -keyalg EC -groupname secp256r1 \
+            -dname "CN=draftstream local CA" -validity 3650 \
+            -ext BasicConstraints:critical=ca:true -ext KeyUsage:critical=keyCertSign,cRLSign
+        "${kt[@]}" -exportcert -rfc -keystore ca.p12 -alias ca -file ca.pem
+        "${kt[@]}" -genkeypair -keystore broker.p12 -alias broker -keyalg EC -groupname secp256r1 \
+            -dname "CN=localhost" -validity 3650
+        "${kt[@]}" -certreq -keystore broker.p12 -alias broker -file broker.csr
+        "${kt[@]}" -gencert -keystore ca.p12 -alias ca -infile broker.csr -outfile broker.pem -rfc \
+            -validity 3650 -ext SubjectAlternativeName=DNS:localhost,IP:127.0.0.1 \
+            -ext KeyUsage:critical=digitalSignature -ext ExtendedKeyUsage=serverAuth
+        "${kt[@]}" -importcert -keystore broker.p12 -alias ca -file ca.pem
+        "${kt[@]}" -importcert -keystore broker.p12 -alias broker -file broker.pem
+        rm -f broker.csr
+    ) >"$RUN_DIR/keytool.log" 2>&1 || die "keytool failed, see $RUN_DIR/keytool.log"
+    (umask 077 && printf '%s\n' "$pass" >"$TLS_DIR/storepass")
+}
+
+# Format the storage (cluster id, a standalone KRaft quorum of one, SCRAM users) only when
+# it is not formatted yet, or was formatted for another controller endpoint (the quorum
+# remembers its voter's endpoint) or other SCRAM credentials; then the old data goes.
+ensure_formatted() {
+    local want_controller="$HOST:$CONTROLLER_PORT" want_scram=""
+    if [[ -n $SASL_SSL_PORT ]]; then
+        want_scram=$(printf '%s\n%s' "$SASL_USER" "$SASL_PASSWORD" | sha256sum | cut -d' ' -f1)
+    fi
+    if [[ -f $DATA_DIR/meta.properties && -f $FORMAT_STAMP ]]; then
+        local have_controller have_scram
+        have_controller=$(sed -n 's/^controller=//p' "$FORMAT_STAMP")
+        have_scram=$(sed -n 's/^scram=//p' "$FORMAT_STAMP")
+        if [[ $have_controller == "$want_controller" && (-z $want_scram || $have_scram == "$want_scram") ]]; then
+            return 0
+        fi
+        if [[ $have_controller != "$want_controller" ]]; then
+            log "storage was formatted for controller $have_controller, not $want_controller;" \
+                "re-formatting $DATA_DIR (its topics are deleted)"
+        else
+            log "storage lacks the SCRAM credentials of $SASL_USER;" \
+                "re-formatting $DATA_DIR (its topics are deleted)"
+        fi
+    elif [[ -e $DATA_DIR ]]; then
+        log "re-formatting $DATA_DIR (no complete format stamp)"
+    fi
+    rm -rf "$DATA_DIR"
+    mkdir -p "$DATA_DIR"
+    local cluster_id args
+    # A cluster id is a random 16-byte UUID in URL-safe base64 without padding (22 chars),
+    # the same as `kafka-storage random-uuid` prints, without paying for a JVM start.
+    cluster_id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
+    args=(format --standalone --cluster-id "$cluster_id" --config "$PROPS")
+    if [[ -n $SASL_SSL_PORT ]]; then
+        args+=(--add-scram "SCRAM-SHA-256=[name=$SASL_USER,password=$SASL_PASSWORD]"
+            --add-scram "SCRAM-SHA-512=[name=$SASL_USER,password=$SASL_PASSWORD]")
+    fi
+    rm -f "$FORMAT_LOG"
+    local fmt_opts=(-Xmx256m -XX:TieredStopAtLevel=1)
+    # The broker's class-data archive holds the format tool's classes too.
+    if [[ $CDS != off && $CDS != 0 && -n $JVM_ID && -s $(cds_archive) ]]; then
+        fmt_opts+=(-XX:SharedArchiveFile="$(cds_archive)" -Xlog:cds=off -Xlog:cds+dynamic=off)
+    fi
+    if ! "$JAVA" "${fmt_opts[@]}" -cp "$LIBS_DIR/*" \
+        -Dlog4j2.configurationFile="$LOG4J_CONFIG" \
+        kafka.tools.StorageTool "${args[@]}" 2>&1 | (umask 077 && cat >"$FORMAT_LOG"); then
+        cat "$FORMAT_LOG" >&2
+        die "formatting the storage failed (see above)"
+    fi
+    printf 'controller=%s\nscram=%s\ncluster_id=%s\n' "$want_controller" "$want_scram" "$cluster_id" >"$FORMAT_STAMP"
+}
+
+check_java() {
+    command -v "$JAVA" >/dev/null || die "java not found (Kafka 4 needs Java 17 or newer)"
+    local settings v
+    settings=$("$JAVA" -XshowSettings:properties -version 2>&1)
+    v=$(sed -n 's/^ *java.specification.version = //p' <<<"$settings")
+    [[ ${v%%.*} =~ ^[0-9]+$ && ${v%%.*} -ge 17 ]] || die "Kafka 4 needs Java 17 or newer; $JAVA is $v"
+    JVM_ID=$(sed -n 's/^ *java.vm.version = //p' <<<"$settings" | tr -c 'A-Za-z0-9._\n-' '_')
+}
+
+# Class-data sharing: an archive of the ~6000 Kafka/Scala classes, mapped at start
+# instead of loaded and verified one by one (start 5 s -> 3 s on 2 cores). It is tied to
+# the exact JVM build and jars, so it lives in the libs dir (a new fetch drops it) and is
+# named after the JVM build. Recorded by the JVM itself when a broker exits cleanly.
+CDS_PARTIAL=""
+cds_archive() { printf '%s/.cds/kafka-%s.jsa' "$LIBS_DIR" "$JVM_ID"; }
+cds_archive_of() { local p=${1%.partial}; printf '%s' "${p%.*}"; }   # x.jsa.123.partial -> x.jsa
+cds_opts() {
+    CDS_OPTS=()
+    [[ $CDS == off || $CDS == 0 || -z $JVM_ID ]] && return 0
+    local dir=$LIBS_DIR/.cds
+    local jsa
+    jsa=$(cds_archive)
+    if [[ -s $jsa ]]; then
+        CDS_OPTS=(-XX:SharedArchiveFile="$jsa" -Xlog:cds=off -Xlog:cds+dynamic=off)
+    elif [[ $CDS == on || $CDS == 1 ]] && mkdir -p "$dir" 2>/dev/null && [[ -w $dir ]]; then
+        # Unique per run: two brokers (two run dirs) may record at the same time.
+        CDS_PARTIAL=$jsa.$$.partial
+        rm -f "$CDS_PARTIAL"
+        CDS_OPTS=(-XX:ArchiveClassesAtExit="$CDS_PARTIAL" -Xlog:cds=off -Xlog:cds+dynamic=off)
+    fi
+}
+
+# ---------------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------------
+
+# One value of the state file written at start ("" when absent).
+state_get() { sed -n "s/^$1=//p" "$STATE_FILE" 2>/dev/null || true; }
+
+print_running() {
+    local pid=$1 port sasl_ssl_port
+    port=$(state_get port)
+    sasl_ssl_port=$(state_get sasl_ssl_port)
+    printf 'running pid=%s bootstrap=%s:%s port=%s controller_port=%s' \
+        "$pid" "$(state_get host)" "$port" "$port" "$(state_get controller_port)"
+    [[ -n $sasl_ssl_port ]] && printf ' sasl_ssl_port=%s cafile=%s' "$sasl_ssl_port" "$TLS_DIR/ca.pem"
+    printf ' version=%s\n' "$(kafka_version || true)"
+}
+
+cmd_status() {
+    local pid
+    if pid=$(running_pid); then
+        print_running "$pid"
+        return 0
+    fi
+    echo "stopped"
+    return 1
+}
+
+cmd_start() {
+    local pid
+    if pid=$(running_pid); then
+        local running_port
+        running_port=$(state_get port)
+        if [[ -n ${KAFKA_PORT:-} && $running_port != "$KAFKA_PORT" ]]; then
+            log "already running, on port $running_port (not KAFKA_PORT=$KAFKA_PORT): use restart to move it"
+        else
+            log "already running"
+        fi
+        print_running "$pid"
+        return 0
+    fi
+    check_port KAFKA_PORT "$PORT"
+    check_port KAFKA_CONTROLLER_PORT "$CONTROLLER_PORT"
+    [[ -z $SASL_SSL_PORT ]] || check_port KAFKA_SASL_SSL_PORT "$SASL_SSL_PORT"
+    if [[ -n $SASL_SSL_PORT ]]; then
+        # These values end up in a JAAS string and in --add-scram: keep them plain.
+        [[ $SASL_USER =~ ^[A-Za-z0-9._-]+$ ]] || die "KAFKA_SASL_USER may only use A-Z a-z 0-9 . _ -"
+        [[ $SASL_PASSWORD =~ ^[A-Za-z0-9._~@%+:-]+$ ]] ||
+            die "KAFKA_SASL_PASSWORD may only use A-Z a-z 0-9 and . _ ~ @ % + : -"
+    fi
+    local p
+    for p in "$PORT" "$CONTROLLER_PORT" $SASL_SSL_PORT; do
+        ! port_open "$HOST" "$p" || die "port $HOST:$p is already in use by another process"
+    done
+    local started_ns
+    started_ns=$(date +%s%N)
+    cmd_fetch
+    check_java
+    mkdir -p "$RUN_DIR"
+    [[ -z $SASL_SSL_PORT ]] || ensure_tls
+    render_config
+    ensure_formatted
+
+    cds_opts
+    [[ -f $LOG_FILE ]] && mv -f "$LOG_FILE" "$LOG_FILE.1"
+    # setsid: the broker must outlive this script and ignore the Ctrl-C of the terminal
+    # (or pytest) that started it. 9>&-: do not inherit the lock below.
+    (
+        cd "$RUN_DIR"
+        exec setsid "$JAVA" "${HEAP_OPTS[@]}" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+            -XX:+ExplicitGCInvokesConcurrent -Djava.awt.headless=true \
+            ${CDS_OPTS[@]+"${CDS_OPTS[@]}"} ${EXTRA_JVM_OPTS[@]+"${EXTRA_JVM_OPTS[@]}"} \
+            -Dlog4j2.configurationFile="$LOG4J_CONFIG" -Dkafka.logs.dir="$RUN_DIR" \
+            -cp "$LIBS_DIR/*" kafka.Kafka "$PROPS" </dev/null >"$LOG_FILE" 2>&1 9>&-
+    ) &
+    pid=$!
+    printf '%s\n' "$pid" >"$PID_FILE"
+    printf 'host=%s\nport=%s\ncontroller_port=%s\nsasl_ssl_port=%s\ncds_partial=%s\n' \
+        "$HOST" "$PORT" "$CONTROLLER_PORT" "$SASL_SSL_PORT" "$CDS_PARTIAL" >"$STATE_FILE"
+
+    resolve_python # while the JVM starts
+    local deadline=$((SECONDS + START_TIMEOUT))
+    until port_open "$HOST" "$PORT" && probe_ready "$HOST" "$PORT"; do
+        if ! is_alive "$pid"; then
+            rm -f "$PID_FILE" "$STATE_FILE"
+            tail -n 40 "$LOG_FILE" >&2 || true
+            die "the broker exited during startup (log: $LOG_FILE)"
+        fi
+        if ((SECONDS >= deadline)); then
+            tail -n 40 "$LOG_FILE" >&2 || true
+            cmd_stop >/dev/null
+            die "the broker was not ready within ${START_TIMEOUT}s (log: $LOG_FILE)"
+        fi
+        sleep 0.1
+    done
+    if [[ -n $SASL_SSL_PORT ]]; then
+        until port_open "$HOST" "$SASL_SSL_PORT"; do
+            ((SECONDS < deadline)) || die "the SASL_SSL listener on $SASL_SSL_PORT did not open"
+            sleep 0.1
+        done
+    fi
+    local ms=$((($(date +%s%N) - started_ns) / 1000000))
+    log "Kafka $(kafka_version || echo '?') ready on $HOST:$PORT in $((ms / 1000)).$(printf '%03d' $((ms % 1000)))s" \
+        "(pid $pid, log $LOG_FILE)"
+    print_running "$pid"
+}
+
+cmd_stop() {
+    local pid i killed=0 cds_partial wait_s=$STOP_TIMEOUT
+    if ! pid=$(running_pid); then
+        rm -f "$PID_FILE" "$STATE_FILE"
+        echo "stopped (was not running)"
+        return 0
+    fi
+    cds_partial=$(state_get cds_partial)
+    # Writing the class-data archive at exit takes 5 s on an idle machine, more on a busy one.
+    [[ -z $cds_partial ]] || wait_s=$((STOP_TIMEOUT * 3))
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < wait_s * 10; i++)); do
+        is_our_broker "$pid" || break
+        sleep 0.1
+    done
+    if is_our_broker "$pid"; then
+        log "no exit ${wait_s}s after SIGTERM; sending SIGKILL to $pid"
+        kill -KILL "$pid" 2>/dev/null || true
+        killed=1
+        for ((i = 0; i < 50; i++)); do
+            is_our_broker "$pid" || break
+            sleep 0.1
+        done
+    fi
+    # A clean exit has written the class-data archive the broker was recording.
+    if [[ -n $cds_partial && -f $cds_partial ]]; then
+        if ((killed == 0)) && [[ -s $cds_partial ]]; then
+            mv -f "$cds_partial" "$(cds_archive_of "$cds_partial")"
+        else
+            rm -f "$cds_partial"
+        fi
+    fi
+    rm -f "$PID_FILE" "$STATE_FILE"
+    echo "stopped (pid $pid)"
+}
+
+usage() {
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
+}
+
+main() {
+    local cmd=${1:-}
+    case $cmd in
+    fetch | start | stop | restart)
+        mkdir -p "$RUN_DIR"
+        # One command at a time per run dir (two test sessions starting at once).
+        if command -v flock >/dev/null; then
+            exec 9>"$RUN_DIR/.lock"
+            flock -w 180 9 || die "another kafka.sh is still busy with $RUN_DIR"
+        fi
+        ;;
+    esac
+    case $cmd in
+    fetch) cmd_fetch && log "jars in $LIBS_DIR" ;;
+    start) cmd_start ;;
+    stop) cmd_stop ;;
+    status) cmd_status ;;
+    restart) cmd_stop && cmd_start ;;
+    -h | --help | help) usage ;;
+    *)
+        usage >&2
+        exit 2
+        ;;
+    esac
+}
+
+main "$@"
