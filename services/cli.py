@@ -12,12 +12,15 @@ import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
 
 from services.common.config import ConfigError, Settings, load_settings
+
+if TYPE_CHECKING:
+    from services.common.broker import BrokerStatus
 
 app = typer.Typer(
     name="draftstream",
@@ -58,12 +61,23 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def _describe(status: BrokerStatus) -> str:
+    if not status.running:
+        return "stopped"
+    return f"running: Kafka {status.version or '?'} at {status.bootstrap} (pid {status.pid})"
+
+
 @broker_app.command("start")
-def broker_start() -> None:
+def broker_start(
+    port: Annotated[int | None, typer.Option(help="Client port (default 9092 or $KAFKA_PORT)")] = None,
+) -> None:
     """Start the local single-node Kafka (KRaft) broker under .run/kafka."""
     from services.common import broker
 
-    print(broker.start())
+    try:
+        print(_describe(broker.start(port=port)))
+    except broker.BrokerError as exc:
+        fail(str(exc), 1)
 
 
 @broker_app.command("stop")
@@ -71,7 +85,10 @@ def broker_stop() -> None:
     """Stop the local broker."""
     from services.common import broker
 
-    print(broker.stop())
+    try:
+        print("stopped" if broker.stop() else "was not running")
+    except broker.BrokerError as exc:
+        fail(str(exc), 1)
 
 
 @broker_app.command("status")
@@ -79,9 +96,9 @@ def broker_status() -> None:
     """Say whether the local broker runs (exit 1 when it does not)."""
     from services.common import broker
 
-    running, text = broker.status()
-    print(text)
-    raise typer.Exit(0 if running else 1)
+    status = broker.status()
+    print(_describe(status))
+    raise typer.Exit(0 if status.running else 1)
 
 
 @topics_app.command("create")

@@ -186,3 +186,19 @@ async def publish_all(producer: AIOKafkaProducer, records: Iterable[Outgoing]) -
     futures = [await producer.send(r.topic, r.value, key=r.key, headers=r.headers or None) for r in records]
     if futures:
         await asyncio.gather(*futures)
+
+
+__all__ = [
+    "DeadLetter",
+    "Headers",
+    "Outgoing",
+    "client_kwargs",
+    "dead_letter",
+    "ensure_topics",
+    "header",
+    "make_admin",
+    "make_consumer",
+    "make_producer",
+    "publish_all",
+    "topic_configs",
+]

@@ -66,7 +66,7 @@ backoff_max_s = 0.2
 timeout_s = 10
 
 [sink]
-out_dir = "{run_dir / 'out'}"
+out_dir = "{run_dir / "out"}"
 
 [stage]
 batch_max = 32
@@ -197,7 +197,11 @@ async def read_dead_letters(settings: Settings) -> DeadLetterView:
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
-        while any(await consumer.position(tp) < ends[tp] for tp in tps):
+
+        async def behind() -> bool:
+            return any([await consumer.position(tp) < ends[tp] for tp in tps])
+
+        while await behind():
             batches = await consumer.getmany(timeout_ms=500)
             for part in batches.values():
                 for r in part:
@@ -215,7 +219,9 @@ async def read_dead_letters(settings: Settings) -> DeadLetterView:
 
 def count_prompts(files: dict[str, Path]) -> dict[str, int]:
     """Prompts in each bundled dataset (non-empty lines)."""
-    return {name: sum(1 for line in path.read_text("utf-8").splitlines() if line.strip()) for name, path in files.items()}
+    return {
+        name: sum(1 for line in path.read_text("utf-8").splitlines() if line.strip()) for name, path in files.items()
+    }
 
 
 def wait_accounted(settings: Settings, out_dir: Path, expected: int, procs: Processes, timeout: float) -> None:
@@ -284,9 +290,10 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
         from services.common import broker
 
         console.print("[bold]starting the local Kafka broker[/] (first run downloads its jars)")
-        console.print(broker.start())
+        status = broker.start()
+        console.print(f"Kafka {status.version} at {status.bootstrap}")
         own_broker = True
-        bootstrap = f"127.0.0.1:{os.environ.get('KAFKA_PORT', '9092')}"
+        bootstrap = status.bootstrap or "127.0.0.1:9092"
     sim_port = free_port()
     config = run_dir / "draftstream.toml"
     config.write_text(demo_config(run_dir, bootstrap, sim_port), encoding="utf-8")
@@ -297,7 +304,9 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     published = count_prompts(files)
     try:
         console.print(f"[bold]config[/] {config}")
-        run_cli(cli("topics", "create", "--config", str(config), *sum((["-d", d] for d in DATASETS), [])), env, "topics")
+        run_cli(
+            cli("topics", "create", "--config", str(config), *sum((["-d", d] for d in DATASETS), [])), env, "topics"
+        )
         procs.start(
             "simulator",
             cli(
@@ -340,7 +349,9 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
                 time.sleep(1)
             now_accepted = accepted_keys(out_dir)
             recovered = len(retryable & set(now_accepted))
-            console.print(f"replay: {recovered} of {len(retryable)} replayed prompts are now accepted (the rest failed again)")
+            console.print(
+                f"replay: {recovered} of {len(retryable)} replayed prompts are now accepted (the rest failed again)"
+            )
             dup = sum(1 for n in now_accepted.values() if n > 1)
             console.print(f"duplicate keys in the training files after replay: {dup}")
         else:
