@@ -258,6 +258,16 @@ class BudgetSnapshot(Struct, kw_only=True):
     offsets: dict[str, int] = msgspec.field(default_factory=dict)
     updated_at: float = 0.0
     schema_version: Version = SCHEMA_VERSION
+    # Added by the budget service (defaults keep older snapshots decodable).
+    responses: int = 0
+    # Requests sent but not yet answered: "<dataset>:<sample_id>" -> max_tokens.
+    inflight: dict[str, int] = msgspec.field(default_factory=dict)
+    inflight_tokens: int = 0
+    rate_usd_per_s: float = 0.0
+    rate_tokens_per_s: float = 0.0
+    remaining_prompts: int | None = None
+    projected_usd: float | None = None
+    projected_completion_tokens: int | None = None
 
 
 class DeadLetterHeaders:

@@ -1,0 +1,350 @@
+"""The budget service's Kafka wiring: feeds the :class:`Ledger`, publishes its halts.
+
+Reads ``requests`` and ``responses`` (every partition, manual assignment, no consumer
+group: one budget instance per deployment) plus ``control``; publishes halts/resumes on
+``control`` and checkpoints on ``budget-state``. On start it rebuilds the ledger from
+the latest checkpoints and seeks to the offsets they carry (see services.budget.core for
+why that neither forgets nor double counts).
+
+Written on aiokafka directly (like services.common.stage) because it needs manual
+partition assignment and seeking to checkpointed offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+
+from schemas import (
+    BUDGET_STATE_TOPIC,
+    CONTROL_TOPIC,
+    DEAD_LETTER_TOPIC,
+    DLQ_HEADERS,
+    GLOBAL_SCOPE,
+    REQUESTS_TOPIC,
+    RESPONSES_TOPIC,
+    Halt,
+    RequestStarted,
+    ResponseReceived,
+    Resume,
+    SchemaError,
+    decode,
+    decode_control,
+    encode,
+)
+from services.budget.core import Caps, Counted, Ledger
+from services.common.config import Settings
+from services.common.kafka import (
+    DeadLetter,
+    Outgoing,
+    dead_letter,
+    ensure_topics,
+    header,
+    make_consumer,
+    make_producer,
+    publish_all,
+)
+from services.common.metrics import (
+    BUDGET_CAP,
+    BUDGET_PROJECTED,
+    BUDGET_RATE,
+    BUDGET_REMAINING,
+    BUDGET_SOFT_LIMIT,
+    BUDGET_SPENT,
+    BUDGET_STATE,
+    DEAD_LETTERS,
+    DOLLARS,
+    HALTS,
+    RESPONSES_WITHOUT_USAGE,
+    STAGE_RECORDS,
+    TOKENS,
+)
+from services.control import control_state_from, read_budget_snapshots, read_compacted
+
+log = logging.getLogger(__name__)
+
+STAGE = "budget"
+_STATE_CODE = {"running": 0, "soft-limit": 1, "halted": 2}
+
+
+def ledger_for(settings: Settings) -> Ledger:
+    """A ledger configured from the settings: caps, prices, soft threshold, TTL."""
+    budget = settings.budget
+
+    def caps_for(scope: str) -> Caps:
+        if scope == GLOBAL_SCOPE:
+            return Caps(budget.global_cap_completion_tokens, budget.global_cap_usd)
+        dataset = settings.dataset(scope)
+        return Caps(dataset.cap_completion_tokens, dataset.cap_usd)
+
+    provider = settings.provider
+    completion_price = budget.prices.get(provider.model, {}).get("completion")
+    return Ledger(
+        caps_for=caps_for,
+        soft_threshold=budget.soft_threshold,
+        prices=budget.prices,
+        include_inflight=budget.include_inflight,
+        # A request unanswered after every attempt's timeout and backoff is not billing.
+        inflight_ttl_s=(provider.timeout_s + provider.backoff_max_s) * provider.max_attempts,
+        rate_window_s=budget.rate_window_s,
+        inflight_usd_per_token=completion_price / 1e6 if completion_price else None,
+    )
+
+
+class BudgetService:
+    """Counts spend per dataset and in total, halts scopes over their caps, checkpoints."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.time,
+        checkpoint_interval_s: float = 1.0,
+        prompts_refresh_s: float = 5.0,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.prompts_refresh_s = prompts_refresh_s
+        self.ledger = ledger_for(settings)
+        self.published_control: list[Halt | Resume] = []
+        self._stopping = asyncio.Event()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self._logical = {settings.kafka.topic(n): n for n in (REQUESTS_TOPIC, RESPONSES_TOPIC, CONTROL_TOPIC)}
+        self._published_prompts: dict[str, int] = {}
+        self._last_checkpoint = 0.0
+        self._last_prompts_refresh = 0.0
+        self._unpriced_models: set[str] = set()
+        self.started = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Create topics, rebuild the ledger from checkpoints and control, seek, resume."""
+        kafka = self.settings.kafka
+        await ensure_topics(kafka, self.settings.datasets)
+        self._producer = make_producer(kafka)
+        await self._producer.start()
+        control_values, control_ends = await read_compacted(self.settings, CONTROL_TOPIC)
+        for event in control_state_from(control_values).values():
+            self.ledger.apply_control(event)
+        snapshots = await read_budget_snapshots(self.settings)
+        now = self.clock()
+        seek = self.ledger.restore(sorted(snapshots.values(), key=lambda s: s.scope == GLOBAL_SCOPE), now)
+        consumer = make_consumer(kafka, group_id=None, fetch_max_wait_ms=50)
+        await consumer.start()
+        self._consumer = consumer
+        partitions: list[TopicPartition] = []
+        for physical in self._logical:
+            for p in sorted(await self._producer.partitions_for(physical)):
+                partitions.append(TopicPartition(physical, p))
+        consumer.assign(partitions)
+        for tp in partitions:
+            logical = self._logical[tp.topic]
+            if logical == CONTROL_TOPIC:
+                consumer.seek(tp, control_ends.get(tp.partition, 0))
+            elif f"{logical}:{tp.partition}" in seek:
+                consumer.seek(tp, seek[f"{logical}:{tp.partition}"])
+            else:
+                await consumer.seek_to_beginning(tp)
+        log.info(
+            "budget: restored %d scope(s), seeking %s",
+            len(snapshots),
+            ", ".join(f"{k}@{v}" for k, v in sorted(seek.items())) or "from the beginning",
+        )
+        await self._publish_control(self.ledger.startup_resumes(now))
+        self.started.set()
+
+    async def run(self) -> None:
+        """Consume and account until :meth:`stop`; checkpoint every interval."""
+        consumer = self._consumer
+        if consumer is None:
+            raise RuntimeError("BudgetService.run() before start()")
+        while not self._stopping.is_set():
+            batches = await consumer.getmany(timeout_ms=200, max_records=500)
+            records = [r for part in batches.values() for r in part]
+            # Requests before responses, so an answer in the same batch closes its request.
+            order = {CONTROL_TOPIC: 0, REQUESTS_TOPIC: 1, RESPONSES_TOPIC: 2}
+            records.sort(key=lambda r: order[self._logical[r.topic]])
+            decisions: list[Halt | Resume] = []
+            dead: list[Outgoing] = []
+            for record in records:
+                decisions.extend(self._handle(record, dead))
+            if records:
+                STAGE_RECORDS.labels(stage=STAGE).inc(len(records))
+            assert self._producer is not None  # noqa: S101 - set in start()
+            await publish_all(self._producer, dead)
+            await self._publish_control(decisions)
+            await self._tick()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the current batch."""
+        self._stopping.set()
+
+    async def close(self) -> None:
+        """Write a final checkpoint and release the Kafka clients."""
+        try:
+            if self._producer is not None and self._consumer is not None:
+                await self._checkpoint(self.clock(), everything=True)
+        finally:
+            await self.abort()
+
+    async def abort(self) -> None:
+        """Release the clients without a final checkpoint (what a crash leaves behind)."""
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    # ------------------------------------------------------------------ records
+    def _handle(self, record: ConsumerRecord[bytes, bytes], dead: list[Outgoing]) -> list[Halt | Resume]:
+        logical = self._logical[record.topic]
+        position = f"{logical}:{record.partition}"
+        now = self.clock()
+        try:
+            if logical == CONTROL_TOPIC:
+                self.ledger.apply_control(decode_control(record.value))
+                return []
+            if logical == REQUESTS_TOPIC:
+                request = decode(record.value, RequestStarted)
+                self._check_dataset(request.dataset)
+                return list(self.ledger.on_request(request, position, record.offset, now))
+            response = decode(record.value, ResponseReceived)
+            self._check_dataset(response.dataset)
+            replayed = int(header(record.headers, DLQ_HEADERS.REPLAY_COUNT) or "0") > 0
+            counted, halts = self.ledger.on_response(response, position, record.offset, now, replay=replayed)
+            if counted is not None:
+                self._count_metrics(counted, response.model)
+            return list(halts)
+        except SchemaError as exc:
+            if logical == CONTROL_TOPIC:
+                # Never treated as a resume: the standing state is left as it was.
+                log.warning("control record at offset %d ignored (%s)", record.offset, exc.reason)
+                return []
+            verdict = DeadLetter(exc.reason, exc.message)
+            DEAD_LETTERS.labels(stage=STAGE, reason=exc.reason).inc()
+            log.warning("%s@%d: dead letter (%s)", record.topic, record.offset, exc.reason)
+            dead.append(
+                dead_letter(
+                    dlq_topic=self.settings.kafka.topic(DEAD_LETTER_TOPIC),
+                    stage=STAGE,
+                    verdict=verdict,
+                    value=record.value,
+                    key=record.key,
+                    topic=record.topic,
+                    partition=record.partition,
+                    offset=record.offset,
+                    in_headers=list(record.headers or ()),
+                )
+            )
+            # Keep the offsets moving so a checkpoint never replays a dead letter.
+            self.ledger.skip(position, record.offset)
+            return []
+
+    @staticmethod
+    def _check_dataset(dataset: str) -> None:
+        if dataset == GLOBAL_SCOPE:
+            raise SchemaError("reserved_dataset_name", f"dataset name {GLOBAL_SCOPE!r} is the global scope")
+
+    def _count_metrics(self, counted: Counted, model: str) -> None:
+        ds = counted.dataset
+        TOKENS.labels(dataset=ds, kind="prompt").inc(counted.prompt_tokens)
+        TOKENS.labels(dataset=ds, kind="completion").inc(counted.completion_tokens)
+        TOKENS.labels(dataset=ds, kind="reasoning").inc(counted.reasoning_tokens)
+        DOLLARS.labels(dataset=ds).inc(counted.cost_usd)
+        if counted.estimated:
+            RESPONSES_WITHOUT_USAGE.labels(dataset=ds).inc()
+        if not counted.priced and model not in self._unpriced_models:
+            self._unpriced_models.add(model)
+            log.warning("model %r reports no usage.cost and has no [budget.prices] entry: counted as $0", model)
+
+    # ------------------------------------------------------------------ periodic
+    async def _tick(self) -> None:
+        now = self.clock()
+        if now - self._last_prompts_refresh >= self.prompts_refresh_s:
+            self._last_prompts_refresh = now
+            await self._refresh_published_prompts()
+        if now - self._last_checkpoint >= self.checkpoint_interval_s:
+            self.ledger.expire_inflight(now)
+            await self._publish_control(self.ledger.evaluate(now))
+            await self._checkpoint(now)
+
+    async def _refresh_published_prompts(self) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            return
+        try:
+            topics = await consumer.topics()
+            for dataset in self.ledger.datasets:
+                physical = self.settings.kafka.prompts_topic(dataset)
+                if physical not in topics or self._producer is None:
+                    continue
+                parts = [TopicPartition(physical, p) for p in await self._producer.partitions_for(physical)]
+                ends = await consumer.end_offsets(parts)
+                self._published_prompts[dataset] = sum(ends.values())
+        except Exception:  # noqa: BLE001 - a projection is not worth stopping the budget for
+            log.warning("could not read the end offsets of the prompts topics", exc_info=True)
+
+    def remaining_prompts(self) -> dict[str, int | None]:
+        """Prompts not yet answered per dataset (expected_prompts, else topic end offsets)."""
+        out: dict[str, int | None] = {}
+        for dataset in self.ledger.datasets:
+            expected = self.settings.dataset(dataset).expected_prompts
+            published = expected if expected is not None else self._published_prompts.get(dataset)
+            answered = self.ledger.scopes[dataset].responses
+            out[dataset] = None if published is None else max(0, published - answered)
+        return out
+
+    async def _checkpoint(self, now: float, *, everything: bool = False) -> None:
+        self._last_checkpoint = now
+        snaps = self.ledger.checkpoint(now, self.remaining_prompts(), everything=everything)
+        if not snaps or self._producer is None:
+            return
+        topic = self.settings.kafka.topic(BUDGET_STATE_TOPIC)
+        # Global goes last and after the others were acknowledged (see core's docstring).
+        *scopes, total = snaps
+        await publish_all(self._producer, [Outgoing(topic, encode(s), s.scope.encode()) for s in scopes])
+        await publish_all(self._producer, [Outgoing(topic, encode(total), total.scope.encode())])
+        for snap in snaps:
+            self._gauges(snap.scope, snap.state, snap.rate_usd_per_s, snap.projected_usd)
+
+    def _gauges(self, scope: str, state: str, rate: float, projected: float | None) -> None:
+        totals = self.ledger.scopes[scope]
+        caps = self.ledger.caps(scope)
+        for unit, cap, spent in (
+            ("completion_tokens", caps.completion_tokens, float(totals.completion_tokens)),
+            ("dollars", caps.usd, totals.cost_usd),
+        ):
+            BUDGET_SPENT.labels(dataset=scope, unit=unit).set(spent)
+            if cap is not None:
+                BUDGET_CAP.labels(dataset=scope, unit=unit).set(cap)
+                BUDGET_REMAINING.labels(dataset=scope, unit=unit).set(max(0.0, cap - spent))
+        BUDGET_STATE.labels(dataset=scope).set(_STATE_CODE[state])
+        BUDGET_SOFT_LIMIT.labels(dataset=scope).set(1 if self.ledger.soft_limit(scope) else 0)
+        BUDGET_RATE.labels(dataset=scope).set(rate)
+        if projected is not None:
+            BUDGET_PROJECTED.labels(dataset=scope).set(projected)
+
+    async def _publish_control(self, events: Sequence[Halt | Resume]) -> None:
+        if not events or self._producer is None:
+            return
+        topic = self.settings.kafka.topic(CONTROL_TOPIC)
+        await publish_all(self._producer, [Outgoing(topic, encode(e), e.scope.encode()) for e in events])
+        for event in events:
+            self.published_control.append(event)
+            if isinstance(event, Halt):
+                HALTS.labels(scope=event.scope, by=event.by).inc()
+            log.warning("budget: %s %s: %s", type(event).__name__.lower(), event.scope, event.reason)
+
+
+def create_app(
+    settings: Settings, *, checkpoint_interval_s: float = 1.0, prompts_refresh_s: float = 5.0
+) -> BudgetService:
+    """The budget service (composition root)."""
+    return BudgetService(settings, checkpoint_interval_s=checkpoint_interval_s, prompts_refresh_s=prompts_refresh_s)

@@ -1,0 +1,236 @@
+"""Commands: ``run budget``, ``halt``, ``resume`` and the ``budget`` table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from schemas import BudgetSnapshot, Halt, Resume
+    from services.common.config import Settings
+
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="TOML config file (default: ./draftstream.toml if present)"),
+]
+DatasetOption = Annotated[
+    str | None, typer.Option("--dataset", "-d", help="Only this dataset (default: every dataset, global)")
+]
+ByOption = Annotated[str | None, typer.Option("--by", help="Who (default: $USER@hostname)")]
+
+
+def default_actor() -> str:
+    """``user@hostname`` of the person running the command."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _scope(dataset: str | None) -> str:
+    from schemas import GLOBAL_SCOPE
+    from services.cli import fail
+    from services.common.config import ConfigError, check_dataset_name
+
+    if dataset is None:
+        return GLOBAL_SCOPE
+    if dataset == GLOBAL_SCOPE:
+        fail(f"{GLOBAL_SCOPE!r} is the global scope, not a dataset: leave out --dataset")
+    try:
+        return check_dataset_name(dataset)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def _publish(settings: Settings, event: Halt | Resume) -> None:
+    import asyncio
+
+    from services.cli import fail
+    from services.control import publish_control
+
+    try:
+        asyncio.run(asyncio.wait_for(publish_control(settings, event), timeout=60))
+    except (TimeoutError, OSError) as exc:
+        fail(f"could not publish to {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - aiokafka's errors share no useful base
+        fail(f"could not publish to {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
+
+
+def halt_command(
+    reason: Annotated[str, typer.Option("--reason", "-r", help="Why (recorded on the control topic)")],
+    dataset: DatasetOption = None,
+    by: ByOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """Stop every inference worker for a dataset, or for everything (global)."""
+    from schemas import Halt
+    from services.cli import fail, settings_from
+
+    if not reason.strip():
+        fail("--reason must say why")
+    settings = settings_from(config)
+    scope = _scope(dataset)
+    event = Halt(scope=scope, reason=reason, by=by or default_actor())
+    _publish(settings, event)
+    print(f"halted {scope} (by {event.by}: {reason})")
+
+
+def resume_command(
+    dataset: DatasetOption = None,
+    reason: Annotated[str, typer.Option("--reason", "-r", help="Why")] = "resumed by hand",
+    by: ByOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """Lift the halt of a dataset, or the global halt."""
+    from schemas import Resume
+    from services.cli import settings_from
+
+    settings = settings_from(config)
+    scope = _scope(dataset)
+    event = Resume(scope=scope, reason=reason, by=by or default_actor())
+    _publish(settings, event)
+    print(f"resumed {scope} (by {event.by}: {reason})")
+    print(
+        "note: if the budget halted this scope because a cap was reached, it halts it again; "
+        "raise the cap in the config and restart the budget service instead."
+    )
+
+
+def _fmt_int(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _fmt_usd(value: float | None) -> str:
+    return "-" if value is None else f"${value:,.4f}"
+
+
+def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt | Resume], settings: Settings) -> Table:
+    """The budget table: one row per dataset and one for the global scope."""
+    from rich.table import Table
+
+    from schemas import GLOBAL_SCOPE, Halt
+
+    table = Table(title="draftstream budget")
+    for name, justify in (
+        ("scope", "left"),
+        ("completion tok", "right"),
+        ("prompt tok", "right"),
+        ("reasoning tok", "right"),
+        ("spent $", "right"),
+        ("cap", "right"),
+        ("remaining", "right"),
+        ("in flight", "right"),
+        ("rate", "right"),
+        ("projection", "right"),
+        ("state", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    scopes = sorted(set(snapshots) | {s for s in control if s != GLOBAL_SCOPE} | set(settings.datasets))
+    scopes = [s for s in scopes if s != GLOBAL_SCOPE] + [GLOBAL_SCOPE]
+    global_halt = control.get(GLOBAL_SCOPE)
+    for scope in scopes:
+        snap = snapshots.get(scope)
+        if scope == GLOBAL_SCOPE:
+            cap_tokens = settings.budget.global_cap_completion_tokens
+            cap_usd = settings.budget.global_cap_usd
+        else:
+            cap_tokens = settings.dataset(scope).cap_completion_tokens
+            cap_usd = settings.dataset(scope).cap_usd
+        tokens = snap.completion_tokens if snap else 0
+        usd = snap.cost_usd if snap else 0.0
+        caps = [f"{cap_tokens:,} tok" if cap_tokens else "", f"${cap_usd:,.2f}" if cap_usd else ""]
+        remaining = []
+        if cap_tokens:
+            remaining.append(f"{max(0, cap_tokens - tokens):,} tok")
+        if cap_usd:
+            remaining.append(f"${max(0.0, cap_usd - usd):,.2f}")
+        rate = "-"
+        if snap and (snap.rate_tokens_per_s or snap.rate_usd_per_s):
+            rate = f"{snap.rate_tokens_per_s:,.0f} tok/s, ${snap.rate_usd_per_s * 3600:,.2f}/h"
+        projection = "-"
+        if snap and snap.projected_completion_tokens is not None:
+            projection = (
+                f"{snap.projected_completion_tokens:,} tok, {_fmt_usd(snap.projected_usd)}"
+                f" ({_fmt_int(snap.remaining_prompts)} prompts left)"
+            )
+        event = control.get(scope)
+        if isinstance(event, Halt):
+            state = f"[red]halted[/] by {event.by}: {event.reason}"
+        elif scope != GLOBAL_SCOPE and isinstance(global_halt, Halt):
+            state = f"[red]halted[/] (global) by {global_halt.by}: {global_halt.reason}"
+        elif snap and snap.state == "soft-limit":
+            state = "[yellow]soft-limit[/]"
+        else:
+            state = "[green]running[/]"
+        table.add_row(
+            scope,
+            f"{tokens:,}",
+            _fmt_int(snap.prompt_tokens if snap else 0),
+            _fmt_int(snap.reasoning_tokens if snap else 0),
+            _fmt_usd(usd),
+            " / ".join(c for c in caps if c) or "none",
+            " / ".join(remaining) or "-",
+            _fmt_int(snap.inflight_tokens if snap else 0),
+            rate,
+            projection,
+            state,
+        )
+    return table
+
+
+def budget_command(config: ConfigOption = None) -> None:
+    """Print spend, caps, rate, projection and state per dataset (from Kafka)."""
+    import asyncio
+
+    from rich.console import Console
+
+    from services.cli import fail, settings_from
+    from services.control import read_budget_snapshots, read_control_state
+
+    settings = settings_from(config)
+
+    async def read() -> tuple[dict[str, BudgetSnapshot], dict[str, Halt | Resume]]:
+        return await read_budget_snapshots(settings), await read_control_state(settings)
+
+    try:
+        snapshots, control = asyncio.run(asyncio.wait_for(read(), timeout=60))
+    except Exception as exc:  # noqa: BLE001 - one line, whatever aiokafka raised
+        fail(f"could not read from {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
+    Console(width=200).print(budget_table(snapshots, control, settings))
+
+
+def run_budget(config: ConfigOption = None) -> None:
+    """Run the budget service: count spend, halt scopes over their caps."""
+    import asyncio
+
+    from services.budget.app import create_app
+    from services.cli import settings_from
+    from services.common.logs import setup_logging
+    from services.common.service import run_service
+
+    settings = settings_from(config)
+    setup_logging(settings)
+    asyncio.run(
+        run_service(
+            create_app(settings),
+            name="budget",
+            metrics_port=settings.metrics.budget_port,
+            metrics_host=settings.metrics.host,
+        )
+    )
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
+    """Add ``halt``, ``resume``, ``budget`` and ``run budget`` to the CLI."""
+    app.command("halt")(halt_command)
+    app.command("resume")(resume_command)
+    app.command("budget")(budget_command)
+    run_app.command("budget")(run_budget)

@@ -1,0 +1,515 @@
+"""The budget's accounting, pure: a :class:`Ledger` fed events, returning halt/resume decisions.
+
+No Kafka, no clock, no environment: the shell passes every record's position and the
+current time in, and publishes the :class:`~schemas.Halt`/:class:`~schemas.Resume` events
+this module returns.
+
+Restart without forgetting or double counting: every checkpoint writes the snapshot of
+each scope that changed, all with the same consumed offsets, the ``global`` scope last
+(``budget-state`` has one partition and the producer is idempotent, so when the global
+snapshot of a checkpoint is in the log, so are the others of that checkpoint). On restart
+the consumer seeks to the global snapshot's offsets, and a dataset scope counts a replayed
+record only when its offset is at or past the dataset's own snapshot offsets: a crash in
+the middle of a checkpoint can leave some datasets ahead of ``global``, never behind it.
+
+Responses without usage are counted by estimated tokens (see :func:`estimate_usage`) and
+flagged, never ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from schemas import (
+    GLOBAL_SCOPE,
+    BudgetSnapshot,
+    Halt,
+    RequestStarted,
+    ResponseReceived,
+    Resume,
+    sample_key,
+)
+
+BUDGET_ACTOR = "budget"
+"""The ``by`` of every halt and resume the budget service publishes itself."""
+
+CHARS_PER_TOKEN = 4
+"""Characters per token when a response reports no usage (the usual English rule of thumb)."""
+
+_ANSWERED_MEMORY = 200_000
+
+State = Literal["running", "soft-limit", "halted"]
+
+
+@dataclass(frozen=True)
+class Caps:
+    """The caps of one scope; ``None`` means uncapped in that unit."""
+
+    completion_tokens: int | None = None
+    usd: float | None = None
+
+
+@dataclass(frozen=True)
+class Counted:
+    """What one response added to its dataset, for metrics."""
+
+    dataset: str
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    cost_usd: float
+    estimated: bool
+    priced: bool
+
+
+@dataclass
+class ScopeTotals:
+    """Running totals of one scope (a dataset or ``global``)."""
+
+    scope: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost_usd: float = 0.0
+    requests: int = 0
+    responses: int = 0
+    responses_without_usage: int = 0
+    # key -> (max_tokens, started_at); only kept on dataset scopes.
+    inflight: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Offsets below which this scope already counted records (from its snapshot).
+    floor: dict[str, int] = field(default_factory=dict)
+    # Caps recorded in the last snapshot (to tell a raised cap at restart).
+    previous_caps: Caps | None = None
+    window: deque[tuple[float, float, int]] = field(default_factory=deque)
+    first_event_at: float | None = None
+
+    def counts(self, position: str, offset: int) -> bool:
+        """Whether a record at ``position``/``offset`` is new to this scope."""
+        return offset >= self.floor.get(position, 0)
+
+
+def estimate_usage(response: ResponseReceived) -> tuple[int, int, int]:
+    """Prompt, completion and reasoning tokens of a response, estimating what usage lacks.
+
+    Reported numbers win. Missing completion tokens come from the native output ids,
+    else the logprob tokens, else ``ceil(characters / 4)`` of reasoning, content and tool
+    calls; missing prompt tokens from ``ceil(characters / 4)`` of the prompt's messages.
+    """
+    usage = response.usage
+    completion = usage.completion_tokens
+    if completion is None:
+        if response.native_output_ids is not None:
+            completion = len(response.native_output_ids)
+        elif response.logprobs is not None:
+            completion = len(response.logprobs)
+        else:
+            chars = len(response.reasoning) + len(response.content)
+            chars += sum(len(c.function.name) + len(c.function.arguments) for c in response.tool_calls)
+            completion = math.ceil(chars / CHARS_PER_TOKEN)
+    reasoning = usage.reasoning_tokens
+    if reasoning is None:
+        reasoning = min(completion, math.ceil(len(response.reasoning) / CHARS_PER_TOKEN))
+    prompt = usage.prompt_tokens
+    if prompt is None:
+        chars = 0
+        for message in response.prompt.messages:
+            chars += len(message.content) + len(message.reasoning_content or "")
+            chars += sum(len(c.function.name) + len(c.function.arguments) for c in message.tool_calls or ())
+        prompt = math.ceil(chars / CHARS_PER_TOKEN)
+    return prompt, completion, reasoning
+
+
+def price_usd(
+    prices: Mapping[str, Mapping[str, float]], model: str, prompt_tokens: int, completion_tokens: int
+) -> float | None:
+    """Dollars from a per-model price table in USD per million tokens; None when unpriced.
+
+    Reasoning tokens are part of ``completion_tokens`` (OpenAI convention), so they are
+    not priced twice.
+    """
+    table = prices.get(model)
+    if table is None:
+        return None
+    return (prompt_tokens * table.get("prompt", 0.0) + completion_tokens * table.get("completion", 0.0)) / 1e6
+
+
+class Ledger:
+    """Tokens, dollars and in-flight worst case per dataset and in total; decides halts.
+
+    Args:
+        caps_for: the caps of a scope (a dataset name or ``global``).
+        soft_threshold: fraction of a cap past which a scope is in ``soft-limit``.
+        prices: USD per million tokens by model, for responses without ``usage.cost``.
+        include_inflight: halt early when spend plus in-flight ``max_tokens`` would cross a cap.
+        inflight_ttl_s: an unanswered request older than this is no longer in flight
+            (its worker failed it or died; the provider is not billing it any more).
+        rate_window_s: the window of the moving spend rate.
+        inflight_usd_per_token: worst-case dollars per in-flight token (None: dollars
+            caps do not count in-flight requests).
+    """
+
+    def __init__(
+        self,
+        *,
+        caps_for: Callable[[str], Caps],
+        soft_threshold: float = 0.8,
+        prices: Mapping[str, Mapping[str, float]] | None = None,
+        include_inflight: bool = True,
+        inflight_ttl_s: float = 600.0,
+        rate_window_s: float = 60.0,
+        inflight_usd_per_token: float | None = None,
+    ) -> None:
+        self._caps_for = caps_for
+        self.soft_threshold = soft_threshold
+        self.prices = dict(prices or {})
+        self.include_inflight = include_inflight
+        self.inflight_ttl_s = inflight_ttl_s
+        self.rate_window_s = rate_window_s
+        self.inflight_usd_per_token = inflight_usd_per_token
+        self.scopes: dict[str, ScopeTotals] = {GLOBAL_SCOPE: ScopeTotals(GLOBAL_SCOPE)}
+        self.offsets: dict[str, int] = {}
+        self.control: dict[str, Halt | Resume] = {}
+        self._dirty: set[str] = set()
+        self._answered: OrderedDict[str, int] = OrderedDict()
+        self._resume_candidates: set[str] = set()
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, snapshots: Iterable[BudgetSnapshot], now: float) -> dict[str, int]:
+        """Load checkpointed totals; returns the offsets to seek to (``"<topic>:<p>"``)."""
+        for snap in snapshots:
+            totals = ScopeTotals(
+                scope=snap.scope,
+                prompt_tokens=snap.prompt_tokens,
+                completion_tokens=snap.completion_tokens,
+                reasoning_tokens=snap.reasoning_tokens,
+                cost_usd=snap.cost_usd,
+                requests=snap.requests,
+                responses=snap.responses,
+                responses_without_usage=snap.responses_without_usage,
+                inflight={k: (v, now) for k, v in snap.inflight.items()},
+                floor=dict(snap.offsets),
+                previous_caps=Caps(snap.cap_completion_tokens, snap.cap_usd),
+            )
+            self.scopes[snap.scope] = totals
+        seek = dict(self.scopes[GLOBAL_SCOPE].floor)
+        self.offsets = dict(seek)
+        return seek
+
+    def apply_control(self, event: Halt | Resume) -> None:
+        """Record the standing control event of a scope (from the control topic)."""
+        self.control[event.scope] = event
+        self._dirty.add(event.scope)
+        if not (isinstance(event, Halt) and event.by == BUDGET_ACTOR):
+            self._resume_candidates.discard(event.scope)
+
+    def startup_resumes(self, now: float) -> list[Resume]:
+        """Resumes for scopes the budget halted whose cap was raised since (config change).
+
+        A halt a person published is never resumed here. A raised cap whose scope is
+        still over it (e.g. in-flight worst case) is resumed later by :meth:`evaluate`.
+        """
+        for scope, event in self.control.items():
+            if not (isinstance(event, Halt) and event.by == BUDGET_ACTOR):
+                continue
+            totals = self.scopes.get(scope)
+            if totals is None or totals.previous_caps is None:
+                continue
+            if _raised(totals.previous_caps, self.caps(scope)):
+                self._resume_candidates.add(scope)
+        return self._resumes(now)
+
+    # ------------------------------------------------------------------ events
+    def _scope(self, name: str) -> ScopeTotals:
+        totals = self.scopes.get(name)
+        if totals is None:
+            totals = self.scopes[name] = ScopeTotals(name)
+        return totals
+
+    def skip(self, position: str, offset: int) -> None:
+        """Move past a record that counts for nothing (e.g. one sent to the dead letters)."""
+        self._advance(position, offset)
+
+    def _advance(self, position: str, offset: int) -> None:
+        if offset + 1 > self.offsets.get(position, 0):
+            self.offsets[position] = offset + 1
+
+    def on_request(self, event: RequestStarted, position: str, offset: int, now: float) -> list[Halt]:
+        """Count a request sent to the provider and its worst case while it is in flight."""
+        self._advance(position, offset)
+        key = sample_key(event.dataset, event.sample_id)
+        dataset = self._scope(event.dataset)
+        total = self.scopes[GLOBAL_SCOPE]
+        answered = self._answered.get(key)
+        for scope in (dataset, total):
+            if not scope.counts(position, offset):
+                continue
+            scope.requests += 1
+            self._dirty.add(scope.scope)
+            if scope is dataset and (answered is None or event.attempt > answered):
+                started = event.started_at or now
+                dataset.inflight[key] = (event.max_tokens, started)
+        return self._halts(now)
+
+    def on_response(
+        self, event: ResponseReceived, position: str, offset: int, now: float, *, replay: bool = False
+    ) -> tuple[Counted | None, list[Halt]]:
+        """Count a response's usage (estimated when absent); a replayed record adds nothing."""
+        self._advance(position, offset)
+        key = sample_key(event.dataset, event.sample_id)
+        dataset = self._scope(event.dataset)
+        total = self.scopes[GLOBAL_SCOPE]
+        if replay:
+            return None, []
+        self._answered[key] = max(event.attempt, self._answered.get(key, 0))
+        self._answered.move_to_end(key)
+        while len(self._answered) > _ANSWERED_MEMORY:
+            self._answered.popitem(last=False)
+        prompt, completion, reasoning = estimate_usage(event)
+        usage = event.usage
+        estimated = usage.completion_tokens is None or usage.prompt_tokens is None
+        cost: float | None = usage.cost
+        priced = True
+        if cost is None:
+            cost = price_usd(self.prices, event.model, prompt, completion)
+            priced = cost is not None
+            cost = cost or 0.0
+        counted: Counted | None = None
+        for scope in (dataset, total):
+            if not scope.counts(position, offset):
+                continue
+            scope.prompt_tokens += prompt
+            scope.completion_tokens += completion
+            scope.reasoning_tokens += reasoning
+            scope.cost_usd += cost
+            scope.responses += 1
+            scope.responses_without_usage += int(estimated)
+            scope.window.append((now, cost, completion))
+            if scope.first_event_at is None:
+                scope.first_event_at = now
+            self._dirty.add(scope.scope)
+            if scope is dataset:
+                dataset.inflight.pop(key, None)
+                counted = Counted(event.dataset, prompt, completion, reasoning, cost, estimated, priced)
+        return counted, self._halts(now)
+
+    def expire_inflight(self, now: float) -> int:
+        """Forget in-flight requests older than the TTL; returns how many were dropped."""
+        dropped = 0
+        for name, scope in self.scopes.items():
+            stale = [k for k, (_, t) in scope.inflight.items() if now - t > self.inflight_ttl_s]
+            for k in stale:
+                del scope.inflight[k]
+            if stale:
+                dropped += len(stale)
+                self._dirty.add(name)
+        if dropped:
+            self._dirty.add(GLOBAL_SCOPE)
+        return dropped
+
+    def evaluate(self, now: float) -> list[Halt | Resume]:
+        """Halts for scopes over a cap, resumes for raised caps now under it."""
+        out: list[Halt | Resume] = list(self._halts(now))
+        out.extend(self._resumes(now))
+        return out
+
+    # ------------------------------------------------------------------ decisions
+    def caps(self, scope: str) -> Caps:
+        """The current caps of a scope."""
+        return self._caps_for(scope)
+
+    def inflight_tokens(self, scope: str) -> int:
+        """Worst-case completion tokens of the scope's unanswered requests."""
+        if scope == GLOBAL_SCOPE:
+            return sum(v for name, s in self.scopes.items() if name != GLOBAL_SCOPE for v, _ in s.inflight.values())
+        totals = self.scopes.get(scope)
+        return sum(v for v, _ in totals.inflight.values()) if totals else 0
+
+    def over_cap(self, scope: str) -> str | None:
+        """Why the scope must stop now (cap reached, or would be by in-flight worst case)."""
+        totals = self.scopes.get(scope)
+        if totals is None:
+            return None
+        caps = self.caps(scope)
+        inflight = self.inflight_tokens(scope) if self.include_inflight else 0
+        label = "global" if scope == GLOBAL_SCOPE else f"dataset {scope}"
+        if caps.completion_tokens is not None:
+            spent = totals.completion_tokens
+            if spent >= caps.completion_tokens:
+                return f"{label}: {spent} completion tokens reached the cap of {caps.completion_tokens}"
+            if inflight and spent + inflight > caps.completion_tokens:
+                return (
+                    f"{label}: {spent} completion tokens + {inflight} in flight (worst case) "
+                    f"would cross the cap of {caps.completion_tokens}"
+                )
+        if caps.usd is not None:
+            spent_usd = totals.cost_usd
+            if spent_usd >= caps.usd:
+                return f"{label}: ${spent_usd:.4f} reached the cap of ${caps.usd:.4f}"
+            if inflight and self.inflight_usd_per_token:
+                worst = inflight * self.inflight_usd_per_token
+                if spent_usd + worst > caps.usd:
+                    return (
+                        f"{label}: ${spent_usd:.4f} + ${worst:.4f} in flight (worst case) "
+                        f"would cross the cap of ${caps.usd:.4f}"
+                    )
+        return None
+
+    def soft_limit(self, scope: str) -> bool:
+        """Whether spend is past the soft threshold of a cap."""
+        totals = self.scopes.get(scope)
+        if totals is None:
+            return False
+        caps = self.caps(scope)
+        tokens = caps.completion_tokens is not None and (
+            totals.completion_tokens >= self.soft_threshold * caps.completion_tokens
+        )
+        usd = caps.usd is not None and totals.cost_usd >= self.soft_threshold * caps.usd
+        return tokens or usd
+
+    def state(self, scope: str) -> State:
+        """running, soft-limit or halted (a standing halt on the scope itself)."""
+        if isinstance(self.control.get(scope), Halt):
+            return "halted"
+        return "soft-limit" if self.soft_limit(scope) else "running"
+
+    def _halts(self, now: float) -> list[Halt]:
+        out: list[Halt] = []
+        for scope in list(self.scopes):
+            if isinstance(self.control.get(scope), Halt):
+                continue
+            reason = self.over_cap(scope)
+            if reason is None:
+                continue
+            halt = Halt(scope=scope, reason=reason, by=BUDGET_ACTOR, at=now)
+            self.control[scope] = halt
+            self._resume_candidates.discard(scope)
+            self._dirty.add(scope)
+            out.append(halt)
+        return out
+
+    def _resumes(self, now: float) -> list[Resume]:
+        out: list[Resume] = []
+        for scope in sorted(self._resume_candidates):
+            event = self.control.get(scope)
+            if not (isinstance(event, Halt) and event.by == BUDGET_ACTOR):
+                self._resume_candidates.discard(scope)
+                continue
+            if self.over_cap(scope) is not None:
+                continue
+            caps = self.caps(scope)
+            resume = Resume(
+                scope=scope,
+                reason=f"cap raised (completion tokens {caps.completion_tokens}, usd {caps.usd})",
+                by=BUDGET_ACTOR,
+                at=now,
+            )
+            self.control[scope] = resume
+            self._resume_candidates.discard(scope)
+            self._dirty.add(scope)
+            out.append(resume)
+        return out
+
+    # ------------------------------------------------------------------ views
+    def rate(self, scope: str, now: float) -> tuple[float, float]:
+        """Moving spend rate of a scope: (dollars per second, completion tokens per second)."""
+        totals = self.scopes.get(scope)
+        if totals is None or totals.first_event_at is None:
+            return 0.0, 0.0
+        while totals.window and totals.window[0][0] < now - self.rate_window_s:
+            totals.window.popleft()
+        span = max(1.0, min(self.rate_window_s, now - totals.first_event_at))
+        usd = sum(c for _, c, _ in totals.window)
+        tokens = sum(t for _, _, t in totals.window)
+        return usd / span, tokens / span
+
+    def projection(self, scope: str, remaining_prompts: int | None) -> tuple[float | None, int | None]:
+        """Projected total (dollars, completion tokens) once the remaining prompts are answered."""
+        totals = self.scopes.get(scope)
+        if totals is None or remaining_prompts is None:
+            return None, None
+        if totals.responses == 0:
+            return (totals.cost_usd, totals.completion_tokens) if remaining_prompts == 0 else (None, None)
+        usd = totals.cost_usd + remaining_prompts * totals.cost_usd / totals.responses
+        per_response = totals.completion_tokens / totals.responses
+        tokens = totals.completion_tokens + round(remaining_prompts * per_response)
+        return usd, tokens
+
+    def snapshot(self, scope: str, now: float, remaining_prompts: int | None = None) -> BudgetSnapshot:
+        """The checkpoint record of one scope, carrying the ledger's consumed offsets."""
+        totals = self._scope(scope)
+        caps = self.caps(scope)
+        control = self.control.get(scope)
+        halt = control if isinstance(control, Halt) else None
+        rate_usd, rate_tokens = self.rate(scope, now)
+        projected_usd, projected_tokens = self.projection(scope, remaining_prompts)
+        return BudgetSnapshot(
+            scope=scope,
+            prompt_tokens=totals.prompt_tokens,
+            completion_tokens=totals.completion_tokens,
+            reasoning_tokens=totals.reasoning_tokens,
+            cost_usd=totals.cost_usd,
+            requests=totals.requests,
+            responses=totals.responses,
+            responses_without_usage=totals.responses_without_usage,
+            cap_completion_tokens=caps.completion_tokens,
+            cap_usd=caps.usd,
+            state=self.state(scope),
+            halted_by=halt.by if halt else "",
+            halted_reason=halt.reason if halt else "",
+            offsets=self._offsets_of(totals),
+            inflight={k: v for k, (v, _) in totals.inflight.items()},
+            inflight_tokens=self.inflight_tokens(scope),
+            rate_usd_per_s=rate_usd,
+            rate_tokens_per_s=rate_tokens,
+            remaining_prompts=remaining_prompts,
+            projected_usd=projected_usd,
+            projected_completion_tokens=projected_tokens,
+            updated_at=now,
+        )
+
+    def checkpoint(
+        self, now: float, remaining: Mapping[str, int | None] | None = None, *, everything: bool = False
+    ) -> list[BudgetSnapshot]:
+        """Snapshots of the changed scopes (all with ``everything``), ``global`` last."""
+        remaining = remaining or {}
+        names = set(self.scopes) if everything else set(self._dirty)
+        if not names:
+            return []
+        names.add(GLOBAL_SCOPE)
+        self._dirty.clear()
+        ordered = sorted(n for n in names if n != GLOBAL_SCOPE) + [GLOBAL_SCOPE]
+        global_remaining = None
+        known = [remaining.get(n) for n in self.scopes if n != GLOBAL_SCOPE]
+        if known and all(r is not None for r in known):
+            global_remaining = sum(r for r in known if r is not None)
+        snaps = [self.snapshot(n, now, global_remaining if n == GLOBAL_SCOPE else remaining.get(n)) for n in ordered]
+        for snap in snaps:
+            self.scopes[snap.scope].floor = dict(snap.offsets)
+        return snaps
+
+    def _offsets_of(self, totals: ScopeTotals) -> dict[str, int]:
+        """The scope's counted-up-to offsets: the ledger's, or its own floor while replaying."""
+        merged = dict(self.offsets)
+        for position, offset in totals.floor.items():
+            merged[position] = max(offset, merged.get(position, 0))
+        return merged
+
+    @property
+    def datasets(self) -> list[str]:
+        """The dataset scopes seen so far."""
+        return sorted(n for n in self.scopes if n != GLOBAL_SCOPE)
+
+
+def _raised(previous: Caps, current: Caps) -> bool:
+    """Whether ``current`` allows more than ``previous`` in some unit."""
+
+    def more(old: float | None, new: float | None) -> bool:
+        if old is None:
+            return False
+        return new is None or new > old
+
+    return more(previous.completion_tokens, current.completion_tokens) or more(previous.usd, current.usd)
