@@ -101,9 +101,7 @@ class StageRunner:
                 else:
                     outgoing.extend(result)
             await publish_all(self.producer, outgoing)
-            await consumer.commit(
-                {tp: part[-1].offset + 1 for tp, part in batches.items() if part}
-            )
+            await consumer.commit({tp: part[-1].offset + 1 for tp, part in batches.items() if part})
             self.processed += len(records)
             STAGE_RECORDS.labels(stage=self.stage).inc(len(records))
             await self._report_lag(consumer)
