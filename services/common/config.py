@@ -26,6 +26,7 @@ from schemas import (
     BUDGET_STATE_TOPIC,
     CONTROL_TOPIC,
     DEAD_LETTER_TOPIC,
+    GLOBAL_SCOPE,
     PROMPTS_TOPIC_PREFIX,
     REQUESTS_TOPIC,
     RESPONSES_TOPIC,
@@ -276,6 +277,8 @@ def check_dataset_name(name: str) -> str:
     """Refuse a dataset name that cannot be part of a Kafka topic name or a key."""
     if not name or len(name) > 200 or not set(name) <= _VALID_TOPIC_CHARS or name in {".", ".."}:
         raise ConfigError(f"dataset name {name!r} cannot be a topic name: use 1-200 of [a-zA-Z0-9._-]")
+    if name == GLOBAL_SCOPE:
+        raise ConfigError(f"dataset name {name!r} is reserved for the scope of global halts and caps")
     return name
 
 

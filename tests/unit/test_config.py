@@ -78,3 +78,8 @@ def test_valid_dataset_names(name: str) -> None:
 def test_dataset_names_that_cannot_be_topics_are_refused(name: str) -> None:
     with pytest.raises(ConfigError, match="cannot be a topic name"):
         check_dataset_name(name)
+
+
+def test_the_global_scope_cannot_be_a_dataset_name() -> None:
+    with pytest.raises(ConfigError, match="reserved"):
+        check_dataset_name("global")
