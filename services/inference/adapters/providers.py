@@ -1,0 +1,613 @@
+"""Provider clients behind one small interface: OpenRouter, OpenAI-compatible, SGLang, simulator.
+
+Each provider turns a :class:`~schemas.PromptPublished` into one HTTP request and the answer
+into a :class:`~services.inference.core.ProviderResult`. The response parsers
+(:func:`parse_openrouter`, :func:`parse_openai`, :func:`parse_sglang`) are pure functions
+over the decoded JSON body, so each wire shape is unit-tested on its own. Every failure is
+raised as a classified :class:`~services.inference.core.ProviderFailure`; retrying is the
+worker's business, not the client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import json
+import ssl
+from collections.abc import Callable
+from typing import Annotated, Any, Protocol
+
+import httpx
+import msgspec
+from msgspec import Meta, Struct
+
+from schemas import LogprobToken, Message, PromptPublished, ToolCall, ToolFunction, Usage, sample_key
+from services.common.config import DatasetSettings, Settings
+from services.inference.core import FATAL_STATUSES, ProviderFailure, ProviderResult, classify_status
+
+KEY_HEADER = "X-Draftstream-Key"
+SIMULATOR_FAULT_HEADER = "X-Simulator-Fault"
+# PromptPublished.metadata keys honoured only by the simulator provider (fault injection in tests).
+SIMULATOR_FAULT_METADATA = "simulator_fault"
+SIMULATOR_HEADERS_METADATA = "simulator_headers"
+
+_MAX_ERROR_TEXT = 2000
+
+NonNeg = Annotated[int, Meta(ge=0, le=50_000_000)]
+TokenId = Annotated[int, Meta(ge=0, le=10_000_000)]
+Byte = Annotated[int, Meta(ge=0, le=255)]
+Cost = Annotated[float, Meta(ge=0.0, le=1e9)]
+
+
+# --- OpenAI / OpenRouter chat-completions wire shape (unknown fields are ignored) ---
+
+
+class _Function(Struct):
+    name: str = ""
+    arguments: str | dict[str, Any] | None = None
+
+
+class _ToolCall(Struct):
+    function: _Function
+    id: str | None = None
+    type: str | None = None
+
+
+class _ReasoningDetail(Struct):
+    type: str = ""
+    text: str | None = None
+    summary: str | None = None
+
+
+class _LogprobToken(Struct):
+    token: str
+    bytes: list[Byte] | None = None
+    logprob: float | None = None
+
+
+class _Logprobs(Struct):
+    content: list[_LogprobToken] | None = None
+
+
+class _ChatMessage(Struct):
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    reasoning_details: list[_ReasoningDetail] | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+
+class _Choice(Struct):
+    message: _ChatMessage
+    finish_reason: str | None = None
+    native_finish_reason: str | None = None
+    logprobs: _Logprobs | None = None
+    token_ids: list[TokenId] | None = None
+    error: Any = None
+
+
+class _CompletionDetails(Struct):
+    reasoning_tokens: NonNeg | None = None
+
+
+class _ChatUsage(Struct):
+    prompt_tokens: NonNeg | None = None
+    completion_tokens: NonNeg | None = None
+    completion_tokens_details: _CompletionDetails | None = None
+    cost: Cost | None = None
+
+
+class _ChatCompletion(Struct):
+    choices: list[_Choice]
+    model: str | None = None
+    provider: str | None = None
+    usage: _ChatUsage | None = None
+    debug_true_ids: list[TokenId] | None = None
+
+
+# --- SGLang native /generate wire shape ---
+
+
+class _SglangFinish(Struct):
+    type: str | None = None
+    message: str | None = None
+
+
+class _SglangMeta(Struct):
+    finish_reason: _SglangFinish | str | None = None
+    prompt_tokens: NonNeg | None = None
+    completion_tokens: NonNeg | None = None
+
+
+class _SglangGenerate(Struct):
+    text: str = ""
+    output_ids: list[TokenId] | None = None
+    meta_info: _SglangMeta = msgspec.field(default_factory=_SglangMeta)
+
+
+def _error_text(error: Any) -> str:
+    """A short human-readable rendering of a provider's ``error`` object."""
+    if isinstance(error, dict):
+        message = error.get("message") or error.get("error") or ""
+        code = error.get("code")
+        text = f"{message} (code {code})" if code is not None else str(message)
+        metadata = error.get("metadata")
+        if metadata:
+            text += f" {json.dumps(metadata, default=str)[:500]}"
+        return text[:_MAX_ERROR_TEXT]
+    return str(error)[:_MAX_ERROR_TEXT]
+
+
+def _body_error(error: Any) -> ProviderFailure:
+    """An error object inside an HTTP 200 body: retryable, unless it says 401/402."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and code in FATAL_STATUSES:
+        return classify_status(code, _error_text(error))
+    return ProviderFailure(
+        reason="provider_error_in_body", message=_error_text(error), retryable=True, http_status=200
+    )
+
+
+def _shape_error(exc: Exception) -> ProviderFailure:
+    return ProviderFailure(
+        reason="provider_malformed_response",
+        message=f"unexpected response shape: {exc}"[:_MAX_ERROR_TEXT],
+        retryable=True,
+        http_status=200,
+    )
+
+
+def decode_json_body(content: bytes) -> Any:
+    """Decode a response body; invalid JSON is a retryable ``provider_malformed_json``."""
+    try:
+        return msgspec.json.decode(content)
+    except msgspec.DecodeError as exc:
+        snippet = content[:200].decode("utf-8", "replace")
+        raise ProviderFailure(
+            reason="provider_malformed_json",
+            message=f"{exc}; body starts {snippet!r}",
+            retryable=True,
+            http_status=200,
+        ) from None
+
+
+def _tool_calls(calls: list[_ToolCall] | None) -> list[ToolCall]:
+    out: list[ToolCall] = []
+    for call in calls or ():
+        args = call.function.arguments
+        if args is None:
+            args = "{}"
+        elif not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        out.append(
+            ToolCall(
+                function=ToolFunction(name=call.function.name, arguments=args),
+                id=call.id or "",
+                type=call.type or "function",
+            )
+        )
+    return out
+
+
+def _reasoning_from_details(details: list[_ReasoningDetail] | None) -> str:
+    """The reasoning text carried by OpenRouter's ``reasoning_details`` (text parts only)."""
+    parts = [d.text for d in details or () if d.type == "reasoning.text" and d.text]
+    return "".join(parts)
+
+
+def _parse_chat(body: Any, *, native_ids: bool) -> ProviderResult:
+    if isinstance(body, dict) and body.get("error"):
+        raise _body_error(body["error"])
+    try:
+        chat = msgspec.convert(body, _ChatCompletion)
+    except msgspec.ValidationError as exc:
+        raise _shape_error(exc) from None
+    if not chat.choices:
+        raise _shape_error(ValueError("no choices"))
+    choice = chat.choices[0]
+    if choice.error:
+        raise _body_error(choice.error)
+    if choice.finish_reason == "error":
+        raise ProviderFailure(
+            reason="provider_error_in_body",
+            message=f"finish_reason error (native {choice.native_finish_reason!r})",
+            retryable=True,
+            http_status=200,
+        )
+    message = choice.message
+    reasoning = message.reasoning or message.reasoning_content or _reasoning_from_details(
+        message.reasoning_details
+    )
+    usage = Usage()
+    if chat.usage is not None:
+        details = chat.usage.completion_tokens_details
+        usage = Usage(
+            prompt_tokens=chat.usage.prompt_tokens,
+            completion_tokens=chat.usage.completion_tokens,
+            reasoning_tokens=details.reasoning_tokens if details else None,
+            cost=chat.usage.cost,
+        )
+    logprobs = None
+    if choice.logprobs is not None and choice.logprobs.content is not None:
+        logprobs = [
+            LogprobToken(token=t.token, bytes=t.bytes, logprob=t.logprob) for t in choice.logprobs.content
+        ]
+    return ProviderResult(
+        content=message.content or "",
+        reasoning=reasoning,
+        tool_calls=_tool_calls(message.tool_calls),
+        finish_reason=choice.finish_reason,
+        native_finish_reason=choice.native_finish_reason,
+        usage=usage,
+        model=chat.model,
+        upstream_provider=chat.provider,
+        native_output_ids=choice.token_ids if native_ids else None,
+        logprobs=logprobs,
+        debug_true_ids=chat.debug_true_ids,
+    )
+
+
+def parse_openrouter(body: Any) -> ProviderResult:
+    """Parse an OpenRouter chat-completions body (reasoning, provider, usage.cost, logprobs)."""
+    return _parse_chat(body, native_ids=False)
+
+
+def parse_openai(body: Any) -> ProviderResult:
+    """Parse an OpenAI-compatible body (vLLM/SGLang): also ``reasoning_content`` and ``token_ids``."""
+    return _parse_chat(body, native_ids=True)
+
+
+def parse_sglang(body: Any, *, think_end: str | None = "</think>") -> ProviderResult:
+    """Parse SGLang's native ``/generate`` body: output ids, finish reason and counts."""
+    if isinstance(body, dict) and body.get("error"):
+        raise _body_error(body["error"])
+    try:
+        gen = msgspec.convert(body, _SglangGenerate)
+    except msgspec.ValidationError as exc:
+        raise _shape_error(exc) from None
+    finish = gen.meta_info.finish_reason
+    finish_type = finish.type if isinstance(finish, _SglangFinish) else finish
+    if finish_type == "abort":
+        message = finish.message if isinstance(finish, _SglangFinish) else None
+        raise ProviderFailure(
+            reason="provider_error_in_body",
+            message=f"request aborted: {message or 'no message'}",
+            retryable=True,
+            http_status=200,
+        )
+    reasoning, content = "", gen.text
+    if think_end and think_end in gen.text:
+        reasoning, _, content = gen.text.partition(think_end)
+    return ProviderResult(
+        content=content,
+        reasoning=reasoning,
+        finish_reason=finish_type,
+        native_finish_reason=finish_type,
+        usage=Usage(
+            prompt_tokens=gen.meta_info.prompt_tokens, completion_tokens=gen.meta_info.completion_tokens
+        ),
+        native_output_ids=gen.output_ids,
+    )
+
+
+# --- requests ---
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """OpenAI ``messages`` for a prompt (content always present, optional fields when set)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        item: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            item["tool_calls"] = msgspec.to_builtins(m.tool_calls)
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            item["name"] = m.name
+        out.append(item)
+    return out
+
+
+def sends_tools(prompt: PromptPublished, dataset: DatasetSettings) -> bool:
+    """Whether the request carries the ``tools`` parameter (dataset opt-in, prompt has tools)."""
+    return bool(dataset.send_tools and prompt.tools)
+
+
+def chat_request_body(
+    prompt: PromptPublished,
+    dataset: DatasetSettings,
+    *,
+    model: str,
+    max_tokens: int,
+    extra_body: dict[str, Any],
+    logprobs: bool,
+    native_ids: bool = False,
+) -> dict[str, Any]:
+    """The chat-completions request body; ``extra_body`` (routing, reasoning...) is merged last."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": chat_messages(prompt.messages),
+        "max_tokens": max_tokens,
+    }
+    if sends_tools(prompt, dataset):
+        body["tools"] = prompt.tools
+    if logprobs:
+        body["logprobs"] = True
+    if native_ids:
+        body["return_token_ids"] = True
+    body.update(extra_body)
+    return body
+
+
+class Provider(Protocol):
+    """One provider: sends a prompt, returns a :class:`ProviderResult` or raises ProviderFailure."""
+
+    name: str
+
+    async def complete(
+        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
+    ) -> ProviderResult:
+        """Send one request for ``prompt``; raises ProviderFailure on any failure."""
+        ...
+
+    def tools_sent(self, prompt: PromptPublished, dataset: DatasetSettings) -> bool:
+        """Whether a request for ``prompt`` carries ``tools``."""
+        ...
+
+
+class HttpPoster(Protocol):
+    """What a provider needs from an HTTP client: ``httpx.AsyncClient`` or a pool of them."""
+
+    async def post(self, url: str, *, content: bytes, headers: dict[str, str]) -> httpx.Response:
+        """POST ``content`` to ``url``."""
+        ...
+
+
+class HttpClientPool:
+    """Several httpx clients used in turn, each with a small connection pool.
+
+    httpcore's pool scans every connection for every request it schedules, so one client
+    holding 1,000 connections costs O(n²) CPU per wave of requests; shards of 64 keep the
+    1,000-in-flight case cheap. (Written here because httpx has no sharded pool.)
+    """
+
+    SHARD = 64
+
+    def __init__(self, settings: Settings) -> None:
+        p = settings.provider
+        shards = max(1, -(-p.concurrency // self.SHARD))
+        per = -(-p.concurrency // shards)
+        tls = ssl.create_default_context()  # loaded once, shared by every shard
+        self.clients = [
+            httpx.AsyncClient(
+                verify=tls,
+                timeout=httpx.Timeout(p.timeout_s, connect=p.connect_timeout_s),
+                limits=httpx.Limits(max_connections=per, max_keepalive_connections=per),
+            )
+            for _ in range(shards)
+        ]
+        self._turn = itertools.cycle(self.clients)
+
+    async def post(self, url: str, *, content: bytes, headers: dict[str, str]) -> httpx.Response:
+        """POST through the next client in turn."""
+        return await next(self._turn).post(url, content=content, headers=headers)
+
+    async def aclose(self) -> None:
+        """Close every client."""
+        for client in self.clients:
+            await client.aclose()
+
+
+class _HttpProvider:
+    """Shared HTTP plumbing: auth, the key header, status and transport classification."""
+
+    name = "openrouter"
+
+    def __init__(self, settings: Settings, client: HttpPoster) -> None:
+        self._settings = settings
+        self._provider = settings.provider
+        self._client = client
+        self._base = self._provider.base_url.rstrip("/")
+        self._secret = self._provider.api_key.get_secret_value() if self._provider.api_key else None
+
+    def tools_sent(self, prompt: PromptPublished, dataset: DatasetSettings) -> bool:
+        """Whether a request for ``prompt`` carries ``tools``."""
+        return sends_tools(prompt, dataset)
+
+    def _headers(self, prompt: PromptPublished) -> dict[str, str]:
+        headers = {
+            "Content-Type": "application/json",
+            KEY_HEADER: sample_key(prompt.dataset, prompt.sample_id),
+        }
+        if self._secret:
+            headers["Authorization"] = f"Bearer {self._secret}"
+        return headers
+
+    def _redact(self, text: str) -> str:
+        if self._secret and len(self._secret) >= 4:
+            return text.replace(self._secret, "**********")
+        return text
+
+    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        """POST JSON; returns the decoded body or raises a classified ProviderFailure."""
+        try:
+            response = await self._client.post(
+                f"{self._base}{path}", content=msgspec.json.encode(body), headers=headers
+            )
+        except httpx.TimeoutException as exc:
+            raise ProviderFailure(
+                reason="provider_timeout",
+                message=self._redact(f"{type(exc).__name__}: {exc}"),
+                retryable=True,
+            ) from None
+        except httpx.TransportError as exc:
+            raise ProviderFailure(
+                reason="provider_connection",
+                message=self._redact(f"{type(exc).__name__}: {exc}"),
+                retryable=True,
+            ) from None
+        if not 200 <= response.status_code < 300:
+            text = response.text[:_MAX_ERROR_TEXT]
+            try:
+                parsed = json.loads(text)
+                if isinstance(parsed, dict) and parsed.get("error"):
+                    text = _error_text(parsed["error"])
+            except ValueError:
+                pass
+            raise classify_status(
+                response.status_code, self._redact(text), response.headers.get("retry-after")
+            )
+        return decode_json_body(response.content)
+
+
+class OpenRouterProvider(_HttpProvider):
+    """OpenRouter's chat completions (reasoning, routing options passed through)."""
+
+    name = "openrouter"
+    native_ids = False
+
+    async def complete(
+        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
+    ) -> ProviderResult:
+        """Send one chat-completions request for ``prompt``."""
+        body = chat_request_body(
+            prompt,
+            dataset,
+            model=self._provider.model,
+            max_tokens=max_tokens,
+            extra_body=self._provider.extra_body,
+            logprobs=self._provider.request_logprobs,
+            native_ids=self.native_ids,
+        )
+        data = await self._post("/chat/completions", body, self._headers(prompt))
+        return self._parse(data)
+
+    def _parse(self, data: Any) -> ProviderResult:
+        try:
+            return parse_openrouter(data)
+        except ProviderFailure as failure:
+            failure.message = self._redact(failure.message)
+            raise
+
+
+class OpenAIProvider(OpenRouterProvider):
+    """Any OpenAI-compatible server; asks for output token ids (vLLM ``return_token_ids``)."""
+
+    name = "openai"
+    native_ids = True
+
+    def _parse(self, data: Any) -> ProviderResult:
+        try:
+            return parse_openai(data)
+        except ProviderFailure as failure:
+            failure.message = self._redact(failure.message)
+            raise
+
+
+class SimulatorProvider(OpenRouterProvider):
+    """The local simulator: OpenRouter's shape, plus test-only fault headers from metadata."""
+
+    name = "simulator"
+
+    def _headers(self, prompt: PromptPublished) -> dict[str, str]:
+        headers = super()._headers(prompt)
+        fault = prompt.metadata.get(SIMULATOR_FAULT_METADATA)
+        if isinstance(fault, str) and fault:
+            headers[SIMULATOR_FAULT_HEADER] = fault
+        extra = prompt.metadata.get(SIMULATOR_HEADERS_METADATA)
+        if isinstance(extra, dict):
+            for name, value in extra.items():
+                if isinstance(name, str) and name.lower().startswith("x-simulator-"):
+                    headers[name] = str(value)
+        return headers
+
+
+class PromptEncoder(Protocol):
+    """What the SGLang provider needs from a model profile."""
+
+    def render_prompt(self, messages: Any, tools: Any) -> str:
+        """The chat-template text of a prompt, ending where the assistant turn starts."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+
+ProfileLoader = Callable[[str], PromptEncoder]
+
+
+def default_profile_loader(settings: Settings) -> ProfileLoader:
+    """Load profiles through services.profiles, once per name."""
+    cache: dict[str, PromptEncoder] = {}
+
+    def load(name: str) -> PromptEncoder:
+        if name not in cache:
+            # Imported by name: services.profiles is optional until a sglang provider needs it.
+            profiles = importlib.import_module("services.profiles")
+            cache[name] = profiles.load_profile(name, settings)
+        return cache[name]
+
+    return load
+
+
+class SGLangProvider(_HttpProvider):
+    """SGLang's native ``/generate`` with ``input_ids`` from the profile's chat template."""
+
+    name = "sglang"
+
+    def __init__(
+        self, settings: Settings, client: HttpPoster, profile_loader: ProfileLoader | None = None
+    ) -> None:
+        super().__init__(settings, client)
+        self._load_profile = profile_loader or default_profile_loader(settings)
+
+    def tools_sent(self, prompt: PromptPublished, dataset: DatasetSettings) -> bool:
+        """Tools are rendered into the prompt by the chat template, never sent as a parameter."""
+        return False
+
+    async def input_ids(self, prompt: PromptPublished, dataset: DatasetSettings) -> list[int]:
+        """The prompt's token ids under the dataset's profile (rendered off the event loop)."""
+        profile = await asyncio.to_thread(self._load_profile, dataset.profile)
+
+        def render() -> list[int]:
+            return profile.encode(profile.render_prompt(prompt.messages, prompt.tools))
+
+        return await asyncio.to_thread(render)
+
+    async def complete(
+        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
+    ) -> ProviderResult:
+        """Send one ``/generate`` request for ``prompt``."""
+        ids = await self.input_ids(prompt, dataset)
+        extra = dict(self._provider.extra_body)
+        sampling: dict[str, Any] = {"max_new_tokens": max_tokens, "skip_special_tokens": False}
+        sampling.update(extra.pop("sampling_params", {}) or {})
+        body: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling, "stream": False}
+        body.update(extra)
+        data = await self._post("/generate", body, self._headers(prompt))
+        try:
+            return parse_sglang(data)
+        except ProviderFailure as failure:
+            failure.message = self._redact(failure.message)
+            raise
+
+
+def make_provider(
+    settings: Settings, client: HttpPoster, *, profile_loader: ProfileLoader | None = None
+) -> Provider:
+    """The provider named by ``settings.provider.kind``."""
+    kind = settings.provider.kind
+    if kind == "openrouter":
+        return OpenRouterProvider(settings, client)
+    if kind == "openai":
+        return OpenAIProvider(settings, client)
+    if kind == "sglang":
+        return SGLangProvider(settings, client, profile_loader)
+    return SimulatorProvider(settings, client)
+
+
+def make_http_client(settings: Settings) -> HttpClientPool:
+    """HTTP clients sized for ``provider.concurrency`` requests in flight."""
+    return HttpClientPool(settings)

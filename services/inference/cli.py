@@ -1,0 +1,40 @@
+"""``draftstream run inference``: the inference worker as a long-lived service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
+    """Add the inference commands to the CLI."""
+
+    @run_app.command("inference")
+    def run_inference(
+        config: Annotated[
+            Path | None,
+            typer.Option("--config", "-c", help="TOML config file (default: ./draftstream.toml if present)"),
+        ] = None,
+        log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
+    ) -> None:
+        """Consume prompts.*, call the provider with many requests in flight, publish responses."""
+        import asyncio
+
+        from services.cli import settings_from
+        from services.common.logs import setup_logging
+        from services.common.service import run_service
+        from services.inference.app import create_app
+
+        settings = settings_from(config)
+        setup_logging(settings, log_level)
+        worker = create_app(settings)
+        asyncio.run(
+            run_service(
+                worker,
+                name="inference",
+                metrics_port=settings.metrics.inference_port,
+                metrics_host=settings.metrics.host,
+            )
+        )

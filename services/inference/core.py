@@ -1,0 +1,346 @@
+"""The inference stage's pure decisions: prompt checks, failure classes, offsets, halts.
+
+Nothing here touches Kafka, HTTP, the clock or the environment; the shell in
+:mod:`services.inference.app` feeds it facts and acts on what it returns.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+
+from schemas import (
+    GLOBAL_SCOPE,
+    Halt,
+    LogprobToken,
+    PromptPublished,
+    RequestStarted,
+    ResponseReceived,
+    Resume,
+    SchemaError,
+    ToolCall,
+    Usage,
+    decode,
+)
+from services.common.kafka import DeadLetter
+
+STAGE = "inference"
+GROUP_ID = "draftstream-inference"
+
+# Statuses worth another attempt: the provider or a proxy is overloaded or flaky.
+RETRYABLE_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
+# Statuses that mean "this account cannot spend": no prompt can succeed until a person acts.
+FATAL_STATUSES = frozenset({401, 402})
+
+
+@dataclass(frozen=True)
+class ProviderResult:
+    """What one provider answer says, whatever the provider's wire shape."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    native_finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    model: str | None = None
+    upstream_provider: str | None = None
+    native_output_ids: list[int] | None = None
+    logprobs: list[LogprobToken] | None = None
+    debug_true_ids: list[int] | None = None
+
+
+@dataclass(eq=False)
+class ProviderFailure(Exception):  # noqa: N818 - reads better as a verdict than "...Error"
+    """A failed provider call, classified: reason code, retryability, status, text."""
+
+    reason: str
+    message: str
+    retryable: bool
+    http_status: int | None = None
+    retry_after_s: float | None = None
+    fatal: bool = False
+    attempt: int = 1
+
+    def __str__(self) -> str:
+        status = f" (HTTP {self.http_status})" if self.http_status is not None else ""
+        return f"{self.reason}{status}: {self.message}"
+
+    def __post_init__(self) -> None:
+        super().__init__(self.reason, self.message)
+
+
+def status_reason(status: int) -> str:
+    """The dead-letter reason code for a non-success HTTP status."""
+    if status == 429:
+        return "provider_http_429"
+    if status == 408:
+        return "provider_http_408"
+    if 500 <= status <= 599:
+        return "provider_http_5xx"
+    return "provider_http_4xx"
+
+
+def classify_status(status: int, text: str, retry_after: str | None = None) -> ProviderFailure:
+    """Classify a non-2xx response: fatal (401/402), retryable (408/429/5xx) or final."""
+    if status in FATAL_STATUSES:
+        return ProviderFailure(
+            reason=f"provider_http_{status}", message=text, retryable=False, http_status=status, fatal=True
+        )
+    retryable = status in RETRYABLE_STATUSES or 500 <= status <= 599
+    return ProviderFailure(
+        reason=status_reason(status),
+        message=text,
+        retryable=retryable,
+        http_status=status,
+        retry_after_s=parse_retry_after(retry_after) if retryable else None,
+    )
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta seconds or an HTTP date).
+
+    ``now`` (epoch seconds) is needed only for the date form; without it a date is ignored.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        if now is None:
+            return None
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        return max(0.0, when.timestamp() - now)
+    if seconds != seconds or seconds < 0:  # NaN or negative: ignore
+        return None
+    return seconds
+
+
+def backoff_for(failure: ProviderFailure, cap_s: float) -> bool | float:
+    """What the retry policy does after ``failure``: False (give up), True (backoff) or seconds.
+
+    A ``Retry-After`` the provider sent wins over the exponential backoff, capped at ``cap_s``.
+    """
+    if not failure.retryable or failure.fatal:
+        return False
+    if failure.retry_after_s is not None:
+        return min(failure.retry_after_s, cap_s) if cap_s > 0 else failure.retry_after_s
+    return True
+
+
+def dead_letter_for(failure: ProviderFailure, attempt: int) -> DeadLetter:
+    """The dead-letter verdict for a prompt whose provider call failed for good."""
+    return DeadLetter(
+        reason=failure.reason,
+        message=failure.message,
+        http_status=failure.http_status,
+        attempt=attempt,
+    )
+
+
+def check_prompt(
+    value: bytes | None, *, max_prompt_chars: int, topic_dataset: str | None = None
+) -> PromptPublished | DeadLetter:
+    """Decode and vet one prompt record; a bad one becomes a dead-letter verdict.
+
+    ``topic_dataset`` is the dataset named by the topic the record came from: a prompt
+    claiming another dataset would escape that dataset's halts and budget, so it is refused.
+    """
+    try:
+        prompt = decode(value, PromptPublished)
+    except SchemaError as exc:
+        return DeadLetter(exc.reason, exc.message)
+    if topic_dataset is not None and prompt.dataset != topic_dataset:
+        return DeadLetter(
+            "dataset_mismatch",
+            f"prompt says dataset {prompt.dataset!r} but arrived on the topic of {topic_dataset!r}",
+        )
+    if not any(m.role == "user" for m in prompt.messages):
+        return DeadLetter("no_user_turn", f"prompt {prompt.sample_id!r} has no user message")
+    size = prompt_chars(prompt)
+    if size > max_prompt_chars:
+        return DeadLetter(
+            "prompt_too_long", f"prompt has {size} characters, more than the limit of {max_prompt_chars}"
+        )
+    return prompt
+
+
+def prompt_chars(prompt: PromptPublished) -> int:
+    """Characters a prompt sends: every message's text plus its tool calls' arguments."""
+    total = 0
+    for message in prompt.messages:
+        total += len(message.content) + len(message.reasoning_content or "")
+        for call in message.tool_calls or ():
+            total += len(call.function.name) + len(call.function.arguments)
+    return total
+
+
+def dataset_of_topic(topic: str, prompts_prefix: str) -> str | None:
+    """The dataset a physical ``<prefix>prompts.<dataset>`` topic belongs to, else None."""
+    if not topic.startswith(prompts_prefix):
+        return None
+    name = topic[len(prompts_prefix) :]
+    return name or None
+
+
+def request_max_tokens(prompt: PromptPublished, dataset_max_tokens: int) -> int:
+    """The completion budget of one request: the prompt's own, else the dataset's."""
+    return prompt.max_tokens if prompt.max_tokens else dataset_max_tokens
+
+
+def request_started(
+    prompt: PromptPublished, *, max_tokens: int, worker: str, attempt: int, now: float
+) -> RequestStarted:
+    """The event announcing that a request (which may spend money) is about to be sent."""
+    return RequestStarted(
+        dataset=prompt.dataset,
+        sample_id=prompt.sample_id,
+        max_tokens=max_tokens,
+        worker=worker,
+        attempt=attempt,
+        started_at=now,
+    )
+
+
+class OffsetTracker:
+    """Commit offsets for out-of-order completions: per partition, the lowest offset not done.
+
+    A record is *taken* when it is handed to a task and *done* once its response or dead
+    letter is acknowledged by the broker. The committable offset of a partition is the
+    lowest taken-but-not-done offset, or one past the highest taken when all are done, so
+    a crash never skips a prompt whose output was not yet durable.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[Hashable, list[int]] = {}  # min-heap of taken offsets
+        self._done: dict[Hashable, set[int]] = {}  # done offsets still in the heap
+        self._next: dict[Hashable, int] = {}  # one past the highest offset taken
+        self._committed: dict[Hashable, int] = {}
+
+    def take(self, partition: Hashable, offset: int) -> None:
+        """Record that ``offset`` is being processed."""
+        heapq.heappush(self._open.setdefault(partition, []), offset)
+        self._done.setdefault(partition, set())
+        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
+
+    def done(self, partition: Hashable, offset: int) -> None:
+        """Record that ``offset``'s output is durable; unknown partitions are ignored."""
+        done = self._done.get(partition)
+        if done is None:
+            return
+        done.add(offset)
+        heap = self._open[partition]
+        while heap and heap[0] in done:
+            done.discard(heapq.heappop(heap))
+
+    def pending(self, partition: Hashable | None = None) -> int:
+        """How many taken offsets are not done (for one partition, or in all)."""
+        parts = [partition] if partition is not None else list(self._open)
+        return sum(len(self._open.get(p, ())) - len(self._done.get(p, ())) for p in parts)
+
+    def next_offset(self, partition: Hashable) -> int | None:
+        """One past the highest offset taken (where fetching resumes), or None."""
+        return self._next.get(partition)
+
+    def position(self, partition: Hashable) -> int | None:
+        """The offset it is safe to commit for ``partition`` (None if nothing was taken)."""
+        if partition not in self._next:
+            return None
+        heap = self._open[partition]
+        return heap[0] if heap else self._next[partition]
+
+    def to_commit(self) -> dict[Hashable, int]:
+        """Offsets that moved since the last :meth:`committed` call."""
+        out: dict[Hashable, int] = {}
+        for partition in self._next:
+            pos = self.position(partition)
+            if pos is not None and pos != self._committed.get(partition):
+                out[partition] = pos
+        return out
+
+    def committed(self, offsets: Mapping[Hashable, int]) -> None:
+        """Note that ``offsets`` were committed."""
+        self._committed.update(offsets)
+
+    def forget(self, partitions: Iterable[Hashable]) -> None:
+        """Drop partitions this worker no longer owns (after a rebalance)."""
+        for partition in partitions:
+            for table in (self._open, self._done, self._next, self._committed):
+                table.pop(partition, None)
+
+    def partitions(self) -> list[Hashable]:
+        """Partitions with any taken offset."""
+        return list(self._next)
+
+
+@dataclass
+class HaltState:
+    """Which scopes stand halted, built by applying control events in topic order."""
+
+    halted: dict[str, Halt] = field(default_factory=dict)
+
+    def apply(self, event: Halt | Resume) -> bool:
+        """Apply one control event; True when the set of halted scopes changed."""
+        if isinstance(event, Halt):
+            changed = event.scope not in self.halted
+            self.halted[event.scope] = event
+            return changed
+        return self.halted.pop(event.scope, None) is not None
+
+    def is_halted(self, *datasets: str) -> bool:
+        """True when a global halt stands or any of ``datasets`` is halted."""
+        if GLOBAL_SCOPE in self.halted:
+            return True
+        return any(d in self.halted for d in datasets)
+
+    def scopes(self) -> list[str]:
+        """The halted scopes, sorted."""
+        return sorted(self.halted)
+
+
+def response_event(
+    prompt: PromptPublished,
+    result: ProviderResult,
+    *,
+    provider: str,
+    model: str,
+    profile: str,
+    tools_sent: bool,
+    max_tokens: int,
+    latency_s: float,
+    attempt: int,
+    now: float,
+) -> ResponseReceived:
+    """The ``responses`` event for one successful provider call."""
+    return ResponseReceived(
+        dataset=prompt.dataset,
+        sample_id=prompt.sample_id,
+        prompt=prompt,
+        provider=provider,
+        model=result.model or model,
+        profile=profile,
+        upstream_provider=result.upstream_provider,
+        reasoning=result.reasoning,
+        content=result.content,
+        tool_calls=list(result.tool_calls),
+        finish_reason=result.finish_reason,
+        native_finish_reason=result.native_finish_reason,
+        usage=result.usage,
+        native_output_ids=result.native_output_ids,
+        logprobs=result.logprobs,
+        tools_sent=tools_sent,
+        request_max_tokens=max_tokens,
+        latency_s=max(0.0, latency_s),
+        attempt=attempt,
+        received_at=now,
+        debug_true_ids=result.debug_true_ids,
+    )
+

@@ -1,0 +1,397 @@
+"""Provider response shapes and request building, over httpx.MockTransport (parsing only)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from schemas import Message, PromptPublished
+from services.common.config import Settings, load_settings
+from services.inference.adapters.providers import (
+    KEY_HEADER,
+    SIMULATOR_FAULT_HEADER,
+    HttpClientPool,
+    OpenAIProvider,
+    OpenRouterProvider,
+    SGLangProvider,
+    SimulatorProvider,
+    make_provider,
+    parse_openai,
+    parse_openrouter,
+    parse_sglang,
+)
+from services.inference.core import ProviderFailure
+from services.profiles import load_profile
+
+SECRET = "sk-or-v1-test-secret-0123456789"
+
+# An OpenRouter answer as the API returns it (DeepSeek via a routed upstream).
+OPENROUTER_EXAMPLE: dict[str, Any] = {
+    "id": "gen-1745-abc",
+    "provider": "DeepInfra",
+    "model": "deepseek/deepseek-r1",
+    "object": "chat.completion",
+    "created": 1745000000,
+    "choices": [
+        {
+            "logprobs": None,
+            "finish_reason": "stop",
+            "native_finish_reason": "stop",
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "The answer is 4.",
+                "refusal": None,
+                "reasoning": "2 + 2 is 4.",
+                "reasoning_details": [{"type": "reasoning.text", "text": "2 + 2 is 4.", "format": "unknown"}],
+            },
+        }
+    ],
+    "usage": {
+        "prompt_tokens": 12,
+        "completion_tokens": 11,
+        "total_tokens": 23,
+        "cost": 0.0000231,
+        "is_byok": False,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 6},
+    },
+}
+
+
+def _prompt(**kw: Any) -> PromptPublished:
+    base: dict[str, Any] = {
+        "dataset": "tools",
+        "sample_id": "s-7",
+        "messages": [Message(role="user", content="what is 2+2?")],
+    }
+    base.update(kw)
+    return PromptPublished(**base)
+
+
+def _settings(**provider: Any) -> Settings:
+    return load_settings(None, provider={"base_url": "http://provider.test/api/v1", **provider})
+
+
+class Recorder:
+    """A MockTransport handler that records requests and replays canned responses."""
+
+    def __init__(self, *responses: httpx.Response | Exception) -> None:
+        self.responses = list(responses)
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        item = self.responses.pop(0) if len(self.responses) > 1 else self.responses[0]
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def body(self, i: int = -1) -> dict[str, Any]:
+        return json.loads(self.requests[i].content)  # type: ignore[no-any-return]
+
+
+def _client(recorder: Recorder) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.MockTransport(recorder))
+
+
+# --- pure parsers --------------------------------------------------------------------
+
+
+def test_openrouter_example_with_reasoning_provider_and_cost() -> None:
+    r = parse_openrouter(OPENROUTER_EXAMPLE)
+    assert r.content == "The answer is 4."
+    assert r.reasoning == "2 + 2 is 4."
+    assert r.upstream_provider == "DeepInfra" and r.model == "deepseek/deepseek-r1"
+    assert r.finish_reason == "stop" and r.native_finish_reason == "stop"
+    assert r.usage.prompt_tokens == 12 and r.usage.completion_tokens == 11
+    assert r.usage.reasoning_tokens == 6 and r.usage.cost == pytest.approx(0.0000231)
+    assert r.native_output_ids is None and r.logprobs is None and r.tool_calls == []
+
+
+def test_openrouter_reasoning_details_only_and_logprobs_and_debug_ids() -> None:
+    body = json.loads(json.dumps(OPENROUTER_EXAMPLE))
+    msg = body["choices"][0]["message"]
+    msg["reasoning"] = None
+    msg["reasoning_details"] = [
+        {"type": "reasoning.summary", "summary": "ignored"},
+        {"type": "reasoning.text", "text": "part one, "},
+        {"type": "reasoning.text", "text": "part two"},
+    ]
+    body["choices"][0]["logprobs"] = {
+        "content": [
+            {"token": "The", "bytes": [84, 104, 101], "logprob": -0.1, "top_logprobs": []},
+            {"token": " answer", "bytes": None, "logprob": -0.2},
+        ]
+    }
+    body["debug_true_ids"] = [1, 2, 3]
+    r = parse_openrouter(body)
+    assert r.reasoning == "part one, part two"
+    assert r.logprobs is not None and [t.token for t in r.logprobs] == ["The", " answer"]
+    assert r.logprobs[0].bytes == [84, 104, 101] and r.logprobs[1].logprob == -0.2
+    assert r.debug_true_ids == [1, 2, 3]
+
+
+def test_openrouter_structured_tool_calls() -> None:
+    body = json.loads(json.dumps(OPENROUTER_EXAMPLE))
+    body["choices"][0]["finish_reason"] = "tool_calls"
+    body["choices"][0]["message"].update(
+        content=None,
+        tool_calls=[
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "mul", "arguments": {"b": 3}}},
+        ],
+    )
+    r = parse_openrouter(body)
+    assert r.content == "" and r.finish_reason == "tool_calls"
+    assert [(c.id, c.function.name) for c in r.tool_calls] == [("call_1", "add"), ("call_2", "mul")]
+    assert r.tool_calls[0].function.arguments == '{"a": 2}'
+    assert json.loads(r.tool_calls[1].function.arguments) == {"b": 3}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"error": {"code": 502, "message": "Provider returned error"}},
+        {**OPENROUTER_EXAMPLE, "choices": [{**OPENROUTER_EXAMPLE["choices"][0], "error": {"code": 500}}]},
+        {**OPENROUTER_EXAMPLE, "choices": [{**OPENROUTER_EXAMPLE["choices"][0], "finish_reason": "error"}]},
+    ],
+)
+def test_error_inside_a_200_is_a_retryable_failure(body: dict[str, Any]) -> None:
+    with pytest.raises(ProviderFailure) as info:
+        parse_openrouter(body)
+    assert info.value.reason == "provider_error_in_body" and info.value.retryable
+
+
+def test_credit_error_inside_a_200_is_fatal() -> None:
+    with pytest.raises(ProviderFailure) as info:
+        parse_openrouter({"error": {"code": 402, "message": "Insufficient credits"}})
+    assert info.value.fatal and info.value.http_status == 402
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"choices": []},
+        {"object": "chat.completion"},
+        [1, 2],
+        {"choices": [{"message": {"content": 5}}]},
+        {**OPENROUTER_EXAMPLE, "usage": {"completion_tokens": -3}},
+    ],
+)
+def test_unexpected_shapes_are_retryable_malformed_responses(body: Any) -> None:
+    with pytest.raises(ProviderFailure) as info:
+        parse_openrouter(body)
+    assert info.value.reason == "provider_malformed_response" and info.value.retryable
+
+
+def test_openai_reasoning_content_and_native_token_ids() -> None:
+    body = {
+        "id": "chatcmpl-1",
+        "model": "deepseek-ai/DeepSeek-V3",
+        "prompt_token_ids": [0, 128803, 17],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "4", "reasoning_content": "simple sum"},
+                "finish_reason": "stop",
+                "token_ids": [5, 6, 7, 1],
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+    }
+    r = parse_openai(body)
+    assert r.reasoning == "simple sum" and r.content == "4"
+    assert r.native_output_ids == [5, 6, 7, 1]
+    assert r.usage.completion_tokens == 4 and r.usage.cost is None
+    # the same body through the OpenRouter parser ignores token ids (OpenRouter has none)
+    assert parse_openrouter(body).native_output_ids is None
+
+
+def test_sglang_generate_shape() -> None:
+    body = {
+        "text": "let me think</think>The answer is 4.",
+        "output_ids": [11, 12, 128822, 13, 1],
+        "meta_info": {
+            "id": "abc",
+            "finish_reason": {"type": "stop", "matched": 1},
+            "prompt_tokens": 9,
+            "completion_tokens": 5,
+            "cached_tokens": 0,
+        },
+    }
+    r = parse_sglang(body)
+    assert r.native_output_ids == [11, 12, 128822, 13, 1]
+    assert r.finish_reason == "stop" and r.usage.prompt_tokens == 9 and r.usage.completion_tokens == 5
+    assert r.reasoning == "let me think" and r.content == "The answer is 4."
+    length = parse_sglang({**body, "meta_info": {"finish_reason": {"type": "length", "length": 5}}})
+    assert length.finish_reason == "length"
+
+
+def test_sglang_abort_is_a_retryable_failure() -> None:
+    with pytest.raises(ProviderFailure) as info:
+        parse_sglang({"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}})
+    assert info.value.reason == "provider_error_in_body" and "oom" in info.value.message
+
+
+# --- requests over a mock transport --------------------------------------------------
+
+
+async def test_openrouter_request_headers_body_and_options() -> None:
+    settings = _settings(
+        kind="openrouter",
+        api_key=SECRET,
+        model="deepseek/deepseek-r1",
+        extra_body={
+            "reasoning": {"effort": "high"},
+            "provider": {"order": ["DeepInfra"], "require_parameters": True},
+        },
+        request_logprobs=True,
+    )
+    rec = Recorder(httpx.Response(200, json=OPENROUTER_EXAMPLE))
+    async with _client(rec) as client:
+        provider = make_provider(settings, client)
+        assert isinstance(provider, OpenRouterProvider) and provider.name == "openrouter"
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+        prompt = _prompt(tools=tools)
+        result = await provider.complete(prompt, settings.dataset("tools"), max_tokens=321)
+    assert result.usage.cost == pytest.approx(0.0000231)
+    req = rec.requests[0]
+    assert str(req.url) == "http://provider.test/api/v1/chat/completions"
+    assert req.headers["Authorization"] == f"Bearer {SECRET}"
+    assert req.headers[KEY_HEADER] == "tools:s-7"
+    assert SIMULATOR_FAULT_HEADER not in req.headers
+    body = rec.body()
+    assert body["model"] == "deepseek/deepseek-r1" and body["max_tokens"] == 321
+    assert body["messages"] == [{"role": "user", "content": "what is 2+2?"}]
+    assert body["reasoning"] == {"effort": "high"}
+    assert body["provider"] == {"order": ["DeepInfra"], "require_parameters": True}
+    assert body["logprobs"] is True
+    assert "tools" not in body  # default: tool definitions stay in the prompt
+    assert "return_token_ids" not in body
+    assert provider.tools_sent(prompt, settings.dataset("tools")) is False
+
+
+async def test_tools_sent_only_when_the_dataset_says_so() -> None:
+    settings = load_settings(
+        None,
+        provider={"kind": "openrouter", "base_url": "http://provider.test/api/v1"},
+        datasets={"tools": {"send_tools": True}},
+    )
+    rec = Recorder(httpx.Response(200, json=OPENROUTER_EXAMPLE))
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    async with _client(rec) as client:
+        provider = make_provider(settings, client)
+        await provider.complete(_prompt(tools=tools), settings.dataset("tools"), max_tokens=10)
+        await provider.complete(_prompt(), settings.dataset("tools"), max_tokens=10)
+        assert provider.tools_sent(_prompt(tools=tools), settings.dataset("tools")) is True
+        assert provider.tools_sent(_prompt(tools=tools), settings.dataset("chat")) is False
+    assert rec.body(0)["tools"] == tools
+    assert "tools" not in rec.body(1)
+    assert "Authorization" not in rec.requests[0].headers  # no key configured, none sent
+
+
+async def test_openai_asks_for_token_ids() -> None:
+    settings = _settings(kind="openai")
+    reply = {"choices": [{"message": {"content": "x"}, "token_ids": [3, 1]}]}
+    rec = Recorder(httpx.Response(200, json=reply))
+    async with _client(rec) as client:
+        provider = make_provider(settings, client)
+        assert isinstance(provider, OpenAIProvider)
+        result = await provider.complete(_prompt(), settings.defaults, max_tokens=5)
+    assert rec.body()["return_token_ids"] is True
+    assert result.native_output_ids == [3, 1]
+
+
+async def test_simulator_passes_test_fault_headers_from_metadata() -> None:
+    settings = _settings(kind="simulator")
+    rec = Recorder(httpx.Response(200, json=OPENROUTER_EXAMPLE))
+    prompt = _prompt(metadata={"simulator_fault": "429", "simulator_headers": {"X-Simulator-Extra": "1",
+                                                                                "Authorization": "nope"}})
+    async with _client(rec) as client:
+        provider = make_provider(settings, client)
+        assert isinstance(provider, SimulatorProvider)
+        await provider.complete(prompt, settings.defaults, max_tokens=5)
+        # the same metadata means nothing to a real provider
+        await OpenRouterProvider(settings, client).complete(prompt, settings.defaults, max_tokens=5)
+    assert rec.requests[0].headers[SIMULATOR_FAULT_HEADER] == "429"
+    assert rec.requests[0].headers["X-Simulator-Extra"] == "1"
+    assert "Authorization" not in rec.requests[0].headers
+    assert SIMULATOR_FAULT_HEADER not in rec.requests[1].headers
+
+
+@pytest.mark.parametrize(
+    ("response", "reason", "retryable", "status"),
+    [
+        (httpx.Response(429, headers={"Retry-After": "3"}, json={"error": {"code": 429, "message": "slow"}}),
+         "provider_http_429", True, 429),
+        (httpx.Response(503, text="<html>bad gateway</html>"), "provider_http_5xx", True, 503),
+        (httpx.Response(400, json={"error": {"code": 400, "message": "bad model"}}),
+         "provider_http_4xx", False, 400),
+        (httpx.Response(200, content=b'{"choices": [tru'), "provider_malformed_json", True, 200),
+        (httpx.Response(200, json={"error": {"code": 502, "message": "upstream"}}),
+         "provider_error_in_body", True, 200),
+        (httpx.ReadTimeout("timed out"), "provider_timeout", True, None),
+        (httpx.ConnectError("refused"), "provider_connection", True, None),
+        (httpx.RemoteProtocolError("peer closed connection"), "provider_connection", True, None),
+    ],
+)
+async def test_http_failures_are_classified(
+    response: httpx.Response | Exception, reason: str, retryable: bool, status: int | None
+) -> None:
+    settings = _settings(kind="openrouter", api_key=SECRET)
+    async with _client(Recorder(response)) as client:
+        with pytest.raises(ProviderFailure) as info:
+            await make_provider(settings, client).complete(_prompt(), settings.defaults, max_tokens=5)
+    assert (info.value.reason, info.value.retryable, info.value.http_status) == (reason, retryable, status)
+    if reason == "provider_http_429":
+        assert info.value.retry_after_s == 3.0
+        assert "slow" in info.value.message
+
+
+@pytest.mark.parametrize("status", [401, 402])
+async def test_auth_failures_are_fatal_and_never_echo_the_key(status: int) -> None:
+    settings = _settings(kind="openrouter", api_key=SECRET)
+    echo = httpx.Response(status, json={"error": {"code": status, "message": f"key {SECRET} is invalid"}})
+    async with _client(Recorder(echo)) as client:
+        with pytest.raises(ProviderFailure) as info:
+            await make_provider(settings, client).complete(_prompt(), settings.defaults, max_tokens=5)
+    assert info.value.fatal and info.value.http_status == status
+    assert SECRET not in info.value.message and SECRET not in str(info.value)
+    assert "invalid" in info.value.message
+
+
+async def test_sglang_sends_input_ids_from_the_profile() -> None:
+    settings = _settings(
+        kind="sglang", base_url="http://sglang.test", extra_body={"sampling_params": {"temperature": 0.6}}
+    )
+    reply = {"text": "ok", "output_ids": [100, 1], "meta_info": {"finish_reason": {"type": "stop"},
+                                                                  "prompt_tokens": 7, "completion_tokens": 2}}
+    rec = Recorder(httpx.Response(200, json=reply))
+    async with _client(rec) as client:
+        provider = SGLangProvider(settings, client)  # the real deepseek-v3 profile
+        result = await provider.complete(_prompt(), settings.defaults, max_tokens=64)
+    profile = load_profile("deepseek-v3", settings)
+    assert str(rec.requests[0].url) == "http://sglang.test/generate"
+    body = rec.body()
+    ids = body["input_ids"]
+    assert ids == profile.encode(profile.render_prompt(_prompt().messages, None))
+    assert ids[0] == 0 and 128803 in ids and 128804 in ids  # BOS, <｜User｜>, <｜Assistant｜>
+    assert 128821 in ids[-2:]  # the prompt ends in <think> (and its newline)
+    assert body["sampling_params"] == {"max_new_tokens": 64, "skip_special_tokens": False, "temperature": 0.6}
+    assert result.native_output_ids == [100, 1] and result.usage.completion_tokens == 2
+
+
+async def test_client_pool_shards_connections_and_takes_turns() -> None:
+    pool = HttpClientPool(_settings(concurrency=1000))
+    try:
+        assert len(pool.clients) == 16
+        assert all(c._transport._pool._max_connections <= 64 for c in pool.clients)  # type: ignore[attr-defined]
+        small = HttpClientPool(_settings(concurrency=10))
+        assert len(small.clients) == 1
+        await small.aclose()
+    finally:
+        await pool.aclose()

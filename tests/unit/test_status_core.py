@@ -1,0 +1,59 @@
+"""The status screen's model: lag arithmetic, per-stage counts, rates and rendering."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.console import Console
+
+from schemas import BudgetSnapshot
+from services.status.core import GroupLag, StatusSnapshot, render
+
+
+def snapshot(taken_at: float, prompts: int, responses: int) -> StatusSnapshot:
+    return StatusSnapshot(
+        taken_at=taken_at,
+        topic_prefix="p.",
+        topic_records={"p.prompts.math": prompts - 10, "p.prompts.code": 10, "p.responses": responses},
+        budgets=[
+            BudgetSnapshot(
+                scope="math",
+                completion_tokens=9_876_543,
+                cost_usd=86.25,
+                state="halted",
+                cap_completion_tokens=10_000_000,
+            )
+        ],
+        lags=[
+            GroupLag(
+                group="draftstream-inference", topic="p.prompts.math", partition=0, end=50, committed=20
+            ),
+            GroupLag(
+                group="draftstream-inference",
+                topic="p.prompts.code",
+                partition=0,
+                end=10,
+                committed=None,
+                start=4,
+            ),
+        ],
+        dead_letters=Counter({("audit", "usage_mismatch"): 3, ("inference", "http_429"): 1}),
+    )
+
+
+def test_lag_uses_committed_offset_or_the_log_start() -> None:
+    snap = snapshot(100.0, 60, 0)
+    assert [lag.lag for lag in snap.lags] == [30, 6]
+    assert snap.stage_records("prompts.") == 60 and snap.stage_records("responses") == 0
+
+
+def test_render_shows_every_panel_and_rates() -> None:
+    before, after = snapshot(100.0, 60, 10), snapshot(110.0, 80, 30)
+    console = Console(width=160, record=True)
+    console.print(render(after, before))
+    text = console.export_text()
+    assert "9,876,543" in text and "$86.25" in text and "halted" in text
+    assert "2.0/s" in text  # 20 more prompts and 20 more responses in 10 s
+    inference = next(line for line in text.splitlines() if "draftstream-inference" in line)
+    assert "36 (not started)" not in inference and " 36 " in inference
+    assert "usage_mismatch" in text and "dead letters: 4" in text
