@@ -89,7 +89,7 @@ class AuditService:
             settings=settings,
             stage=STAGE,
             topics=[settings.kafka.topic(SAMPLES_TOPIC)],
-            group_id=GROUP_ID,
+            group_id=settings.kafka.topic(GROUP_ID),
             handler=self.handle,
             producer=producer,
         )

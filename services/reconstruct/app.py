@@ -89,7 +89,7 @@ class ReconstructService:
             settings=settings,
             stage=STAGE,
             topics=[settings.kafka.topic(RESPONSES_TOPIC)],
-            group_id=GROUP_ID,
+            group_id=settings.kafka.topic(GROUP_ID),
             handler=self._handle,
         )
 

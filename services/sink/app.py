@@ -250,7 +250,7 @@ class SinkService:
             settings=settings,
             stage=STAGE,
             topics=[settings.kafka.topic(ACCEPTED_TOPIC)],
-            group_id=GROUP_ID,
+            group_id=settings.kafka.topic(GROUP_ID),
             handler=self.handle,
             producer=producer,
         )

@@ -50,7 +50,8 @@ async def collect(
     """Read one :class:`StatusSnapshot` from the cluster.
 
     Args:
-        groups: consumer group -> logical topics it reads; default the four stage groups.
+        groups: logical consumer group (the topic prefix is prepended, as the services do) -> logical
+            topics it reads; default the four stage groups.
     """
     groups = GROUP_INPUTS if groups is None else groups
     kafka = settings.kafka
@@ -75,7 +76,7 @@ async def collect(
             snapshot.topic_records[tp.topic] = snapshot.topic_records.get(tp.topic, 0) + offset
 
         for group, inputs in groups.items():
-            committed = await _committed(admin, group)
+            committed = await _committed(admin, kafka.topic(group))
             for tp in tps:
                 if not any(_matches(tp.topic, prefix, logical) for logical in inputs):
                     continue

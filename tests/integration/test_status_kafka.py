@@ -73,7 +73,7 @@ async def prepare(settings) -> None:
 
 
 async def commit(settings, group: str, topic: str, offsets: dict[int, int]) -> None:
-    consumer = make_consumer(settings.kafka, group_id=group)
+    consumer = make_consumer(settings.kafka, group_id=settings.kafka.topic(group))
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in offsets]
@@ -94,7 +94,7 @@ async def test_collect_counts_lag_budget_and_dead_letters(settings_factory) -> N
     p0 = next(lag for lag in before.lags if lag.partition == 0)
     await commit(settings, group, prompts, {0: p0.end})
 
-    snap = await collect(settings, groups={group: ("prompts.",), f"{prefix}idle": ("samples",)})
+    snap = await collect(settings, groups={group: ("prompts.",), "idle": ("samples",)})
     assert snap.stage_records("prompts.") == 4
     assert snap.topic_records[prompts] == 4
     assert snap.stage_records("dead-letter") == 2
