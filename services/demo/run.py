@@ -30,7 +30,6 @@ from rich.table import Table
 
 import schemas as s
 from services.common.config import Settings, load_settings
-from services.common.kafka import header, make_consumer
 
 DATA = Path(__file__).parent / "data"
 DATASETS = ("math", "code", "tools")
@@ -182,39 +181,12 @@ class DeadLetterView:
 
 async def read_dead_letters(settings: Settings) -> DeadLetterView:
     """Read every dead letter currently on the topic."""
-    topic = settings.kafka.topic(s.DEAD_LETTER_TOPIC)
-    consumer = make_consumer(settings.kafka, group_id=None)
-    await consumer.start()
-    view = DeadLetterView()
-    try:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        if not partitions:
-            await consumer.stop()
-            return view
-        from aiokafka import TopicPartition
+    from services.dlq.app import read_dead_letters as read_all_dead_letters
 
-        tps = [TopicPartition(topic, p) for p in partitions]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-
-        async def behind() -> bool:
-            return any([await consumer.position(tp) < ends[tp] for tp in tps])
-
-        while await behind():
-            batches = await consumer.getmany(timeout_ms=500)
-            for part in batches.values():
-                for r in part:
-                    view.records.append(
-                        (
-                            (r.key or b"").decode("utf-8", "replace"),
-                            header(r.headers, s.DLQ_HEADERS.STAGE) or "?",
-                            header(r.headers, s.DLQ_HEADERS.REASON) or "?",
-                        )
-                    )
-    finally:
-        await consumer.stop()
-    return view
+    records = await read_all_dead_letters(settings)
+    return DeadLetterView(
+        [(r.key_text, r.header(s.DLQ_HEADERS.STAGE) or "?", r.header(s.DLQ_HEADERS.REASON) or "?") for r in records]
+    )
 
 
 def count_prompts(files: dict[str, Path]) -> dict[str, int]:
@@ -284,6 +256,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     (run_dir / "logs").mkdir(parents=True)
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("COLUMNS", "200")  # tables printed by the subcommands stay readable in a log
     own_broker = False
     bootstrap = env.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
@@ -342,18 +315,29 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
         retryable = {k for k, stage, _ in view.records if stage == "inference"} - set(accepted)
         if retryable:
             console.print(f"[bold]replaying[/] {len(retryable)} inference dead letter(s)")
+            before = Counter(k for k, _, _ in view.records)
             console.print(run_cli(cli("dlq", "replay", "--stage", "inference", "--config", str(config)), env, "replay"))
             deadline = time.monotonic() + 120
-            while not retryable <= set(accepted_keys(out_dir)) and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
                 procs.check_alive()
+                now_accepted = set(accepted_keys(out_dir))
+                again = Counter(k for k, _, _ in asyncio.run(read_dead_letters(settings)).records)
+                if all(k in now_accepted or again[k] > before[k] for k in retryable):
+                    break
                 time.sleep(1)
-            now_accepted = accepted_keys(out_dir)
-            recovered = len(retryable & set(now_accepted))
+            final = accepted_keys(out_dir)
+            recovered = len(retryable & set(final))
             console.print(
-                f"replay: {recovered} of {len(retryable)} replayed prompts are now accepted (the rest failed again)"
+                f"replay: {recovered} of {len(retryable)} replayed prompts are now accepted"
+                + (
+                    f", {len(retryable) - recovered} failed again (see `draftstream dlq list`)"
+                    if recovered < len(retryable)
+                    else ""
+                )
             )
-            dup = sum(1 for n in now_accepted.values() if n > 1)
-            console.print(f"duplicate keys in the training files after replay: {dup}")
+            console.print(
+                f"duplicate keys in the training files after replay: {sum(1 for n in final.values() if n > 1)}"
+            )
         else:
             console.print("no inference dead letters to replay this time")
         console.print(f"[bold green]demo finished[/] in {time.monotonic() - started:.0f} s")
