@@ -1,0 +1,242 @@
+"""Issue 5's end-to-end acceptance and issue 4's ground-truth acceptance.
+
+A real broker, the simulator over real HTTP with every content fault on and its ground
+truth (``debug_true_ids``) in each response, and every stage in this process: publish →
+inference → reconstruct → audit → sink, with the budget service reading along.
+
+Asserts, per variant (token ids rebuilt by re-encoding the text, or from logprobs):
+
+- every published prompt ends in exactly one place: one row in the sink files, or dead
+  letters for that key only; published == accepted + dead-lettered keys;
+- no sample hit by truncate / empty_reasoning / bad_usage is accepted;
+- among accepted samples, zero differ from the true ids when a fault changed the token
+  count (``noncanonical_len``), and 100% of canonical generations equal the true ids;
+- without logprobs, same-length non-canonical samples slip through (the documented blind
+  spot: counted and printed, expected > 0); with logprobs, none do and every accepted
+  sample, non-canonical included, equals the true ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas import SampleAudited, decode
+from services.audit.app import create_app as audit_app
+from services.budget.app import create_app as budget_app
+from services.common.kafka import ensure_topics
+from services.inference.app import create_app as inference_app
+from services.publish.app import publish
+from services.reconstruct.app import create_app as reconstruct_app
+from services.simulator.app import SimulatorOptions, start_simulator
+from services.sink.app import create_app as sink_app
+from tests.e2e.harness import Pipeline, dead_letters, read_all
+
+pytestmark = pytest.mark.e2e
+
+DATASET = "truth"
+N_PROMPTS = 150
+# Faults that must never reach the training files, whatever the reconstruction method.
+REJECTED_FAULTS = frozenset({"truncate", "empty_reasoning", "bad_usage"})
+NONCANONICAL = ("noncanonical_len", "noncanonical_same")
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    """A JSONL file of ``n`` OpenAI-style prompts with stable ids."""
+    with path.open("w", encoding="utf-8") as f:
+        for i in range(n):
+            row = {
+                "id": f"q{i:04d}",
+                "messages": [
+                    {"role": "system", "content": "Reason briefly, then answer."},
+                    {"role": "user", "content": f"Question {i}: what is {i} * {i + 3} - {i % 7}?"},
+                ],
+            }
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def sink_rows(out_dir: Path) -> list[dict[str, Any]]:
+    """Every row of every JSONL part the sink wrote."""
+    rows: list[dict[str, Any]] = []
+    for part in sorted(out_dir.glob("*/part-*.jsonl")):
+        rows.extend(json.loads(line) for line in part.read_text(encoding="utf-8").splitlines() if line.strip())
+    return rows
+
+
+def effective_faults(recorded: list[str]) -> set[str]:
+    """The content faults that really changed a generation (a ``<name>_fallback`` cancels ``<name>``)."""
+    names = set(recorded)
+    return {n for n in names if not n.endswith("_fallback") and f"{n}_fallback" not in names}
+
+
+@pytest.mark.parametrize("logprobs", [False, True], ids=["reencode", "logprobs"])
+async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
+    logprobs: bool, settings_factory: Callable[..., Any], report: Callable[..., str], tmp_path: Path
+) -> None:
+    """Every prompt in exactly one place; accepted ids equal the simulator's true ids."""
+    sim = await start_simulator(
+        SimulatorOptions(
+            seed=11,
+            # >= ~60 output ids, so one re-split token pair stays within the 5% round-trip tolerance.
+            reasoning_tokens=(40, 80),
+            content_tokens=(20, 40),
+            rate_truncate=0.08,
+            rate_empty_reasoning=0.08,
+            rate_bad_usage=0.08,
+            rate_noncanonical_len=0.15,
+            rate_noncanonical_same=0.25,
+            rate_429=0.05,
+            retry_after_s=0.05,
+            logprobs=logprobs,
+            debug_true_ids=True,
+        )
+    )
+    settings = settings_factory(
+        provider={
+            "base_url": sim.url,
+            "concurrency": 32,
+            "request_logprobs": logprobs,
+            "backoff_initial_s": 0.05,
+            "backoff_max_s": 0.2,
+            "max_attempts": 8,
+        },
+        # The simulator counts every output id (offset 0). Configured, not learned: while an
+        # offset is being learned, any gap within +-2 passes, so a noncanonical_len sample
+        # (gap 1) among the first learn_offset_samples would be accepted with wrong ids.
+        datasets={DATASET: {"audit": {"usage_offset": 0}}},
+    )
+    out_dir = Path(settings.sink.out_dir)
+    prompts_file = write_prompts(tmp_path / "prompts.jsonl", N_PROMPTS)
+    await ensure_topics(settings.kafka, [DATASET])
+    accepted_topic = settings.kafka.topic("accepted")
+    responses_topic = settings.kafka.topic("responses")
+
+    pipeline = Pipeline()
+    try:
+        budget = budget_app(settings)
+        await pipeline.start("budget", budget)
+        await pipeline.start("inference", inference_app(settings))
+        await pipeline.start("reconstruct", reconstruct_app(settings))
+        await pipeline.start("audit", audit_app(settings))
+        await pipeline.start("sink", sink_app(settings))
+        published = await publish(settings, [prompts_file], dataset=DATASET)
+        assert published.published == N_PROMPTS, published
+
+        async def settled() -> bool:
+            done = {r["id"] for r in sink_rows(out_dir)} | {d.key for d in await dead_letters(settings)}
+            return len(done) >= N_PROMPTS
+
+        await pipeline.wait(settled, 200, "every prompt accepted or dead-lettered")
+        n_responses = len((await read_all(settings, responses_topic))[responses_topic])
+        await pipeline.wait(
+            lambda: DATASET in budget.ledger.scopes and budget.ledger.scopes[DATASET].responses >= n_responses,
+            60,
+            "the budget counted every response",
+        )
+        budget_completion = budget.ledger.scopes[DATASET].completion_tokens
+    finally:
+        await pipeline.stop()
+        stats = sim.stats()
+        await sim.close()
+
+    prompts_topic = settings.kafka.prompts_topic(DATASET)
+    got = await read_all(settings, prompts_topic, accepted_topic, responses_topic)
+    published_keys = Counter((r.key or b"").decode() for r in got[prompts_topic])
+    accepted = {}
+    for r in got[accepted_topic]:
+        audited = decode(r.value, SampleAudited)
+        accepted[f"{audited.dataset}:{audited.sample_id}"] = audited
+    rows = sink_rows(out_dir)
+    row_keys = Counter(r["id"] for r in rows)
+    letters = await dead_letters(settings)
+    dead_keys = {d.key for d in letters}
+    key_faults = {k: effective_faults(v) for k, v in stats["key_faults"].items()}
+
+    # --- ground truth, per accepted sample
+    wrong_by_fault: Counter[str] = Counter()
+    right_by_fault: Counter[str] = Counter()
+    canonical_total = canonical_equal = 0
+    no_truth: list[str] = []
+    sink_differs: list[str] = []
+    rejected_fault_accepted: list[str] = []
+    rows_by_key = {r["id"]: r for r in rows}
+    for key, audited in accepted.items():
+        truth = audited.sample.response.debug_true_ids
+        if truth is None:
+            no_truth.append(key)
+            continue
+        output_ids = list(audited.sample.output_ids)
+        row = rows_by_key.get(key)
+        if row is not None and row["output_ids"] != output_ids:
+            sink_differs.append(key)
+        faults = key_faults.get(key, set())
+        if faults & REJECTED_FAULTS:
+            rejected_fault_accepted.append(f"{key}:{sorted(faults)}")
+        kinds = [f for f in NONCANONICAL if f in faults]
+        if not kinds:
+            canonical_total += 1
+            canonical_equal += output_ids == truth
+        for kind in kinds:
+            (right_by_fault if output_ids == truth else wrong_by_fault)[kind] += 1
+    all_equal = sum(1 for a in accepted.values() if list(a.sample.output_ids) == a.sample.response.debug_true_ids)
+    fault_keys = Counter(f for faults in key_faults.values() for f in faults)
+    total_completion = sum(
+        json.loads(r.value).get("usage", {}).get("completion_tokens", 0) for r in got[responses_topic]
+    )
+
+    line = report(
+        variant="logprobs" if logprobs else "reencode",
+        published=len(published_keys),
+        accepted_rows=len(rows),
+        dead_lettered_keys=len(dead_keys),
+        dead_letter_reasons=dict(Counter(f"{d.stage}/{d.reason}" for d in letters)),
+        faults_by_key=dict(sorted(fault_keys.items())),
+        canonical_accepted=canonical_total,
+        canonical_equal_truth=canonical_equal,
+        accepted_equal_truth=f"{all_equal}/{len(accepted)}",
+        noncanonical_same_accepted_wrong_ids=wrong_by_fault["noncanonical_same"],
+        noncanonical_same_accepted_right_ids=right_by_fault["noncanonical_same"],
+        noncanonical_len_accepted_wrong_ids=wrong_by_fault["noncanonical_len"],
+        noncanonical_len_accepted_right_ids=right_by_fault["noncanonical_len"],
+        methods=dict(Counter(a.sample.method for a in accepted.values())),
+    )
+
+    # --- accounting: every prompt in exactly one place
+    assert len(published_keys) == N_PROMPTS and max(published_keys.values()) == 1, line
+    assert all(n == 1 for n in row_keys.values()), f"a key written twice to the sink: {line}"
+    assert not set(row_keys) & dead_keys, f"keys both accepted and dead-lettered: {set(row_keys) & dead_keys}"
+    assert set(row_keys) | dead_keys == set(published_keys), f"keys lost or invented: {line}"
+    assert len(published_keys) == len(row_keys) + len(dead_keys), line
+    assert set(accepted) == set(row_keys), "the accepted topic and the sink files disagree"
+    assert not sink_differs, f"sink rows whose output_ids differ from the accepted sample: {sink_differs[:5]}"
+    assert not no_truth, f"accepted samples without debug_true_ids: {no_truth[:5]}"
+    assert budget_completion == total_completion, f"budget {budget_completion} != responses {total_completion}: {line}"
+
+    # --- the faults really fired, and the ones that must be rejected were
+    for fault in (*REJECTED_FAULTS, *NONCANONICAL):
+        assert fault_keys[fault] > 0, f"fault {fault} never fired: {line}"
+    assert not rejected_fault_accepted, f"truncated/empty/bad-usage samples accepted: {rejected_fault_accepted[:5]}"
+    reasons = {r for d in letters for r in d.reasons.split(",") if r} | {d.reason for d in letters}
+    assert {"finish_stop", "reasoning_nonempty", "usage_matches"} <= reasons, line
+
+    # --- ground truth
+    assert canonical_total > 0, line
+    assert canonical_equal == canonical_total, f"canonical generations rebuilt wrong: {line}"
+    assert wrong_by_fault["noncanonical_len"] == 0, f"a count-changing fault was accepted with wrong ids: {line}"
+    if logprobs:
+        assert wrong_by_fault["noncanonical_same"] == 0, line
+        assert all_equal == len(accepted), f"with logprobs every accepted sample must equal the truth: {line}"
+        # Non-canonical generations are recovered, not merely rejected.
+        assert right_by_fault["noncanonical_len"] > 0 and right_by_fault["noncanonical_same"] > 0, line
+        assert {a.sample.method for a in accepted.values()} == {"logprobs"}, line
+    else:
+        # The documented blind spot: same length, same text, other ids; no count check sees it.
+        assert wrong_by_fault["noncanonical_same"] > 0, line
+        assert right_by_fault["noncanonical_len"] == 0, line
+        assert "noncanonical_len" not in {f for a in accepted for f in key_faults.get(a, set())}, line
