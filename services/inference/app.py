@@ -183,6 +183,10 @@ class InferenceWorker:
         self._producer = make_producer(self._kafka)
         await self._producer.start()
         await self._load_control()
+        # The global halt gauge exists from the start (0 unless halted), so the "halt in
+        # force" annotation and alert see a series on a run that never halts.
+        HALTED.labels(scope=GLOBAL_SCOPE).set(1 if GLOBAL_SCOPE in self._halts.scopes() else 0)
+        self._gauge_scopes.add(GLOBAL_SCOPE)
         self._control_task = asyncio.create_task(self._follow_control(), name="inference-control")
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
         self._consumer = make_consumer(self._kafka, group_id=self.group_id, metadata_max_age_ms=10_000)
