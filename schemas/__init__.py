@@ -353,6 +353,8 @@ def decode(data: bytes | None, type_: type[T]) -> T:
         raise SchemaError("empty_record", "record value is empty")
     try:
         obj: T = _decoders[type_].decode(data)
+    except UnicodeDecodeError as exc:  # msgspec raises this (not DecodeError) for bad UTF-8 in a string
+        raise SchemaError("invalid_utf8", f"not UTF-8: {exc}") from None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise _classify(exc, data) from None
     _check_version(obj)
@@ -365,6 +367,8 @@ def decode_control(data: bytes | None) -> Halt | Resume:
         raise SchemaError("empty_record", "control record has no value")
     try:
         obj = _control_decoder.decode(data)
+    except UnicodeDecodeError as exc:
+        raise SchemaError("invalid_utf8", f"not UTF-8: {exc}") from None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         text = str(exc)
         if "Invalid value" in text and "action" in text:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 
 from services.common.config import Settings
 from services.common.kafka import (
@@ -101,7 +102,13 @@ class StageRunner:
                 else:
                     outgoing.extend(result)
             await publish_all(self.producer, outgoing)
-            await consumer.commit({tp: part[-1].offset + 1 for tp, part in batches.items() if part})
+            try:
+                await consumer.commit({tp: part[-1].offset + 1 for tp, part in batches.items() if part})
+            except KafkaError as exc:
+                # The outputs are acknowledged; an uncommitted batch is only read again (by this
+                # worker or the partition's new owner) and downstream is idempotent by key.
+                # Dying here instead would turn a rebalance or a broker restart into a crash loop.
+                log.warning("%s: commit failed (%s); the batch will be redelivered", self.stage, exc)
             self.processed += len(records)
             STAGE_RECORDS.labels(stage=self.stage).inc(len(records))
             await self._report_lag(consumer)

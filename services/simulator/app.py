@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import hashlib
 import logging
 import random
 import time
@@ -142,9 +143,14 @@ class _Stats:
         self.key_faults: defaultdict[str, list[str]] = defaultdict(list)
         self.statuses: Counter[str] = Counter()
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
+        # SHA-256 of each Authorization header seen (never the header itself), so a test can
+        # prove a key reached the provider without the simulator ever storing the key.
+        self.auth_sha256: Counter[str] = Counter()
 
-    def record(self, key: str | None, at: float) -> None:
+    def record(self, key: str | None, at: float, authorization: str | None = None) -> None:
         self.total += 1
+        if authorization:
+            self.auth_sha256[hashlib.sha256(authorization.encode("utf-8")).hexdigest()] += 1
         self.times.append(at)
         if key is not None:
             self.keys[key] += 1
@@ -168,6 +174,7 @@ class _Stats:
             "last_request_at": self.times[-1] if self.times else None,
             "last_request_times": self.times[-_RECENT:],
             "recent": list(self.recent),
+            "auth_sha256": dict(self.auth_sha256),
         }
 
 
@@ -248,7 +255,7 @@ class SimulatorServer:
         """``POST .../chat/completions``: faults first, then the deterministic answer."""
         at = time.time()
         key = request.headers.get(KEY_HEADER)
-        self.stats.record(key, at)
+        self.stats.record(key, at, request.headers.get("Authorization"))
         try:
             forced = parse_fault_header(request.headers.get(FAULT_HEADER))
             chat = parse_request(await request.read())
