@@ -112,10 +112,16 @@ async def ensure_topics(kafka: KafkaSettings, datasets: Iterable[str] = ()) -> l
         created: list[str] = []
         for topic in new:
             try:
-                await admin.create_topics([topic])
-                created.append(topic.name)
+                response = await admin.create_topics([topic])
             except TopicAlreadyExistsError:
-                pass
+                continue
+            # The admin client reports per-topic errors in the response instead of raising.
+            for name, code, *rest in getattr(response, "topic_errors", ()):
+                if code == TopicAlreadyExistsError.errno:
+                    continue
+                if code:
+                    raise RuntimeError(f"could not create topic {name}: error {code} {rest[0] if rest else ''}")
+                created.append(name)
         return created
     finally:
         await admin.close()
