@@ -35,18 +35,3 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("draftstream e2e counts")
         for line in _LINES:
             terminalreporter.write_line(line)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Register ``chaos`` (the long crash soak of ``make chaos``)."""
-    config.addinivalue_line("markers", "chaos: the long crash soak, run by `make chaos` (-m chaos)")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip chaos tests unless the run selects them with ``-m chaos``: ``make test`` stays short."""
-    if "chaos" in (config.getoption("markexpr", "") or ""):
-        return
-    skip = pytest.mark.skip(reason="the chaos soak runs with `make chaos` (-m chaos)")
-    for item in items:
-        if item.get_closest_marker("chaos"):
-            item.add_marker(skip)
