@@ -21,7 +21,7 @@ def run_audit(config: ConfigOpt = None) -> None:
 
     settings = settings_from(config)
     setup_logging(settings)
-    asyncio.run(run_service(create_app(settings), name="audit", metrics_port=settings.metrics.audit_port,
+    asyncio.run(run_service(lambda: create_app(settings), name="audit", metrics_port=settings.metrics.audit_port,
                             metrics_host=settings.metrics.host))
 
 

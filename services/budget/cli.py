@@ -220,7 +220,7 @@ def run_budget(config: ConfigOption = None) -> None:
     setup_logging(settings)
     asyncio.run(
         run_service(
-            create_app(settings),
+            lambda: create_app(settings),
             name="budget",
             metrics_port=settings.metrics.budget_port,
             metrics_host=settings.metrics.host,

@@ -5,13 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Protocol
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Protocol, runtime_checkable
+
+from aiokafka.errors import KafkaError
 
 from services.common.metrics import serve
 
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class Service(Protocol):
     """A stage or server: started, run until stopped, then closed."""
 
@@ -28,16 +34,73 @@ class Service(Protocol):
         """Release what :meth:`start` acquired."""
 
 
-async def run_service(service: Service, *, name: str, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> None:
-    """Run a service until SIGINT/SIGTERM, serving its metrics on ``metrics_port``."""
+async def start_with_retry(
+    build: Callable[[], Service], *, name: str, timeout_s: float, stopping: asyncio.Event
+) -> Service | None:
+    """Build and start a service, retrying with a fresh instance while Kafka is unreachable.
+
+    A broker that is restarting or not up yet must not turn a service start into a crash
+    loop; after ``timeout_s`` the last error is raised. Returns None when stopped meanwhile.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.5
+    while True:
+        service = build()
+        try:
+            await service.start()
+            return service
+        except (KafkaError, OSError) as exc:
+            with suppress(Exception):
+                await service.close()
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s could not start (%s: %s); retrying in %.1f s", name, type(exc).__name__, exc, delay)
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), delay)
+        if stopping.is_set():
+            return None
+        delay = min(delay * 2, 10.0)
+
+
+async def run_service(
+    service: Service | Callable[[], Service],
+    *,
+    name: str,
+    metrics_port: int = 0,
+    metrics_host: str = "127.0.0.1",
+    start_timeout_s: float = 300.0,
+) -> None:
+    """Run a service until SIGINT/SIGTERM, serving its metrics on ``metrics_port``.
+
+    Given a factory instead of an instance, a start that fails because Kafka cannot be
+    reached is retried with a fresh instance for up to ``start_timeout_s``.
+    """
     serve(metrics_port, metrics_host)
     loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    current: list[Service] = []
+
+    def on_signal() -> None:
+        stopping.set()
+        for running in current:
+            running.stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, service.stop)
-    await service.start()
+        loop.add_signal_handler(sig, on_signal)
+    if isinstance(service, Service):
+        running = service
+        await running.start()
+    else:
+        started = await start_with_retry(service, name=name, timeout_s=start_timeout_s, stopping=stopping)
+        if started is None:
+            return
+        running = started
+    current.append(running)
+    if stopping.is_set():
+        running.stop()
     log.info("%s started%s", name, f" (metrics on :{metrics_port})" if metrics_port else "")
     try:
-        await service.run()
+        await running.run()
     finally:
-        await service.close()
+        await running.close()
         log.info("%s stopped", name)

@@ -29,10 +29,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
 
         settings = settings_from(config)
         setup_logging(settings, log_level)
-        worker = create_app(settings)
         asyncio.run(
             run_service(
-                worker,
+                lambda: create_app(settings),
                 name="inference",
                 metrics_port=settings.metrics.inference_port,
                 metrics_host=settings.metrics.host,

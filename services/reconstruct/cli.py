@@ -23,7 +23,7 @@ def run_reconstruct(config: ConfigOpt = None) -> None:
     setup_logging(settings)
     asyncio.run(
         run_service(
-            create_app(settings),
+            lambda: create_app(settings),
             name="reconstruct",
             metrics_port=settings.metrics.reconstruct_port,
             metrics_host=settings.metrics.host,

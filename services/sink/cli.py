@@ -24,7 +24,7 @@ def run_sink(
 
     settings = settings_from(config)
     setup_logging(settings)
-    asyncio.run(run_service(create_app(settings, out_dir=out), name="sink",
+    asyncio.run(run_service(lambda: create_app(settings, out_dir=out), name="sink",
                             metrics_port=settings.metrics.sink_port, metrics_host=settings.metrics.host))
 
 

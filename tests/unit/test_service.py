@@ -1,0 +1,62 @@
+"""Starting a service while Kafka is unreachable retries with a fresh instance."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka.errors import KafkaConnectionError
+
+from services.common.service import start_with_retry
+
+
+class Flaky:
+    """Fails to start the first ``failures`` times it is built."""
+
+    built = 0
+
+    def __init__(self, failures: int) -> None:
+        Flaky.built += 1
+        self.attempt = Flaky.built
+        self.failures = failures
+        self.closed = False
+
+    async def start(self) -> None:
+        if self.attempt <= self.failures:
+            raise KafkaConnectionError("Unable to bootstrap")
+
+    async def run(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_start_that_cannot_reach_kafka_is_retried_with_a_new_instance() -> None:
+    Flaky.built = 0
+    made: list[Flaky] = []
+
+    def build() -> Flaky:
+        made.append(Flaky(failures=2))
+        return made[-1]
+
+    started = await start_with_retry(build, name="t", timeout_s=30, stopping=asyncio.Event())
+    assert started is made[-1]
+    assert len(made) == 3
+    assert [m.closed for m in made] == [True, True, False]
+
+
+async def test_the_last_error_is_raised_after_the_timeout() -> None:
+    Flaky.built = 0
+    with pytest.raises(KafkaConnectionError):
+        await start_with_retry(lambda: Flaky(failures=99), name="t", timeout_s=0.2, stopping=asyncio.Event())
+
+
+async def test_a_stop_while_waiting_returns_none() -> None:
+    Flaky.built = 0
+    stopping = asyncio.Event()
+    stopping.set()
+    assert await start_with_retry(lambda: Flaky(failures=99), name="t", timeout_s=30, stopping=stopping) is None
