@@ -1,0 +1,288 @@
+"""Benchmark 2: the whole pipeline through Kafka vs one asyncio script without Kafka.
+
+A zero-latency simulator (its own process). draftstream: publish -> inference ->
+reconstruct -> audit -> sink, every service its own process (``draftstream run
+<stage>``) on the real broker, timed from the start of publishing until every prompt
+is accounted for (an accepted row in the sink's files or a dead letter). Reference:
+one asyncio process making the same provider calls (httpx, same concurrency, same
+request bodies), reconstructing and auditing with the same cores in batches (in a
+worker thread, overlapping the HTTP calls) and writing JSONL rows to memory — the shape
+of the script the real run used, without durability, replay or halts. A warm-up round
+fills the simulator's per-prompt cache and the services' tokenizers; then the two
+alternate and the medians of prompts/s are compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import (
+    Proc,
+    Result,
+    base_sections,
+    delete_topics,
+    free_port,
+    main,
+    median,
+    processes,
+    prompt_texts,
+    result,
+    simulator_proc,
+    stage_proc,
+    unique_prefix,
+    wait_simulator,
+    wait_until,
+    workdir,
+    write_config,
+    write_prompts,
+)
+
+DATASET = "bench"
+BATCH = 64
+_ID = re.compile(rb'"id":\s*"([^"]+)"')
+
+
+class Accounting:
+    """Keys accounted for: ids in the sink's JSONL files (tailed) and keys on dead-letter."""
+
+    def __init__(self, out_dir: Path, settings: Any) -> None:
+        self.out_dir = out_dir
+        self.settings = settings
+        self.accepted: set[str] = set()
+        self.dead: set[str] = set()
+        self._offsets: dict[Path, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Follow the dead-letter topic from its beginning."""
+        from aiokafka import TopicPartition
+
+        from schemas import DEAD_LETTER_TOPIC
+        from services.common.kafka import make_consumer
+
+        topic = self.settings.kafka.topic(DEAD_LETTER_TOPIC)
+        consumer = make_consumer(self.settings.kafka, group_id=None)
+        await consumer.start()
+        await consumer._client.force_metadata_update()  # noqa: SLF001 - the topic was just created
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+
+        async def follow() -> None:
+            try:
+                while True:
+                    batches = await consumer.getmany(timeout_ms=200)
+                    for records in batches.values():
+                        self.dead.update(r.key.decode() for r in records if r.key is not None)
+            finally:
+                await consumer.stop()
+
+        self._task = asyncio.create_task(follow())
+
+    async def stop(self) -> None:
+        """Stop following."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def scan(self) -> None:
+        """Read what the sink appended since the last scan (whole lines only)."""
+        for path in sorted(self.out_dir.glob(f"{DATASET}/part-*.jsonl")):
+            start = self._offsets.get(path, 0)
+            with path.open("rb") as f:
+                f.seek(start)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            for line in data[:end].splitlines():
+                m = _ID.search(line[:400])
+                if m:
+                    self.accepted.add(m.group(1).decode())
+            self._offsets[path] = start + end
+
+    def count(self, keys: set[str]) -> tuple[int, int]:
+        """(accepted, dead-lettered) among ``keys``."""
+        self.scan()
+        return len(keys & self.accepted), len(keys & self.dead)
+
+
+async def pipeline_round(
+    config: Path, work: Path, acct: Accounting, texts: list[str], tag: str, procs: list[Proc]
+) -> tuple[float, int, int]:
+    """Publish one round and wait until every prompt is accounted for; (seconds, accepted, dead)."""
+    from services.common.config import load_settings
+    from services.publish.app import publish
+
+    ids = [f"{tag}-{i}" for i in range(len(texts))]
+    path = write_prompts(work / f"prompts-{tag}.jsonl", ids, texts)
+    keys = {f"{DATASET}:{i}" for i in ids}
+    t0 = time.monotonic()
+    report = await publish(load_settings(config), [path], dataset=DATASET)
+    if report.published != len(texts):
+        raise RuntimeError(f"published {report.published} of {len(texts)}")
+
+    async def done() -> bool:
+        accepted, dead = acct.count(keys)
+        return accepted + dead >= len(keys)
+
+    await wait_until(done, 600, 0.05, f"round {tag} accounted for", procs)
+    seconds = time.monotonic() - t0
+    accepted, dead = acct.count(keys)
+    return seconds, accepted, dead
+
+
+async def reference_round(settings: Any, base_url: str, texts: list[str], tag: str) -> tuple[float, int, int]:
+    """The no-Kafka script: calls, reconstruct + audit in batches, JSONL rows in memory."""
+    import msgspec
+
+    from schemas import Message, PromptPublished
+    from services.audit.core import OffsetLearner, audit_batch
+    from services.common.kafka import DeadLetter
+    from services.inference.adapters.providers import chat_request_body, parse_openrouter
+    from services.inference.core import response_event
+    from services.profiles import load_profile
+    from services.reconstruct.core import reconstruct_batch
+    from services.sink.core import row_line, training_row
+
+    profile = await asyncio.to_thread(load_profile, settings.defaults.profile)
+    dataset = settings.defaults
+    thresholds = dataset.audit
+    learner = OffsetLearner()
+    out = io.BytesIO()
+    counts = {"accepted": 0, "rejected": 0}
+    limit = asyncio.Semaphore(settings.provider.concurrency)
+    pending: list[Any] = []
+    work: list[asyncio.Future[None]] = []
+
+    def process(batch: list[Any]) -> None:
+        samples = [s for s in reconstruct_batch(batch, profile) if not isinstance(s, DeadLetter)]
+        counts["rejected"] += len(batch) - len(samples)
+        for audited in audit_batch(samples, profile, thresholds, learner, audited_at=time.time()):
+            if audited.passed:
+                out.write(row_line(training_row(audited)))
+                counts["accepted"] += 1
+            else:
+                counts["rejected"] += 1
+
+    async def one(client: httpx.AsyncClient, i: int, text: str) -> None:
+        prompt = PromptPublished(dataset=DATASET, sample_id=f"{tag}-{i}", messages=[Message(role="user", content=text)])
+        body = chat_request_body(
+            prompt,
+            dataset,
+            model=settings.provider.model,
+            max_tokens=dataset.max_tokens,
+            extra_body=settings.provider.extra_body,
+            logprobs=settings.provider.request_logprobs,
+        )
+        async with limit:
+            t = time.monotonic()
+            response = await client.post(
+                f"{base_url}/chat/completions",
+                content=msgspec.json.encode(body),
+                headers={"Content-Type": "application/json"},
+            )
+            response.raise_for_status()
+            parsed = parse_openrouter(msgspec.json.decode(response.content))
+        pending.append(
+            response_event(
+                prompt,
+                parsed,
+                provider="simulator",
+                model=settings.provider.model,
+                profile=dataset.profile,
+                tools_sent=False,
+                max_tokens=dataset.max_tokens,
+                latency_s=time.monotonic() - t,
+                attempt=1,
+                now=time.time(),
+            )
+        )
+        if len(pending) >= BATCH:
+            batch = pending[:]
+            pending.clear()
+            work.append(asyncio.ensure_future(asyncio.to_thread(process, batch)))
+
+    t0 = time.monotonic()
+    limits = httpx.Limits(
+        max_connections=settings.provider.concurrency, max_keepalive_connections=settings.provider.concurrency
+    )
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+        await asyncio.gather(*(one(client, i, text) for i, text in enumerate(texts)))
+    if pending:
+        work.append(asyncio.ensure_future(asyncio.to_thread(process, pending[:])))
+    await asyncio.gather(*work)
+    seconds = time.monotonic() - t0
+    return seconds, counts["accepted"], counts["rejected"]
+
+
+async def measure(quick: bool) -> list[Result]:
+    """Warm up, then alternate pipeline and reference rounds over the same prompts."""
+    from services.common.config import load_settings
+    from services.common.kafka import ensure_topics
+
+    n, rounds = (60, 1) if quick else (400, 3)
+    texts = prompt_texts(n, seed=2)
+    prefix = unique_prefix("e2e")
+    ours: list[float] = []
+    ref: list[float] = []
+    with workdir("e2e") as work, processes() as procs:
+        port = free_port()
+        sim = simulator_proc(work, port, latency=0.0)
+        procs.append(sim)
+        base = f"http://127.0.0.1:{port}"
+        out_dir = work / "out"
+        config = write_config(
+            work / "bench.toml", base_sections(prefix, provider_url=f"{base}/api/v1", out_dir=out_dir)
+        )
+        settings = load_settings(config)
+        await ensure_topics(settings.kafka, [DATASET])
+        await wait_simulator(base, sim)
+        for stage in ("inference", "reconstruct", "audit", "sink"):
+            procs.append(stage_proc(stage, config, work))
+        acct = Accounting(out_dir, settings)
+        await acct.start()
+        try:
+            seconds, accepted, dead = await pipeline_round(config, work, acct, texts, "warm", procs)
+            print(f"warm-up: {n} prompts in {seconds:.1f}s ({accepted} accepted, {dead} dead letters)", flush=True)
+            for i in range(rounds):
+                for which in ("ours", "ref") if i % 2 == 0 else ("ref", "ours"):
+                    if which == "ours":
+                        seconds, accepted, dead = await pipeline_round(config, work, acct, texts, f"r{i}", procs)
+                        ours.append(n / seconds)
+                        print(
+                            f"round {i + 1} pipeline: {n / seconds:.1f} prompts/s "
+                            f"({accepted} accepted, {dead} dead letters)",
+                            flush=True,
+                        )
+                    else:
+                        seconds, accepted, rejected = await reference_round(
+                            settings, f"{base}/api/v1", texts, f"ref{i}"
+                        )
+                        ref.append(n / seconds)
+                        print(
+                            f"round {i + 1} reference: {n / seconds:.1f} prompts/s "
+                            f"({accepted} accepted, {rejected} rejected)",
+                            flush=True,
+                        )
+        finally:
+            await acct.stop()
+    await delete_topics(prefix)
+    value, reference = median(ours), median(ref)
+    return [
+        result("end to end prompts/s (Kafka vs script)", value, reference, value / reference, ">= 0.7", "prompts/s")
+    ]
+
+
+def run(quick: bool) -> list[Result]:
+    """Entry point for bench.run."""
+    return asyncio.run(measure(quick))
+
+
+if __name__ == "__main__":
+    main(run, __doc__ or "")

@@ -1,0 +1,199 @@
+"""Benchmark 4: how fast a halt stops an inference worker with many requests in flight.
+
+One inference worker (its own process) keeps ``provider.concurrency`` requests in flight
+against a slow simulator (its own process, jittered latency so completions and refills
+never stop). Each trial waits until the requests in flight at the simulator reach the
+bound, lets a random part of a latency pass, publishes a halt for the dataset (the record
+``services.control.publish_control`` writes, sent on an already connected producer)
+and records the time from just before the send to the last request that reached the
+simulator afterwards (0 when none did). The
+responses that landed after the halt are summed in completion tokens and compared
+with the in-flight bound (concurrency x max_tokens): a worker that stops sending can
+never exceed it. A resume starts the next trial.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.bench_concurrency import DATASET, publish_backlog
+from bench.common import (
+    Result,
+    base_sections,
+    delete_topics,
+    free_port,
+    main,
+    percentile,
+    processes,
+    result,
+    sim_stats,
+    simulator_proc,
+    stage_proc,
+    unique_prefix,
+    wait_simulator,
+    wait_until,
+    workdir,
+    write_config,
+)
+
+MAX_TOKENS = 512
+QUIET_S = 1.5
+
+
+async def responses_after(config: Path, marks: list[tuple[float, float]]) -> list[tuple[int, int]]:
+    """Per (halt, resume) window: (responses received inside it, their completion tokens)."""
+    from aiokafka import TopicPartition
+
+    from schemas import RESPONSES_TOPIC, ResponseReceived, decode
+    from services.common.config import load_settings
+    from services.common.kafka import make_consumer
+
+    settings = load_settings(config)
+    topic = settings.kafka.topic(RESPONSES_TOPIC)
+    consumer = make_consumer(settings.kafka, group_id=None)
+    await consumer.start()
+    out = [(0, 0) for _ in marks]
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        if not tps:
+            await consumer._client.force_metadata_update()  # noqa: SLF001 - first look at a new topic
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        while any([await consumer.position(tp) < end[tp] for tp in tps]):
+            batches = await consumer.getmany(timeout_ms=1000, max_records=2000)
+            for records in batches.values():
+                for record in records:
+                    response = decode(record.value, ResponseReceived)
+                    for i, (start, stop) in enumerate(marks):
+                        if start < response.received_at <= stop:
+                            n, tokens = out[i]
+                            out[i] = (n + 1, tokens + (response.usage.completion_tokens or 0))
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def measure(quick: bool) -> list[Result]:
+    """Halt trials against one worker; p99 stop time and worst token overshoot."""
+    from schemas import CONTROL_TOPIC, Halt, Resume, encode
+    from services.common.config import load_settings
+    from services.common.kafka import make_producer
+    from services.control import publish_control
+
+    concurrency, latency, jitter, trials = (100, 0.4, 0.4, 3) if quick else (500, 1.5, 1.0, 20)
+    rng = random.Random(4)  # noqa: S311 - when to halt, not crypto
+    ramp_s = 15.0 if quick else 20.0
+    backlog = concurrency * (2 * trials + 4)
+    prefix = unique_prefix("halt")
+    delays: list[float] = []
+    at_halt: list[int] = []
+    marks: list[tuple[float, float]] = []
+    with workdir("halt") as work, processes() as procs:
+        port = free_port()
+        # Jittered latency keeps completions (and refills) going at every moment, so a halt
+        # always lands while the worker is about to send new requests.
+        sim = simulator_proc(work, port, latency=latency, jitter=jitter, reasoning="20-200", content="5-40")
+        procs.append(sim)
+        base = f"http://127.0.0.1:{port}"
+        config = write_config(
+            work / "bench.toml",
+            base_sections(
+                prefix,
+                provider_url=f"{base}/api/v1",
+                out_dir=work / "out",
+                provider={"concurrency": concurrency, "timeout_s": 60.0},
+                defaults={"max_tokens": MAX_TOKENS},
+            ),
+        )
+        settings = load_settings(config)
+        await wait_simulator(base, sim)
+        seconds = await publish_backlog(config, work, backlog)
+        print(f"published {backlog} prompts in {seconds:.1f}s", flush=True)
+        worker = stage_proc("inference", config, work)
+        procs.append(worker)
+        control_topic = settings.kafka.topic(CONTROL_TOPIC)
+        producer = make_producer(settings.kafka)
+        await producer.start()
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(producer.stop)
+            client = await stack.enter_async_context(httpx.AsyncClient(timeout=10.0))
+
+            async def inflight() -> int:
+                s = await sim_stats(client, base)
+                return int(s["total_requests"]) - sum(int(v) for v in s["statuses"].values())
+
+            budget_end = time.monotonic() + (90 if quick else 300)
+            for trial in range(trials):
+                if trial >= 3 and time.monotonic() > budget_end:
+                    print(f"time budget spent: stopping after {trial} trials", flush=True)
+                    break
+
+                async def full() -> bool:
+                    return await inflight() >= int(0.95 * concurrency)
+
+                try:
+                    await wait_until(full, ramp_s, 0.05, f"{concurrency} requests in flight", [worker, sim])
+                except TimeoutError:  # a slow ramp is a finding, not a crash: halt what is in flight
+                    print(f"trial {trial + 1}: not {concurrency} in flight after {ramp_s:.0f} s", flush=True)
+                # Halt at a random moment of the steady state (completions and refills ongoing).
+                await asyncio.sleep(rng.uniform(latency, latency + jitter))
+                n_inflight = await inflight()
+                t_halt = time.time()
+                # What publish_control sends, on a producer already connected: the clock
+                # starts at the send, not at a client's connection setup.
+                halt = Halt(scope=DATASET, reason="bench", by="bench", at=t_halt)
+                await producer.send_and_wait(control_topic, encode(halt), key=halt.scope.encode())
+                # The halt took effect once no request has arrived for QUIET_S.
+                last = t_halt
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                    s = await sim_stats(client, base)
+                    last = max(last, float(s["last_request_at"] or 0.0))
+                    if time.time() - max(last, t_halt) > max(QUIET_S, latency + 0.5) and await inflight() == 0:
+                        break
+                delay = max(0.0, last - t_halt)
+                delays.append(delay)
+                at_halt.append(n_inflight)
+                t_resume = time.time()
+                marks.append((t_halt, t_resume))
+                await publish_control(settings, Resume(scope=DATASET, reason="bench", by="bench"))
+                print(
+                    f"trial {trial + 1}: {n_inflight} in flight at the halt; last new request "
+                    f"{delay * 1000:.0f} ms after it",
+                    flush=True,
+                )
+        worker.check()
+        windows = await responses_after(config, marks)
+    await delete_topics(prefix)
+    bound = concurrency * MAX_TOKENS
+    worst = max(tokens for _, tokens in windows)
+    worst_n = max(n for n, _ in windows)
+    p99_ms = percentile(delays, 99) * 1000
+    print(
+        f"halt stop time over {len(delays)} trials: median {percentile(delays, 50) * 1000:.0f} ms, "
+        f"p99 {p99_ms:.0f} ms; after the halt at most {worst_n} responses ({worst} tokens) landed, "
+        f"in-flight bound {concurrency} requests x {MAX_TOKENS} = {bound} tokens",
+        flush=True,
+    )
+    return [
+        result(f"halt stop time p99 ({len(delays)} trials)", p99_ms, 500.0, p99_ms / 500.0, "<= 1.0", "ms"),
+        result("halt overshoot vs in-flight bound", float(worst), float(bound), worst / bound, "<= 1.0", "tokens"),
+    ]
+
+
+def run(quick: bool) -> list[Result]:
+    """Entry point for bench.run."""
+    return asyncio.run(measure(quick))
+
+
+if __name__ == "__main__":
+    main(run, __doc__ or "")

@@ -1,0 +1,360 @@
+"""Shared plumbing for the benchmarks: results, CLI entry, subprocess services, config files.
+
+Every benchmark is a module with ``run(quick: bool) -> list[Result]``; :func:`main` gives
+it the ``[--quick] [--result-file F]`` command line, prints its figures and writes its
+rows as JSON for :mod:`bench.run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+
+
+@dataclass
+class Result:
+    """One row of the results table; ``target`` reads like ``>= 0.85`` (applied to ``ratio``)."""
+
+    name: str
+    value: float
+    reference: float
+    ratio: float
+    target: str
+    met: bool
+    unit: str = ""
+
+    def row(self) -> dict[str, Any]:
+        """The row as ``bench/results.json`` stores it."""
+        out = asdict(self)
+        out.pop("unit")
+        return out
+
+
+def judge(ratio: float, target: str) -> bool:
+    """Whether ``ratio`` meets a target written ``>= x`` or ``<= x``."""
+    op, _, number = target.partition(" ")
+    bound = float(number)
+    return ratio >= bound if op == ">=" else ratio <= bound
+
+
+def result(name: str, value: float, reference: float, ratio: float, target: str, unit: str = "") -> Result:
+    """A result row whose ``met`` is judged from ``ratio`` and ``target``."""
+    return Result(name, value, reference, ratio, target, judge(ratio, target), unit)
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence."""
+    return float(statistics.median(values))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation."""
+    data = sorted(values)
+    if len(data) == 1:
+        return data[0]
+    pos = (len(data) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def print_results(results: Sequence[Result]) -> None:
+    """Figures of one benchmark, ratio last."""
+    for r in results:
+        unit = f" {r.unit}" if r.unit else ""
+        print(
+            f"{r.name}: value {r.value:.4g}{unit}, reference {r.reference:.4g}{unit}, "
+            f"ratio {r.ratio:.3f} (target {r.target}) {'MET' if r.met else 'MISSED'}",
+            flush=True,
+        )
+
+
+def main(run: Callable[[bool], list[Result]], description: str) -> None:
+    """Command line of one benchmark: ``[--quick] [--result-file F]``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds, not minutes)")
+    parser.add_argument("--result-file", type=Path, help="write the result rows here as JSON")
+    args = parser.parse_args()
+    results = run(args.quick)
+    print_results(results)
+    if args.result_file is not None:
+        args.result_file.write_text(json.dumps([asdict(r) for r in results]))
+
+
+def unique_prefix(name: str) -> str:
+    """A topic prefix no other run shares."""
+    return f"bench-{name}-{uuid.uuid4().hex[:8]}."
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+    """A TOML config file from ``{section: {key: value}}`` (one level of sub-tables allowed)."""
+    lines: list[str] = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        nested = {k: v for k, v in values.items() if isinstance(v, dict)}
+        for key, value in values.items():
+            if not isinstance(value, dict):
+                lines.append(f"{key} = {_toml_value(value)}")
+        for key, sub in nested.items():
+            lines.append(f"[{section}.{key}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in sub.items())
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def base_sections(
+    prefix: str, *, provider_url: str, out_dir: Path, **extra: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Config sections every benchmark shares: broker, prefix, simulator provider, metrics off."""
+    sections: dict[str, dict[str, Any]] = {
+        "kafka": {"bootstrap_servers": BOOTSTRAP, "topic_prefix": prefix},
+        "provider": {"kind": "simulator", "base_url": provider_url},
+        "metrics": {
+            "inference_port": 0,
+            "reconstruct_port": 0,
+            "audit_port": 0,
+            "budget_port": 0,
+            "sink_port": 0,
+            "simulator_port": 0,
+        },
+        "sink": {"out_dir": str(out_dir)},
+    }
+    for section, values in extra.items():
+        sections.setdefault(section, {}).update(values)
+    return sections
+
+
+class Proc:
+    """A child process of the benchmark (a service or the simulator), stopped on exit."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        env = dict(os.environ)
+        env.setdefault("TOKENIZERS_PARALLELISM", "true")
+        self.popen = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        """True while the child runs."""
+        return self.popen.poll() is None
+
+    def check(self) -> None:
+        """Raise (with the log's tail) when the child died."""
+        if not self.alive():
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{tail}")
+
+    def vm_hwm_kib(self) -> int:
+        """Peak resident memory (VmHWM) of the child, KiB."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        return 0
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the child has used so far."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+
+
+def stage_proc(stage: str, config: Path, log_dir: Path, name: str | None = None) -> Proc:
+    """``python -m services.cli run <stage> --config F`` as a child process.
+
+    With ``BENCH_HTTP=aiohttp`` the inference worker runs with an aiohttp-backed httpx
+    transport instead (:mod:`bench.aiohttp_transport`), for the comparison in the README.
+    """
+    if stage == "inference" and os.environ.get("BENCH_HTTP") == "aiohttp":
+        return Proc(name or stage, [PYTHON, "-m", "bench.aiohttp_transport", "--config", str(config)], log_dir)
+    return Proc(name or stage, [PYTHON, "-m", "services.cli", "run", stage, "--config", str(config)], log_dir)
+
+
+def simulator_proc(
+    log_dir: Path,
+    port: int,
+    *,
+    latency: float = 0.0,
+    jitter: float = 0.0,
+    reasoning: str = "40-200",
+    content: str = "20-120",
+) -> Proc:
+    """The provider simulator in its own process (so it never shares a worker's event loop)."""
+    return Proc(
+        "simulator",
+        [
+            PYTHON,
+            "-m",
+            "services.cli",
+            "simulate-provider",
+            "--port",
+            str(port),
+            "--latency",
+            str(latency),
+            "--jitter",
+            str(jitter),
+            "--reasoning-tokens",
+            reasoning,
+            "--content-tokens",
+            content,
+        ],
+        log_dir,
+    )
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]],
+    timeout: float,
+    interval: float = 0.1,
+    what: str = "condition",
+    procs: Sequence[Proc] = (),
+) -> None:
+    """Poll an async predicate until true; raise on timeout or when a child process died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            p.check()
+        if await predicate():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def wait_simulator(base_url: str, proc: Proc, timeout: float = 60.0) -> None:
+    """Wait until the simulator answers ``/health``."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+
+        async def up() -> bool:
+            try:
+                return (await client.get(f"{base_url}/health")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await wait_until(up, timeout, 0.2, "the simulator", [proc])
+
+
+async def sim_stats(client: httpx.AsyncClient, base_url: str, after: float | None = None) -> dict[str, Any]:
+    """``GET /_sim/stats`` (with ``requests_after`` when ``after`` is given)."""
+    params = {"after": repr(after)} if after is not None else None
+    response = await client.get(f"{base_url}/_sim/stats", params=params)
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def write_prompts(path: Path, ids: Sequence[str], texts: Sequence[str]) -> Path:
+    """A JSONL file of OpenAI-style prompts with their own ids (publish keeps them)."""
+    with path.open("w") as f:
+        for sample_id, text in zip(ids, texts, strict=True):
+            f.write(json.dumps({"id": sample_id, "messages": [{"role": "user", "content": text}]}) + "\n")
+    return path
+
+
+def prompt_texts(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct short user prompts."""
+    topics = ("primes", "matrices", "sorting", "graphs", "probability", "geometry", "strings", "series")
+    return [f"Question {seed}-{i}: explain {topics[i % len(topics)]} with an example (case {i})." for i in range(n)]
+
+
+@contextlib.contextmanager
+def workdir(name: str) -> Iterator[Path]:
+    """A scratch directory for configs, logs and files; kept when BENCH_KEEP is set."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    try:
+        yield path
+    finally:
+        if os.environ.get("BENCH_KEEP"):
+            print(f"(kept {path})", file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[Proc]]:
+    """A list to register child processes in; every one is stopped on exit."""
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            with contextlib.suppress(Exception):
+                p.stop()
+
+
+async def delete_topics(prefix: str) -> None:
+    """Remove a run's topics (best effort) so benchmark runs do not pile up on the broker."""
+    from services.common.config import KafkaSettings
+    from services.common.kafka import make_admin
+
+    admin = make_admin(KafkaSettings(bootstrap_servers=BOOTSTRAP, topic_prefix=prefix))
+    await admin.start()
+    try:
+        names = [t for t in await admin.list_topics() if t.startswith(prefix)]
+        if names:
+            await admin.delete_topics(names)
+    except Exception as exc:  # noqa: BLE001 - cleanup only
+        print(f"(could not delete topics of {prefix}: {exc})", file=sys.stderr)
+    finally:
+        await admin.close()
