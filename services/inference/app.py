@@ -64,7 +64,7 @@ from services.common.metrics import (
     RESPONSES,
     RETRIES,
 )
-from services.inference.adapters.providers import HttpClientPool, Provider, make_http_client, make_provider
+from services.inference.adapters.providers import Provider, make_http_client, make_provider
 from services.inference.core import (
     GROUP_ID,
     STAGE,
@@ -119,7 +119,7 @@ class InferenceWorker:
     ) -> None:
         self.settings = settings
         self._kafka = settings.kafka
-        self._http: httpx.AsyncClient | HttpClientPool | None = http_client
+        self._http: httpx.AsyncClient | None = http_client
         self._own_http = http_client is None
         self._provider = provider
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -13,11 +13,11 @@ from services.common.config import Settings, load_settings
 from services.inference.adapters.providers import (
     KEY_HEADER,
     SIMULATOR_FAULT_HEADER,
-    HttpClientPool,
     OpenAIProvider,
     OpenRouterProvider,
     SGLangProvider,
     SimulatorProvider,
+    make_http_client,
     make_provider,
     parse_openai,
     parse_openrouter,
@@ -385,13 +385,10 @@ async def test_sglang_sends_input_ids_from_the_profile() -> None:
     assert result.native_output_ids == [100, 1] and result.usage.completion_tokens == 2
 
 
-async def test_client_pool_shards_connections_and_takes_turns() -> None:
-    pool = HttpClientPool(_settings(concurrency=1000))
+async def test_the_worker_client_pools_connections_for_the_configured_concurrency() -> None:
+    client = make_http_client(_settings(concurrency=1000))
     try:
-        assert len(pool.clients) == 16
-        assert all(c._transport._pool._max_connections <= 64 for c in pool.clients)  # type: ignore[attr-defined]
-        small = HttpClientPool(_settings(concurrency=10))
-        assert len(small.clients) == 1
-        await small.aclose()
+        assert isinstance(client, httpx.AsyncClient)
+        assert client._transport.limits.max_connections == 1000  # type: ignore[attr-defined]
     finally:
-        await pool.aclose()
+        await client.aclose()
