@@ -218,13 +218,7 @@ class Proc:
 
 
 def stage_proc(stage: str, config: Path, log_dir: Path, name: str | None = None) -> Proc:
-    """``python -m services.cli run <stage> --config F`` as a child process.
-
-    With ``BENCH_HTTP=aiohttp`` the inference worker runs with an aiohttp-backed httpx
-    transport instead (:mod:`bench.aiohttp_transport`), for the comparison in the README.
-    """
-    if stage == "inference" and os.environ.get("BENCH_HTTP") == "aiohttp":
-        return Proc(name or stage, [PYTHON, "-m", "bench.aiohttp_transport", "--config", str(config)], log_dir)
+    """``python -m services.cli run <stage> --config F`` as a child process."""
     return Proc(name or stage, [PYTHON, "-m", "services.cli", "run", stage, "--config", str(config)], log_dir)
 
 
