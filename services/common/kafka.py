@@ -48,6 +48,8 @@ def make_producer(kafka: KafkaSettings, **extra: Any) -> AIOKafkaProducer:
         "max_request_size": kafka.max_message_bytes,
         "compression_type": kafka.compression_type,
         "linger_ms": 5,
+        # Many concurrent sends (1,000 requests in flight) retry when a small batch fills.
+        "max_batch_size": 1024 * 1024,
         "request_timeout_ms": 60_000,
     }
     kwargs.update(extra)
