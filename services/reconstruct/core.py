@@ -194,8 +194,12 @@ def _check_tool_calls(calls: Sequence[ToolCall]) -> DeadLetter | None:
 
 def _plan(response: ResponseReceived, profile: ReconstructProfile) -> _Plan | DeadLetter:
     """Decide the method and the texts to encode for one response."""
+    # The prompt ids must be what the model saw: tool definitions reach the template only
+    # when the request carried them as `tools`; otherwise they are in the message text or
+    # the model never saw them.
+    tools = response.prompt.tools if response.tools_sent else None
     try:
-        prompt_text = profile.render_prompt(response.prompt.messages, response.prompt.tools)
+        prompt_text = profile.render_prompt(response.prompt.messages, tools)
     except Exception as exc:  # a template error is this record's fault, not the stage's
         return DeadLetter(TEMPLATE_ERROR, f"chat template of {profile.name} failed: {type(exc).__name__}: {exc}")
     if response.native_output_ids is not None and response.native_output_ids:

@@ -54,7 +54,7 @@ def response(
         content=content,
         tool_calls=tool_calls or [],
         finish_reason=finish,
-        **extra,
+        **{"tools_sent": bool(tools), **extra},
     )
 
 
@@ -430,3 +430,13 @@ def test_tool_calls_for_a_profile_without_tool_format(tmp_path: Any) -> None:
     assert verdict.reason == "tool_format_unsupported"
     sample = ok(reconstruct(response(reasoning="", content="hi"), p))  # no think tokens at all
     assert sample.output_ids == [ord("h"), ord("i"), 163586]
+
+
+def test_tool_definitions_not_sent_to_the_provider_stay_out_of_the_prompt_ids() -> None:
+    p = deepseek()
+    messages, tools = PROMPTS["tools"]
+    sent = ok(reconstruct(response(messages=messages, tools=tools), p))
+    unsent = ok(reconstruct(response(messages=messages, tools=tools, tools_sent=False), p))
+    assert sent.prompt_text == p.render_prompt(messages, tools)
+    assert unsent.prompt_text == p.render_prompt(messages, None)
+    assert len(unsent.prompt_ids) < len(sent.prompt_ids)

@@ -527,15 +527,20 @@ class SGLangProvider(_HttpProvider):
         self._load_profile = profile_loader or default_profile_loader(settings)
 
     def tools_sent(self, prompt: PromptPublished, dataset: DatasetSettings) -> bool:
-        """Tools are rendered into the prompt by the chat template, never sent as a parameter."""
-        return False
+        """Whether the chat template renders the tool definitions into ``input_ids``.
+
+        Same rule as the chat APIs' ``tools`` parameter (the dataset's ``send_tools``), so
+        reconstruction renders the prompt exactly as the model saw it.
+        """
+        return sends_tools(prompt, dataset)
 
     async def input_ids(self, prompt: PromptPublished, dataset: DatasetSettings) -> list[int]:
         """The prompt's token ids under the dataset's profile (rendered off the event loop)."""
         profile = await asyncio.to_thread(self._load_profile, dataset.profile)
 
         def render() -> list[int]:
-            return profile.encode(profile.render_prompt(prompt.messages, prompt.tools))
+            tools = prompt.tools if self.tools_sent(prompt, dataset) else None
+            return profile.encode(profile.render_prompt(prompt.messages, tools))
 
         return await asyncio.to_thread(render)
 
