@@ -499,12 +499,16 @@ class InferenceWorker:
         ):
             with attempt:
                 number = attempt.num
-                await self._gate(*scopes)
-                started = request_started(
-                    prompt, max_tokens=max_tokens, worker=self.worker_id, attempt=number, now=time.time()
-                )
                 key = sample_key(prompt.dataset, prompt.sample_id).encode()
-                await (await producer.send(self._topics[REQUESTS_TOPIC], encode(started), key=key))
+                while True:
+                    await self._gate(*scopes)
+                    started = request_started(
+                        prompt, max_tokens=max_tokens, worker=self.worker_id, attempt=number, now=time.time()
+                    )
+                    await (await producer.send(self._topics[REQUESTS_TOPIC], encode(started), key=key))
+                    # A halt that arrived while the broker acknowledged must still stop this request.
+                    if not self._halts.is_halted(*scopes):
+                        break
                 inflight = INFLIGHT.labels(dataset=prompt.dataset)
                 inflight.inc()
                 t0 = time.monotonic()
