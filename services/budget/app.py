@@ -115,7 +115,9 @@ class BudgetService:
         self._stopping = asyncio.Event()
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
-        self._logical = {settings.kafka.topic(n): n for n in (REQUESTS_TOPIC, RESPONSES_TOPIC, CONTROL_TOPIC)}
+        self._logical = {
+            settings.kafka.topic(n): n for n in (REQUESTS_TOPIC, RESPONSES_TOPIC, CONTROL_TOPIC, DEAD_LETTER_TOPIC)
+        }
         self._published_prompts: dict[str, int] = {}
         self._last_checkpoint = 0.0
         self._last_prompts_refresh = 0.0
@@ -168,7 +170,7 @@ class BudgetService:
             batches = await consumer.getmany(timeout_ms=200, max_records=500)
             records = [r for part in batches.values() for r in part]
             # Requests before responses, so an answer in the same batch closes its request.
-            order = {CONTROL_TOPIC: 0, REQUESTS_TOPIC: 1, RESPONSES_TOPIC: 2}
+            order = {CONTROL_TOPIC: 0, REQUESTS_TOPIC: 1, RESPONSES_TOPIC: 2, DEAD_LETTER_TOPIC: 3}
             records.sort(key=lambda r: order[self._logical[r.topic]])
             decisions: list[Halt | Resume] = []
             dead: list[Outgoing] = []
@@ -210,6 +212,16 @@ class BudgetService:
         try:
             if logical == CONTROL_TOPIC:
                 self.ledger.apply_control(decode_control(record.value))
+                return []
+            if logical == DEAD_LETTER_TOPIC:
+                # Only to learn which requests ended without a response (their failed
+                # attempts cost nothing the provider reported); never dead-lettered again.
+                key = (record.key or b"").decode("utf-8", "replace")
+                if header(record.headers, DLQ_HEADERS.STAGE) == "inference" and ":" in key:
+                    dataset, _, sample_id = key.partition(":")
+                    self.ledger.on_request_failed(dataset, sample_id, position, record.offset)
+                else:
+                    self.ledger.skip(position, record.offset)
                 return []
             if logical == REQUESTS_TOPIC:
                 request = decode(record.value, RequestStarted)

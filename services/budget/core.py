@@ -254,6 +254,14 @@ class Ledger:
                 dataset.inflight[key] = (event.max_tokens, started)
         return self._halts(now)
 
+    def on_request_failed(self, dataset: str, sample_id: str, position: str, offset: int) -> None:
+        """A prompt that ended as an inference dead letter has no request in flight any more."""
+        self._advance(position, offset)
+        scope = self.scopes.get(dataset)
+        if scope is not None and scope.counts(position, offset):
+            if scope.inflight.pop(sample_key(dataset, sample_id), None) is not None:
+                self._dirty.add(scope.scope)
+
     def on_response(
         self, event: ResponseReceived, position: str, offset: int, now: float, *, replay: bool = False
     ) -> tuple[Counted | None, list[Halt]]:

@@ -144,6 +144,12 @@ def run_cli(args: list[str], env: dict[str, str], what: str) -> str:
     return done.stdout
 
 
+def show(output: str) -> None:
+    """Print a subcommand's output as it is (its tables are already laid out)."""
+    sys.stdout.write(output if output.endswith("\n") else output + "\n")
+    sys.stdout.flush()
+
+
 def wait_http(url: str, timeout: float) -> None:
     """Wait until a local HTTP endpoint answers."""
     import httpx
@@ -256,7 +262,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     (run_dir / "logs").mkdir(parents=True)
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("COLUMNS", "200")  # tables printed by the subcommands stay readable in a log
+    env.setdefault("COLUMNS", "160")  # tables printed by the subcommands stay readable in a log
     own_broker = False
     bootstrap = env.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
@@ -310,13 +316,13 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
         out_dir = Path(settings.sink.out_dir)
         wait_accounted(settings, out_dir, expected, procs, timeout)
         accepted, view = summary(settings, out_dir, published)
-        console.print(run_cli(cli("budget", "--config", str(config)), env, "budget"))
+        show(run_cli(cli("budget", "--config", str(config)), env, "budget"))
         # Replay: inference dead letters were transient provider failures; send them again.
         retryable = {k for k, stage, _ in view.records if stage == "inference"} - set(accepted)
         if retryable:
             console.print(f"[bold]replaying[/] {len(retryable)} inference dead letter(s)")
             before = Counter(k for k, _, _ in view.records)
-            console.print(run_cli(cli("dlq", "replay", "--stage", "inference", "--config", str(config)), env, "replay"))
+            show(run_cli(cli("dlq", "replay", "--stage", "inference", "--config", str(config)), env, "replay"))
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 procs.check_alive()

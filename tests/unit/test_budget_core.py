@@ -298,3 +298,15 @@ def test_person_halt_is_not_replaced_by_budget() -> None:
     _, halts = ledger.on_response(response("math", completion=50), "responses:0", 0, 0.0)
     assert halts == []
     assert ledger.state("math") == "halted"
+
+
+def test_a_prompt_dead_lettered_at_inference_is_no_longer_in_flight() -> None:
+    ledger = make_ledger()
+    feed = Feeder(ledger)
+    feed.req(request("math", "a"))
+    feed.req(request("math", "b"))
+    assert ledger.inflight_tokens("math") == 200
+    ledger.on_request_failed("math", "a", "dead-letter:0", 0)
+    assert ledger.inflight_tokens("math") == 100
+    assert ledger.inflight_tokens(GLOBAL_SCOPE) == 100
+    assert ledger.offsets["dead-letter:0"] == 1
