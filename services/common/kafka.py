@@ -189,6 +189,21 @@ def dead_letter(
     return Outgoing(topic=dlq_topic, value=value or b"", key=key, headers=out)
 
 
+async def report_lag(consumer: AIOKafkaConsumer, group_id: str) -> None:
+    """Set the consumer-lag gauge of each assigned topic: high-water mark minus position."""
+    from services.common.metrics import CONSUMER_LAG
+
+    lag: dict[str, int] = {}
+    for tp in consumer.assignment():
+        highwater = consumer.highwater(tp)
+        if highwater is None:
+            continue
+        position = await consumer.position(tp)
+        lag[tp.topic] = lag.get(tp.topic, 0) + max(0, highwater - position)
+    for topic, value in lag.items():
+        CONSUMER_LAG.labels(group=group_id, topic=topic).set(value)
+
+
 async def publish_all(producer: AIOKafkaProducer, records: Iterable[Outgoing]) -> None:
     """Send records and wait until the broker has acknowledged every one of them."""
     futures = [await producer.send(r.topic, r.value, key=r.key, headers=r.headers or None) for r in records]
@@ -208,5 +223,6 @@ __all__ = [
     "make_consumer",
     "make_producer",
     "publish_all",
+    "report_lag",
     "topic_configs",
 ]

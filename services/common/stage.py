@@ -29,8 +29,9 @@ from services.common.kafka import (
     make_consumer,
     make_producer,
     publish_all,
+    report_lag,
 )
-from services.common.metrics import CONSUMER_LAG, DEAD_LETTERS, STAGE_RECORDS
+from services.common.metrics import DEAD_LETTERS, STAGE_RECORDS
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +147,7 @@ class StageRunner:
         )
 
     async def _report_lag(self, consumer: AIOKafkaConsumer) -> None:
-        lag: dict[str, int] = {}
-        for tp in consumer.assignment():
-            highwater = consumer.highwater(tp)
-            if highwater is None:
-                continue
-            position = await consumer.position(tp)
-            lag[tp.topic] = lag.get(tp.topic, 0) + max(0, highwater - position)
-        for topic, value in lag.items():
-            CONSUMER_LAG.labels(group=self.group_id, topic=topic).set(value)
+        await report_lag(consumer, self.group_id)
 
 
 async def run_stage(runner: StageRunner) -> None:

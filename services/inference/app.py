@@ -53,9 +53,9 @@ from services.common.kafka import (
     make_admin,
     make_consumer,
     make_producer,
+    report_lag,
 )
 from services.common.metrics import (
-    CONSUMER_LAG,
     DEAD_LETTERS,
     HALTED,
     INFLIGHT,
@@ -580,15 +580,7 @@ class InferenceWorker:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _report_lag(self, consumer: AIOKafkaConsumer) -> None:
-        lag: dict[str, int] = {}
-        for tp in consumer.assignment():
-            highwater = consumer.highwater(tp)
-            if highwater is None:
-                continue
-            position = await consumer.position(tp)
-            lag[tp.topic] = lag.get(tp.topic, 0) + max(0, highwater - position)
-        for topic, value in lag.items():
-            CONSUMER_LAG.labels(group=self.group_id, topic=topic).set(value)
+        await report_lag(consumer, self.group_id)
 
     @staticmethod
     def _require(obj: Any) -> Any:
