@@ -4,7 +4,7 @@ A zero-latency simulator (its own process). draftstream: publish -> inference ->
 reconstruct -> audit -> sink, every service its own process (``draftstream run
 <stage>``) on the real broker, timed from the start of publishing until every prompt
 is accounted for (an accepted row in the sink's files or a dead letter). Reference:
-one asyncio process making the same provider calls (httpx, same concurrency, same
+one asyncio process making the same provider calls (the worker's HTTP client, same concurrency, same
 request bodies), reconstructing and auditing with the same cores in batches (in a
 worker thread, overlapping the HTTP calls) and writing JSONL rows to memory — the shape
 of the script the real run used, without durability, replay or halts. A warm-up round
@@ -43,6 +43,7 @@ from bench.common import (
     write_config,
     write_prompts,
 )
+from services.inference.adapters.providers import make_http_client
 
 DATASET = "bench"
 BATCH = 64
@@ -209,10 +210,8 @@ async def reference_round(settings: Any, base_url: str, texts: list[str], tag: s
             work.append(asyncio.ensure_future(asyncio.to_thread(process, batch)))
 
     t0 = time.monotonic()
-    limits = httpx.Limits(
-        max_connections=settings.provider.concurrency, max_keepalive_connections=settings.provider.concurrency
-    )
-    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+    # The same HTTP client the inference worker uses, so the comparison is about Kafka.
+    async with make_http_client(settings) as client:
         await asyncio.gather(*(one(client, i, text) for i, text in enumerate(texts)))
     if pending:
         work.append(asyncio.ensure_future(asyncio.to_thread(process, pending[:])))
