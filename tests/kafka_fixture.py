@@ -326,3 +326,27 @@ async def topic_factory(kafka_bootstrap: str) -> AsyncIterator[TopicFactory]:
             pass
         finally:
             await admin.close()
+
+
+async def read_records(settings: Any, topic: str, count: int, timeout: float = 60.0) -> list[Any]:
+    """Read at least ``count`` records from the start of a physical topic, without a group.
+
+    Raises ``TimeoutError`` when fewer arrive within ``timeout`` seconds.
+    """
+    from services.common.kafka import make_consumer
+
+    consumer = make_consumer(settings.kafka, topic, group_id=None)
+    await consumer.start()
+    got: list[Any] = []
+    try:
+
+        async def enough() -> bool:
+            batches = await consumer.getmany(timeout_ms=200)
+            for part in batches.values():
+                got.extend(part)
+            return len(got) >= count
+
+        await wait_until(enough, timeout=timeout, interval=0, message=f"{count} record(s) on {topic}")
+    finally:
+        await consumer.stop()
+    return got

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -19,30 +18,12 @@ from schemas import (
 )
 from services.audit.app import create_app
 from services.common.config import Settings
-from services.common.kafka import ensure_topics, header, make_consumer, make_producer
-from tests.kafka_fixture import wait_until
+from services.common.kafka import ensure_topics, header, make_producer
+from tests.kafka_fixture import read_records
 from tests.unit.test_audit_checks import make
 from tests.unit.test_audit_support import deepseek
 
 pytestmark = pytest.mark.kafka
-
-
-async def read_topic(settings: Settings, logical: str, count: int, timeout: float = 60.0) -> list[Any]:
-    """Read ``count`` records from the start of a topic (fails after ``timeout``)."""
-    consumer = make_consumer(settings.kafka, settings.kafka.topic(logical), group_id=None)
-    await consumer.start()
-    got: list[Any] = []
-    try:
-        async def enough() -> bool:
-            batches = await consumer.getmany(timeout_ms=200)
-            for part in batches.values():
-                got.extend(part)
-            return len(got) >= count
-
-        await wait_until(enough, timeout=timeout, interval=0, message=f"{count} record(s) on {logical}")
-    finally:
-        await consumer.stop()
-    return got
 
 
 async def test_audit_worker_routes_good_bad_and_poison(settings_factory: Callable[..., Settings]) -> None:
@@ -80,8 +61,8 @@ async def test_audit_worker_routes_good_bad_and_poison(settings_factory: Callabl
     await service.start()
     task = asyncio.create_task(service.run())
     try:
-        accepted = await read_topic(settings, ACCEPTED_TOPIC, 2)
-        dead = await read_topic(settings, DEAD_LETTER_TOPIC, 4)
+        accepted = await read_records(settings, settings.kafka.topic(ACCEPTED_TOPIC), 2)
+        dead = await read_records(settings, settings.kafka.topic(DEAD_LETTER_TOPIC), 4)
     finally:
         service.stop()
         await asyncio.wait_for(task, 60)

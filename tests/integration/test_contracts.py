@@ -18,30 +18,13 @@ from services.common.kafka import (
     ensure_topics,
     header,
     make_admin,
-    make_consumer,
     make_producer,
 )
 from services.common.stage import StageRunner
+from tests.kafka_fixture import read_records
 from tests.unit.test_schemas import all_events, make_response
 
 pytestmark = pytest.mark.kafka
-
-
-async def consume_n(
-    settings: Settings, topic: str, n: int, timeout: float = 30.0
-) -> list[ConsumerRecord[bytes, bytes]]:
-    consumer = make_consumer(settings.kafka, topic, group_id=None)
-    await consumer.start()
-    got: list[ConsumerRecord[bytes, bytes]] = []
-    try:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while len(got) < n and asyncio.get_running_loop().time() < deadline:
-            batches = await consumer.getmany(timeout_ms=500)
-            for part in batches.values():
-                got.extend(part)
-    finally:
-        await consumer.stop()
-    return got
 
 
 async def test_topics_are_created_idempotently_with_compacted_control(
@@ -90,7 +73,7 @@ async def test_every_event_type_round_trips_through_the_broker(settings_factory:
             await producer.send_and_wait(topic, s.encode(event), key=str(i).encode(), partition=0)
     finally:
         await producer.stop()
-    records = sorted(await consume_n(settings, topic, len(events)), key=lambda r: int(r.key or b"0"))
+    records = sorted(await read_records(settings, topic, len(events)), key=lambda r: int(r.key or b"0"))
     assert len(records) == len(events)
     for record, event in zip(records, events, strict=True):
         if isinstance(event, s.Halt | s.Resume):
@@ -132,8 +115,8 @@ async def test_a_bad_record_reaches_a_stage_as_a_dead_letter_and_the_stage_goes_
     await runner.start()
     task = asyncio.create_task(runner.run())
     try:
-        outs = await consume_n(settings, sink, 5)
-        dead = await consume_n(settings, settings.kafka.topic("dead-letter"), 3)
+        outs = await read_records(settings, sink, 5)
+        dead = await read_records(settings, settings.kafka.topic("dead-letter"), 3)
     finally:
         runner.stop()
         await task

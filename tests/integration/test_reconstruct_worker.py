@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -18,33 +17,14 @@ from schemas import (
     encode,
 )
 from services.common.config import Settings
-from services.common.kafka import ensure_topics, header, make_consumer, make_producer
+from services.common.kafka import ensure_topics, header, make_producer
 from services.common.metrics import RECONSTRUCTED
 from services.reconstruct.app import create_app
-from tests.kafka_fixture import wait_until
+from tests.kafka_fixture import read_records, wait_until
 from tests.unit.test_profiles import deepseek, qwen
 from tests.unit.test_reconstruct import response, tc
 
 pytestmark = pytest.mark.kafka
-
-
-async def read_topic(settings: Settings, logical: str, count: int, timeout: float = 60.0) -> list[Any]:
-    """Read ``count`` records from the start of a topic (fails after ``timeout``)."""
-    consumer = make_consumer(settings.kafka, settings.kafka.topic(logical), group_id=None)
-    await consumer.start()
-    got: list[Any] = []
-    try:
-
-        async def enough() -> bool:
-            batches = await consumer.getmany(timeout_ms=200)
-            for part in batches.values():
-                got.extend(part)
-            return len(got) >= count
-
-        await wait_until(enough, timeout=timeout, interval=0, message=f"{count} record(s) on {logical}")
-    finally:
-        await consumer.stop()
-    return got
 
 
 async def test_worker_rebuilds_and_dead_letters(settings_factory: Callable[..., Settings]) -> None:
@@ -79,8 +59,8 @@ async def test_worker_rebuilds_and_dead_letters(settings_factory: Callable[..., 
     await service.start()
     task = asyncio.create_task(service.run())
     try:
-        samples = await read_topic(settings, SAMPLES_TOPIC, 3)
-        dead = await read_topic(settings, DEAD_LETTER_TOPIC, 4)
+        samples = await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 3)
+        dead = await read_records(settings, settings.kafka.topic(DEAD_LETTER_TOPIC), 4)
         await wait_until(
             lambda: service.processed >= len(records), timeout=60, message="all records processed"
         )
