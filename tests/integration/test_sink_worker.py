@@ -19,8 +19,7 @@ from services.common.config import Settings
 from services.common.kafka import ensure_topics, header, make_producer
 from services.sink.app import GROUP_ID, create_app
 from services.sink.core import parse_line
-from tests.integration.test_audit_worker import read_topic
-from tests.kafka_fixture import wait_until
+from tests.kafka_fixture import read_records, wait_until
 from tests.unit.test_sink import audited
 
 pytestmark = pytest.mark.kafka
@@ -67,7 +66,7 @@ async def test_sink_writes_each_key_once_and_dead_letters_poison(
     await service.start()
     task = asyncio.create_task(service.run())
     try:
-        dead = await read_topic(settings, DEAD_LETTER_TOPIC, 1)
+        dead = await read_records(settings, settings.kafka.topic(DEAD_LETTER_TOPIC), 1)
         await wait_until(lambda: service.runner.processed >= len(items), timeout=60, message="all consumed")
     finally:
         service.stop()
