@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.errors import KafkaError
 
 from services.common.config import Settings
@@ -150,13 +150,4 @@ class StageRunner:
         await report_lag(consumer, self.group_id)
 
 
-async def run_stage(runner: StageRunner) -> None:
-    """Start, run until stopped or cancelled, and close a stage."""
-    await runner.start()
-    try:
-        await runner.run()
-    finally:
-        await runner.close()
-
-
-__all__ = ["BatchHandler", "Result", "StageRunner", "TopicPartition", "run_stage"]
+__all__ = ["BatchHandler", "Result", "StageRunner"]

@@ -446,9 +446,11 @@ class OpenRouterProvider(_HttpProvider):
         data = await self._post("/chat/completions", body, self._headers(prompt))
         return self._parse(data)
 
+    parse_body: Callable[[Any], ProviderResult] = staticmethod(parse_openrouter)
+
     def _parse(self, data: Any) -> ProviderResult:
         try:
-            return parse_openrouter(data)
+            return self.parse_body(data)
         except ProviderFailure as failure:
             failure.message = self._redact(failure.message)
             raise
@@ -459,13 +461,7 @@ class OpenAIProvider(OpenRouterProvider):
 
     name = "openai"
     native_ids = True
-
-    def _parse(self, data: Any) -> ProviderResult:
-        try:
-            return parse_openai(data)
-        except ProviderFailure as failure:
-            failure.message = self._redact(failure.message)
-            raise
+    parse_body = staticmethod(parse_openai)
 
 
 class SimulatorProvider(OpenRouterProvider):
