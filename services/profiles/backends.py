@@ -3,6 +3,10 @@
 Each backend answers the same small set of questions (encode with special tokens parsed
 as specials, decode keeping them, exact bytes of one token and the inverse), so a
 :class:`services.profiles.Profile` never cares which library tokenizes.
+
+Two encodings: a prompt is tokenized as the server does it, with the tokenizer's Unicode
+normaliser (Qwen's NFC); model output is never normalised, because the model emitted
+tokens, not text (NFC would turn OHM SIGN U+2126 into U+03A9 and change the ids).
 """
 
 from __future__ import annotations
@@ -21,14 +25,20 @@ class TokenizerBackend(Protocol):
 
     vocab_size: int
     chat_template: str | None
-    # Ids of every added/special token: text spelling one becomes this id, never bytes.
-    special_ids: frozenset[int]
+    # Ids of the added tokens flagged special (control tokens); ordinary added tokens are text.
+    control_ids: frozenset[int]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special-token strings become their special ids; no BOS."""
+        """Token ids of model text; added-token strings become their ids; no BOS, no normalising."""
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """:meth:`encode` over many texts in one call."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt, with the tokenizer's Unicode normaliser applied as a server does."""
+
+    def encode_prompt_batch(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`encode_prompt` over many texts."""
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``, special tokens kept."""
@@ -90,14 +100,16 @@ class TokenizersBackend:
     """A Hugging Face ``tokenizers`` tokenizer (tokenizer.json), byte-level BPE aware."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
-        self._tok = tokenizer
+        self._prompt_tok = tokenizer
+        self._tok = _without_unicode_normaliser(tokenizer)
         self.chat_template = chat_template
         vocab: dict[str, int] = tokenizer.get_vocab(with_added_tokens=True)
-        added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+        decoder = tokenizer.get_added_tokens_decoder()
+        added = {t.content: i for i, t in decoder.items()}
         self._id_to_str: dict[int, str] = {i: s for s, i in vocab.items()}
         self._str_to_id = vocab
         self._added_ids = set(added.values())
-        self.special_ids = frozenset(self._added_ids)
+        self.control_ids = frozenset(i for i, t in decoder.items() if t.special)
         self.vocab_size = max(self._id_to_str) + 1
         self._bytes: dict[int, bytes] = {}
         self._by_bytes: dict[bytes, int] = {}
@@ -123,13 +135,22 @@ class TokenizersBackend:
         return cls(Tokenizer.from_file(str(path)), chat_template)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (added tokens parsed as specials, no BOS)."""
+        """Token ids of model text (added tokens parsed, no BOS, no Unicode normalising)."""
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of many texts in one (parallel) call."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt through the full tokenizer (its normaliser included)."""
+        ids: list[int] = self._prompt_tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def encode_prompt_batch(self, texts: list[str]) -> list[list[int]]:
+        """Prompt ids of many texts."""
+        return [e.ids for e in self._prompt_tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` with special tokens kept."""
@@ -172,14 +193,23 @@ def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
 class TiktokenBackend:
     """A tiktoken ``Encoding`` (Qwen's and Kimi's tokenizers), with optional NFC normalising."""
 
-    def __init__(self, encoding: Any, *, nfc: bool = False, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        encoding: Any,
+        *,
+        nfc: bool = False,
+        chat_template: str | None = None,
+        control_ids: frozenset[int] | None = None,
+    ) -> None:
         self._enc = encoding
         self._nfc = nfc
         self.chat_template = chat_template
         self.vocab_size = int(encoding.n_vocab)
+        # tiktoken calls every added token "special"; which of them are control tokens is
+        # the tokenizer config's word (default: all of them).
         self._specials: dict[str, int] = dict(encoding._special_tokens)
         self._special_ids = {i: s for s, i in self._specials.items()}
-        self.special_ids = frozenset(self._special_ids)
+        self.control_ids = frozenset(self._special_ids) if control_ids is None else control_ids
         ordered = sorted(self._specials, key=len, reverse=True)
         self._special_split = re.compile("(" + "|".join(re.escape(s) for s in ordered) + ")") if ordered else None
 
@@ -193,6 +223,7 @@ class TiktokenBackend:
         *,
         nfc: bool = False,
         chat_template: str | None = None,
+        control_ids: frozenset[int] | None = None,
     ) -> TiktokenBackend:
         """Build an Encoding from a ranks file, a pre-tokenizer regex and special tokens."""
         import tiktoken
@@ -203,7 +234,7 @@ class TiktokenBackend:
             mergeable_ranks=load_tiktoken_ranks(ranks_path),
             special_tokens=special_tokens,
         )
-        return cls(enc, nfc=nfc, chat_template=chat_template)
+        return cls(enc, nfc=nfc, chat_template=chat_template, control_ids=control_ids)
 
     def _norm(self, text: str) -> str:
         # Like HF's added-token handling: special tokens are split out first and only the
@@ -217,12 +248,22 @@ class TiktokenBackend:
         return "".join(p if i % 2 else unicodedata.normalize("NFC", p) for i, p in enumerate(parts))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (every special token allowed, no BOS)."""
-        ids: list[int] = self._enc.encode(self._norm(text), allowed_special="all")
+        """Token ids of model text (every added token allowed, no BOS, no normalising)."""
+        ids: list[int] = self._enc.encode(text, allowed_special="all")
         return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of many texts (tiktoken's threaded batch)."""
+        out: list[list[int]] = self._enc.encode_batch(texts, allowed_special="all")
+        return out
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt, NFC-normalised between added tokens when the model's tokenizer does."""
+        ids: list[int] = self._enc.encode(self._norm(text), allowed_special="all")
+        return ids
+
+    def encode_prompt_batch(self, texts: list[str]) -> list[list[int]]:
+        """Prompt ids of many texts."""
         out: list[list[int]] = self._enc.encode_batch([self._norm(t) for t in texts], allowed_special="all")
         return out
 
@@ -268,14 +309,46 @@ class TiktokenBackend:
         return None if b is None else self.id_of_bytes(b)
 
 
-def read_added_tokens(folder: Path) -> dict[str, int]:
-    """Special tokens declared in a model folder's tokenizer_config.json (``added_tokens_decoder``)."""
+def read_added_tokens(folder: Path) -> dict[str, tuple[int, bool]]:
+    """Added tokens of a model folder's tokenizer_config.json: content -> (id, special flag)."""
     config = folder / "tokenizer_config.json"
     if not config.is_file():
         return {}
     data = json.loads(config.read_text(encoding="utf-8"))
     decoder = data.get("added_tokens_decoder") or {}
-    return {str(v["content"]): int(k) for k, v in decoder.items()}
+    return {str(v["content"]): (int(k), bool(v.get("special", True))) for k, v in decoder.items()}
+
+
+_UNICODE_NORMALISERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+
+
+def _strip_unicode(node: Any) -> Any:
+    """A normaliser JSON with the Unicode normal forms taken out (None when nothing is left)."""
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") in _UNICODE_NORMALISERS:
+        return None
+    if node.get("type") == "Sequence":
+        kept = [n for n in (_strip_unicode(c) for c in node.get("normalizers", [])) if n is not None]
+        return {**node, "normalizers": kept} if kept else None
+    return node
+
+
+def _without_unicode_normaliser(tokenizer: Any) -> Any:
+    """The same tokenizer minus NFC/NFKC/…: model output must keep the bytes the model chose.
+
+    Structural normalisers (SentencePiece's space replacement, prepend) stay: they are part
+    of how the vocabulary spells text.
+    """
+    data = json.loads(tokenizer.to_str())
+    normaliser = data.get("normalizer")
+    stripped = _strip_unicode(normaliser)
+    if stripped == normaliser:
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    data["normalizer"] = stripped
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def read_chat_template(folder: Path) -> str | None:
@@ -306,5 +379,7 @@ def from_hf_folder(folder: Path, *, trust_remote_code: bool) -> TokenizerBackend
         return TokenizersBackend(backend_tok, template)
     encoding = getattr(hf, "model", None)
     if encoding is not None and hasattr(encoding, "encode_single_token"):
-        return TiktokenBackend(encoding, chat_template=template)
+        flags = read_added_tokens(folder)
+        control = frozenset(i for i, special in flags.values() if special) if flags else None
+        return TiktokenBackend(encoding, chat_template=template, control_ids=control)
     raise TypeError(f"unsupported tokenizer class {type(hf).__name__} in {folder}")

@@ -14,6 +14,7 @@ from services.common.kafka import DeadLetter, Outgoing
 from services.common.metrics import RECONSTRUCTED
 from services.common.stage import Result, StageRunner
 from services.profiles import Profile, ProfileError, load_profile
+from services.profiles.conventions import Convention, convention_for
 from services.reconstruct.core import reconstruct_batch
 
 log = logging.getLogger(__name__)
@@ -46,28 +47,50 @@ class ProfileCache:
         return profile
 
     def profile_name(self, response: ResponseReceived) -> str:
-        """The profile a response is rebuilt with: its own, else its dataset's."""
-        return response.profile or self._settings.dataset(response.dataset).profile
+        """The profile a response is rebuilt with: its dataset's configured one, else the one it names.
+
+        The name a response carries is only a default, so a replay after a profile is
+        corrected in the configuration uses the corrected one.
+        """
+        if response.dataset in self._settings.datasets:
+            return self._settings.datasets[response.dataset].profile
+        return response.profile or self._settings.defaults.profile
+
+    def convention(self, response: ResponseReceived) -> Convention:
+        """What the provider that answered dropped from its text (services.profiles.conventions)."""
+        return convention_of(self._settings, response)
+
+
+def convention_of(settings: Settings, response: ResponseReceived) -> Convention:
+    """The provider convention of a response: configured, else by the provider kind it came from."""
+    convention = convention_for(response.provider, settings.provider.convention)
+    offset = settings.dataset(response.dataset).audit.usage_offset
+    if offset is not None and offset != convention.completion_offset:
+        from dataclasses import replace
+
+        convention = replace(convention, completion_offset=offset)
+    return convention
 
 
 def decide(records: Sequence[ConsumerRecord[bytes, bytes]], profiles: ProfileCache, samples_topic: str) -> list[Result]:
     """Verdicts for a batch: decode, group by profile, rebuild each group in one batch call."""
     results: list[Result | None] = [None] * len(records)
-    groups: dict[str, list[tuple[int, ResponseReceived]]] = {}
+    groups: dict[tuple[str, Convention], list[tuple[int, ResponseReceived]]] = {}
     for index, record in enumerate(records):
         try:
             response = decode(record.value, ResponseReceived)
         except SchemaError as exc:
             results[index] = DeadLetter(exc.reason, exc.message)
             continue
-        groups.setdefault(profiles.profile_name(response), []).append((index, response))
-    for name, members in groups.items():
+        key = (profiles.profile_name(response), profiles.convention(response))
+        groups.setdefault(key, []).append((index, response))
+    for (name, convention), members in groups.items():
         profile = profiles.get(name)
         if isinstance(profile, ProfileError):
             for index, _ in members:
                 results[index] = DeadLetter(profile.reason, profile.message)
             continue
-        verdicts = reconstruct_batch([r for _, r in members], profile)
+        verdicts = reconstruct_batch([r for _, r in members], profile, convention)
         for (index, response), verdict in zip(members, verdicts, strict=True):
             if isinstance(verdict, DeadLetter):
                 results[index] = verdict

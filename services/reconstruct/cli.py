@@ -55,6 +55,8 @@ def reconstruct_file(
     from services.cli import fail, settings_from
     from services.common.kafka import DeadLetter
     from services.profiles import Profile, ProfileError, load_profile
+    from services.profiles.conventions import Convention
+    from services.reconstruct.app import convention_of
     from services.reconstruct.core import reconstruct_lines
 
     settings = settings_from(config)
@@ -67,14 +69,15 @@ def reconstruct_file(
             fail(f"{exc.reason}: {exc.message}")
     cache: dict[str, Profile | DeadLetter] = {}
 
-    def resolve(response: ResponseReceived) -> Profile | DeadLetter:
+    def resolve(response: ResponseReceived) -> tuple[Profile, Convention] | DeadLetter:
         name = profile or response.profile or settings.dataset(response.dataset).profile
         if name not in cache:
             try:
                 cache[name] = load_profile(name, settings)
             except ProfileError as exc:
                 cache[name] = DeadLetter(exc.reason, exc.message)
-        return cache[name]
+        loaded = cache[name]
+        return loaded if isinstance(loaded, DeadLetter) else (loaded, convention_of(settings, response))
 
     err = Console(stderr=True)
     methods: Counter[str] = Counter()

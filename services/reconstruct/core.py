@@ -1,13 +1,19 @@
 """Rebuild the token ids of a response: pure functions over schema objects and a profile.
 
-Output ids come, in order of trust, from the provider's native ids (``native``), from
-its logprob tokens mapped to vocabulary ids (``logprobs``), else from re-encoding the
-text with the specials providers strip put back (``reencode``):
-``reasoning + THINK_END + content + native tool calls + END_OF_TURN``.
+Output ids come, in order of trust, from the provider's native ids (``native``), from its
+logprob tokens mapped to vocabulary ids (``logprobs``), else from re-encoding the text
+(``reencode``). Re-encoding puts back only what every provider of the kind removes by
+definition (a think-start the prompt did not open, the think-end, the native text of
+structured tool calls, the end-of-turn) and never guesses what a lossy provider may have
+dropped: where the provider's :class:`~services.profiles.conventions.Convention` says text
+may be missing (stripped whitespace, the space around re-parsed arguments, the text
+between tool calls), the ids are accepted only when ``usage.completion_tokens`` proves
+nothing is missing — the count matches and no whitespace at any such place could have
+hidden inside the count — else the sample is a dead letter naming what was lost.
 
-Prompt ids are the encoded chat template (generation prompt on, which for thinking
-profiles ends with the think-start token); the loss mask is 0 over them and 1 over the
-output. Bad input is a :class:`DeadLetter` with a stable reason code, never an exception.
+Prompt ids are the encoded chat template over the messages as sent; the loss mask is 0
+over them and 1 over the output. Bad input is a :class:`DeadLetter` with a stable reason
+code, never an exception.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from schemas import (
@@ -29,16 +35,19 @@ from schemas import (
     sample_key,
 )
 from services.common.records import DeadLetter
-from services.profiles import ProfileError
+from services.profiles import GAP_ARGUMENTS, ProfileError, PromptState
+from services.profiles.conventions import Convention
 
 __all__ = [
     "EMPTY_RESPONSE",
-    "LineResult",
     "ID_OUT_OF_VOCAB",
     "INVALID_TOOL_ARGUMENTS",
     "LOGPROBS_UNMAPPABLE",
+    "PROBES",
     "SPECIAL_TOKEN_IN_TEXT",
+    "LineResult",
     "ReconstructProfile",
+    "output_layout",
     "reconstruct",
     "reconstruct_batch",
     "reconstruct_lines",
@@ -50,6 +59,20 @@ SPECIAL_TOKEN_IN_TEXT = "special_token_in_text"  # noqa: S105 - a reason code
 LOGPROBS_UNMAPPABLE = "logprobs_unmappable"
 ID_OUT_OF_VOCAB = "id_out_of_vocab"
 TEMPLATE_ERROR = "chat_template_error"
+UNEXPECTED_REASONING = "unexpected_reasoning"
+TOOL_ARGUMENTS_RESERIALIZED = "tool_arguments_reserialized"
+WHITESPACE_STRIPPED = "whitespace_stripped"
+WHITESPACE_AMBIGUOUS = "whitespace_ambiguous"
+TOOL_TEXT_LOST = "tool_call_text_lost"
+LOSS_UNVERIFIABLE = "lossy_text_unverifiable"
+
+# Whitespace that a lossy provider could have removed at a gap. If inserting any of them
+# leaves the token count unchanged, the count cannot prove the gap empty.
+PROBES: tuple[str, ...] = (" ", "\n", "\n\n", "\t", "  ", " \n", "\n\n\n", "\r\n")
+
+# Gap kinds (where a provider can lose text): strip of reasoning/content, tool blocks.
+_STRIP = "strip"
+_TOOL = "tool"
 
 
 class ReconstructProfile(Protocol):
@@ -59,19 +82,29 @@ class ReconstructProfile(Protocol):
     end_of_turn: str
     end_of_turn_id: int
     think_start: str | None
+    think_start_id: int | None
     think_end: str | None
     think_end_id: int | None
     tool_tokens: dict[str, int]
+    tool_format: str
     vocab_size: int
     special_ids: frozenset[int]
 
     @property
     def special_strings(self) -> tuple[str, ...]:
-        """Every special token string of the profile."""
+        """Every control string of the profile."""
+        ...
+
+    def thinks(self) -> bool:
+        """Whether the model produces a think block under this profile."""
         ...
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode with specials parsed, no BOS."""
+        """Encode model text: specials parsed, no BOS, no normalising."""
+        ...
+
+    def encode_prompt_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode prompts as the server does."""
         ...
 
     def id_of_bytes(self, b: bytes) -> int | None:
@@ -87,20 +120,43 @@ class ReconstructProfile(Protocol):
         ...
 
     def render_prompt(self, messages: Sequence[Message], tools: list[dict[str, object]] | None) -> str:
-        """The chat-templated prompt, generation prompt on."""
+        """The chat-templated prompt over the messages as sent, generation prompt on."""
         ...
 
-    def render_output(
-        self,
-        *,
-        reasoning: str,
-        content: str,
-        tool_calls: Sequence[ToolCall] = (),
-        finished: bool = True,
-        reasoning_closed: bool = True,
-    ) -> str:
-        """Output text with the stripped specials put back."""
+    def prompt_state(self, prompt_text: str) -> PromptState:
+        """Whether the prompt opened the think block, closed it, or left it alone."""
         ...
+
+    def tool_call_pieces(self, calls: Sequence[ToolCall]) -> list[str | tuple[str]]:
+        """Native text of structured tool calls with its gaps."""
+        ...
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a response's output is laid out under its prompt: what the model wrote first."""
+
+    think_start: bool  # the model itself wrote the think-start
+    think_end: bool  # the output holds the think-end
+    end_of_turn: bool  # the answer finished
+
+
+def output_layout(profile: ReconstructProfile, prompt_text: str, *, reasoning: str, closed: bool, finished: bool) -> Layout:
+    """The think tokens an output holds, from the prompt's state and the profile's facts.
+
+    A prompt that opens the think block leaves the model inside it (a think-end follows
+    unless the answer stopped inside the reasoning); one that closes it, or a model that
+    never thinks, leaves no think token in the output; otherwise a thinking model opens
+    the block itself, which a response shows by carrying reasoning.
+    """
+    state = profile.prompt_state(prompt_text)
+    if profile.think_end is None or state == "closed":
+        return Layout(False, False, finished)
+    if state == "open":
+        return Layout(False, closed, finished)
+    if profile.thinks() and (reasoning or not closed):
+        return Layout(True, closed, finished)
+    return Layout(False, False, finished)
 
 
 @dataclass
@@ -112,8 +168,10 @@ class _Plan:
     output_text: str | None
     output_ids: list[int] | None
     method: str
-    think_ends: int = 0
-    end_of_turns: int = 0
+    layout: Layout | None = None
+    # (char offset, kind) of every place the provider may have dropped text.
+    gaps: list[tuple[int, str]] = field(default_factory=list)
+    expected_count: int | None = None
 
 
 _TOKEN_ID_FORM = re.compile(r"^token_id:(\d+)$")
@@ -162,7 +220,7 @@ def _ids_from_logprobs(response: ResponseReceived, profile: ReconstructProfile) 
 
 
 def _check_text(response: ResponseReceived, profile: ReconstructProfile) -> DeadLetter | None:
-    """Specials that cannot stand in provider text (they would encode as special ids)."""
+    """Control strings that cannot stand in provider text (they would encode as control ids)."""
     tool_strings = set(profile.tool_tokens)
     for where, text in (("reasoning", response.reasoning), ("content", response.content)):
         for special in profile.special_strings:
@@ -173,7 +231,7 @@ def _check_text(response: ResponseReceived, profile: ReconstructProfile) -> Dead
                 return DeadLetter(SPECIAL_TOKEN_IN_TEXT, f"{where} contains the special token {special!r}")
     for index, call in enumerate(response.tool_calls):
         for special in profile.special_strings:
-            if special in call.function.name or special in call.function.arguments:
+            if special in call.function.name or special in call.function.arguments or special in call.id:
                 return DeadLetter(SPECIAL_TOKEN_IN_TEXT, f"tool call {index} contains the special token {special!r}")
     return None
 
@@ -192,7 +250,88 @@ def _check_tool_calls(calls: Sequence[ToolCall]) -> DeadLetter | None:
     return None
 
 
-def _plan(response: ResponseReceived, profile: ReconstructProfile) -> _Plan | DeadLetter:
+class _Text:
+    """The output text being assembled, with the offsets of its gaps."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.length = 0
+        self.gaps: list[tuple[int, str]] = []
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+        self.length += len(text)
+
+    def gap(self, kind: str) -> None:
+        if not self.gaps or self.gaps[-1][0] != self.length:
+            self.gaps.append((self.length, kind))
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _reencode_plan(
+    response: ResponseReceived, profile: ReconstructProfile, convention: Convention, prompt_text: str
+) -> _Plan | DeadLetter:
+    if not response.reasoning and not response.content and not response.tool_calls:
+        return DeadLetter(EMPTY_RESPONSE, "the response has no reasoning, no content and no tool calls")
+    bad = _check_tool_calls(response.tool_calls) or _check_text(response, profile)
+    if bad is not None:
+        return bad
+    calls = response.tool_calls
+    if calls and profile.tool_format in convention.reserialized_tool_formats:
+        return DeadLetter(
+            TOOL_ARGUMENTS_RESERIALIZED,
+            f"{convention.name} re-serialises {profile.tool_format} tool arguments: the model's exact JSON text "
+            "is gone (request logprobs or native ids for exact ids)",
+        )
+    truncated = response.finish_reason == "length"
+    # A truncated answer with nothing after the reasoning stopped inside the think block.
+    closed = not truncated or bool(response.content or calls)
+    layout = output_layout(profile, prompt_text, reasoning=response.reasoning, closed=closed, finished=not truncated)
+    state = profile.prompt_state(prompt_text)
+    thinking = layout.think_start or layout.think_end or state == "open"
+    if response.reasoning and not thinking:
+        return DeadLetter(
+            UNEXPECTED_REASONING,
+            f"the response carries reasoning but under {profile.name} this prompt leaves no think block "
+            f"open for the model (prompt state {state!r})",
+        )
+    out = _Text()
+    strip = convention.strips_whitespace
+    if layout.think_start and profile.think_start:
+        out.add(profile.think_start)
+    if thinking:
+        if strip:
+            out.gap(_STRIP)
+        out.add(response.reasoning)
+        if strip:
+            out.gap(_STRIP)
+        if not layout.think_end:
+            return _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
+        out.add(profile.think_end or "")
+    if strip:
+        out.gap(_STRIP)
+    out.add(response.content)
+    if strip:
+        out.gap(_STRIP)
+    if calls:
+        try:
+            pieces = profile.tool_call_pieces(calls)
+        except ProfileError as exc:  # e.g. structured tool calls for a profile without a format
+            return DeadLetter(exc.reason, exc.message)
+        for piece in pieces:
+            if isinstance(piece, str):
+                out.add(piece)
+            elif piece[0] != GAP_ARGUMENTS or profile.tool_format in convention.trimmed_argument_formats:
+                out.gap(_TOOL)
+        out.gap(_TOOL)  # tool parsers drop whatever followed the block
+    if layout.end_of_turn:
+        out.add(profile.end_of_turn)
+    return _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
+
+
+def _plan(response: ResponseReceived, profile: ReconstructProfile, convention: Convention) -> _Plan | DeadLetter:
     """Decide the method and the texts to encode for one response."""
     # The prompt ids must be what the model saw: tool definitions reach the template only
     # when the request carried them as `tools`; otherwise they are in the message text or
@@ -202,7 +341,7 @@ def _plan(response: ResponseReceived, profile: ReconstructProfile) -> _Plan | De
         prompt_text = profile.render_prompt(response.prompt.messages, tools)
     except Exception as exc:  # a template error is this record's fault, not the stage's
         return DeadLetter(TEMPLATE_ERROR, f"chat template of {profile.name} failed: {type(exc).__name__}: {exc}")
-    if response.native_output_ids is not None and response.native_output_ids:
+    if response.native_output_ids:
         bad = _check_ids(response.native_output_ids, profile, "native output")
         if bad is not None:
             return bad
@@ -215,49 +354,79 @@ def _plan(response: ResponseReceived, profile: ReconstructProfile) -> _Plan | De
         if bad is not None:
             return bad
         return _Plan(response, prompt_text, None, ids, "logprobs")
-    if not response.reasoning and not response.content and not response.tool_calls:
-        return DeadLetter(EMPTY_RESPONSE, "the response has no reasoning, no content and no tool calls")
-    bad = _check_tool_calls(response.tool_calls) or _check_text(response, profile)
-    if bad is not None:
-        return bad
-    truncated = response.finish_reason == "length"
-    # A truncated answer whose reasoning never closed stopped inside the think block: its
-    # true ids are the reasoning alone (no think-end, no content, no end-of-turn).
-    reasoning_closed = not truncated or bool(response.content or response.tool_calls)
-    try:
-        output_text = profile.render_output(
-            reasoning=response.reasoning,
-            content=response.content,
-            tool_calls=response.tool_calls,
-            finished=not truncated,
-            reasoning_closed=reasoning_closed,
-        )
-    except ProfileError as exc:  # e.g. structured tool calls for a profile without a format
-        return DeadLetter(exc.reason, exc.message)
-    expected_think_ends = 1 if profile.think_end is not None and reasoning_closed else 0
-    return _Plan(response, prompt_text, output_text, None, "reencode", expected_think_ends, 0 if truncated else 1)
+    plan = _reencode_plan(response, profile, convention, prompt_text)
+    if isinstance(plan, _Plan) and plan.gaps and response.usage.completion_tokens is not None:
+        plan.expected_count = response.usage.completion_tokens - convention.completion_offset
+    return plan
 
 
 def _check_output_ids(plan: _Plan, ids: list[int], profile: ReconstructProfile) -> DeadLetter | None:
-    """After re-encoding: no special id the text should not hold, and each special once.
+    """After re-encoding: no control id the text should not hold, and each special as laid out.
 
-    Catches every added token of the vocabulary (thousands for some models), which a
-    substring scan for the declared ones cannot.
+    Catches every control token of the vocabulary (special-flagged added tokens, declared
+    and template markers), which a substring scan for the declared ones cannot; ordinary
+    added tokens are text and pass.
     """
+    layout = plan.layout or Layout(False, False, True)
     allowed = {profile.end_of_turn_id, *profile.tool_tokens.values()}
-    if profile.think_end_id is not None:
+    if profile.think_end_id is not None and layout.think_end:
         allowed.add(profile.think_end_id)
+    if profile.think_start_id is not None and layout.think_start:
+        allowed.add(profile.think_start_id)
     for i in ids:
         if i in profile.special_ids and i not in allowed:
             (text,) = profile.token_strings([i])
             return DeadLetter(SPECIAL_TOKEN_IN_TEXT, f"the text contains the special token {text!r} (id {i})")
-    if profile.think_end_id is not None and ids.count(profile.think_end_id) != plan.think_ends:
-        return DeadLetter(SPECIAL_TOKEN_IN_TEXT, f"the output holds {ids.count(profile.think_end_id)} think-end tokens")
-    if ids.count(profile.end_of_turn_id) != plan.end_of_turns:
-        return DeadLetter(
-            SPECIAL_TOKEN_IN_TEXT, f"the output holds {ids.count(profile.end_of_turn_id)} end-of-turn tokens"
-        )
+    expected = (
+        (profile.think_start_id, int(layout.think_start), "think-start"),
+        (profile.think_end_id, int(layout.think_end), "think-end"),
+        (profile.end_of_turn_id, int(layout.end_of_turn), "end-of-turn"),
+    )
+    for token_id, count, what in expected:
+        if token_id is not None and ids.count(token_id) != count:
+            return DeadLetter(SPECIAL_TOKEN_IN_TEXT, f"the output holds {ids.count(token_id)} {what} tokens")
     return None
+
+
+def _with_probe(text: str, offset: int, probe: str) -> str:
+    return text[:offset] + probe + text[offset:]
+
+
+def _prove(plans: list[tuple[int, _Plan, list[int]]], profile: ReconstructProfile) -> dict[int, DeadLetter]:
+    """Dead letters for lossy outputs the usage count cannot pin (one batch encode for all probes)."""
+    verdicts: dict[int, DeadLetter] = {}
+    probing: list[tuple[int, int]] = []  # (index, expected length)
+    texts: list[str] = []
+    for index, plan, ids in plans:
+        kinds = {kind for _, kind in plan.gaps}
+        lost = "whitespace" if kinds == {_STRIP} else "text around structured tool calls"
+        if plan.expected_count is None:
+            verdicts[index] = DeadLetter(
+                LOSS_UNVERIFIABLE,
+                f"the provider may have dropped {lost} at {len(plan.gaps)} place(s) and reported no usage count",
+            )
+            continue
+        if len(ids) != plan.expected_count:
+            code = WHITESPACE_STRIPPED if kinds == {_STRIP} else TOOL_TEXT_LOST
+            verdicts[index] = DeadLetter(
+                code,
+                f"the provider dropped {lost}: {len(ids)} ids rebuilt, usage.completion_tokens says "
+                f"{plan.expected_count} (under the provider's counting convention)",
+            )
+            continue
+        assert plan.output_text is not None  # noqa: S101 - reencode plans carry text
+        for offset, _ in plan.gaps:
+            for probe in PROBES:
+                probing.append((index, len(ids)))
+                texts.append(_with_probe(plan.output_text, offset, probe))
+    for (index, length), probe_ids in zip(probing, profile.encode_batch(texts), strict=True):
+        if index not in verdicts and len(probe_ids) == length:
+            verdicts[index] = DeadLetter(
+                WHITESPACE_AMBIGUOUS,
+                "the usage count matches, but whitespace the provider may have dropped would not change it: "
+                "the ids are not pinned (request logprobs or native ids)",
+            )
+    return verdicts
 
 
 def _sample(
@@ -278,39 +447,42 @@ def _sample(
 
 
 def reconstruct_batch(
-    responses: Sequence[ResponseReceived], profile: ReconstructProfile
+    responses: Sequence[ResponseReceived], profile: ReconstructProfile, convention: Convention
 ) -> list[SampleReconstructed | DeadLetter]:
-    """Rebuild many responses of one profile with a single ``encode_batch`` call."""
-    plans: list[_Plan | DeadLetter] = [_plan(r, profile) for r in responses]
-    texts: list[str] = []
-    for plan in plans:
-        if isinstance(plan, _Plan):
-            texts.append(plan.prompt_text)
-            if plan.output_text is not None:
-                texts.append(plan.output_text)
-    encoded = iter(profile.encode_batch(texts))
+    """Rebuild many responses of one profile and provider convention, batching the tokenizer."""
+    plans: list[_Plan | DeadLetter] = [_plan(r, profile, convention) for r in responses]
+    live = [p for p in plans if isinstance(p, _Plan)]
+    prompt_ids = iter(profile.encode_prompt_batch([p.prompt_text for p in live]))
+    output_ids = iter(profile.encode_batch([p.output_text for p in live if p.output_text is not None]))
     out: list[SampleReconstructed | DeadLetter] = []
+    lossy: list[tuple[int, _Plan, list[int]]] = []
     for plan in plans:
         if isinstance(plan, DeadLetter):
             out.append(plan)
             continue
-        prompt_ids = next(encoded)
-        output_ids = next(encoded) if plan.output_text is not None else plan.output_ids or []
-        if not output_ids:
+        prompt = next(prompt_ids)
+        ids = next(output_ids) if plan.output_text is not None else plan.output_ids or []
+        if not ids:
             out.append(DeadLetter(EMPTY_RESPONSE, "the rebuilt output has no tokens"))
             continue
         if plan.output_text is not None:
-            bad = _check_output_ids(plan, output_ids, profile)
+            bad = _check_output_ids(plan, ids, profile)
             if bad is not None:
                 out.append(bad)
                 continue
-        out.append(_sample(plan, profile, prompt_ids, output_ids))
+            if plan.gaps:
+                lossy.append((len(out), plan, ids))
+        out.append(_sample(plan, profile, prompt, ids))
+    for index, verdict in _prove(lossy, profile).items():
+        out[index] = verdict
     return out
 
 
-def reconstruct(response: ResponseReceived, profile: ReconstructProfile) -> SampleReconstructed | DeadLetter:
+def reconstruct(
+    response: ResponseReceived, profile: ReconstructProfile, convention: Convention
+) -> SampleReconstructed | DeadLetter:
     """Rebuild one response: prompt ids, output ids, loss mask, or a dead-letter verdict."""
-    return reconstruct_batch([response], profile)[0]
+    return reconstruct_batch([response], profile, convention)[0]
 
 
 @dataclass
@@ -322,16 +494,15 @@ class LineResult:
     verdict: SampleReconstructed | DeadLetter
 
 
-def reconstruct_lines(
-    lines: Iterable[bytes],
-    resolve: Callable[[ResponseReceived], ReconstructProfile | DeadLetter],
-    *,
-    batch_size: int = 256,
-) -> Iterator[LineResult]:
+Resolver = Callable[[ResponseReceived], "tuple[ReconstructProfile, Convention] | DeadLetter"]
+
+
+def reconstruct_lines(lines: Iterable[bytes], resolve: Resolver, *, batch_size: int = 256) -> Iterator[LineResult]:
     """Rebuild a JSONL stream of ``ResponseReceived``, in batches, in input order.
 
-    ``resolve`` picks the profile of a response (or a dead-letter verdict when it cannot
-    be loaded). Blank lines are skipped; undecodable lines get their schema reason code.
+    ``resolve`` picks the profile and provider convention of a response (or a dead-letter
+    verdict when they cannot be had). Blank lines are skipped; undecodable lines get their
+    schema reason code.
     """
     pending: list[tuple[int, bytes]] = []
     for number, raw in enumerate(lines, start=1):
@@ -344,12 +515,9 @@ def reconstruct_lines(
         yield from _reconstruct_chunk(pending, resolve)
 
 
-def _reconstruct_chunk(
-    chunk: list[tuple[int, bytes]],
-    resolve: Callable[[ResponseReceived], ReconstructProfile | DeadLetter],
-) -> Iterator[LineResult]:
+def _reconstruct_chunk(chunk: list[tuple[int, bytes]], resolve: Resolver) -> Iterator[LineResult]:
     verdicts: dict[int, LineResult] = {}
-    groups: dict[int, tuple[ReconstructProfile, list[tuple[int, ResponseReceived]]]] = {}
+    groups: dict[tuple[int, str], tuple[ReconstructProfile, Convention, list[tuple[int, ResponseReceived]]]] = {}
     for number, raw in chunk:
         try:
             response = decode(raw, ResponseReceived)
@@ -357,15 +525,15 @@ def _reconstruct_chunk(
             verdicts[number] = LineResult(number, "", DeadLetter(exc.reason, exc.message))
             continue
         key = sample_key(response.dataset, response.sample_id)
-        profile = resolve(response)
-        if isinstance(profile, DeadLetter):
-            verdicts[number] = LineResult(number, key, profile)
+        resolved = resolve(response)
+        if isinstance(resolved, DeadLetter):
+            verdicts[number] = LineResult(number, key, resolved)
             continue
-        groups.setdefault(id(profile), (profile, []))[1].append((number, response))
-    for profile, members in groups.values():
-        for (number, response), verdict in zip(
-            members, reconstruct_batch([r for _, r in members], profile), strict=True
-        ):
+        profile, convention = resolved
+        groups.setdefault((id(profile), convention.name), (profile, convention, []))[2].append((number, response))
+    for profile, convention, members in groups.values():
+        batch = reconstruct_batch([r for _, r in members], profile, convention)
+        for (number, response), verdict in zip(members, batch, strict=True):
             verdicts[number] = LineResult(number, sample_key(response.dataset, response.sample_id), verdict)
     for number, _ in chunk:
         yield verdicts[number]

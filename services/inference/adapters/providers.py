@@ -20,7 +20,7 @@ import httpx
 import msgspec
 from msgspec import Meta, Struct
 
-from schemas import LogprobToken, Message, PromptPublished, ToolCall, ToolFunction, Usage, sample_key
+from schemas import LogprobToken, PromptPublished, ToolCall, ToolFunction, Usage, sample_key, wire_messages
 from services.common.config import DatasetSettings, Settings
 from services.inference.core import FATAL_STATUSES, ProviderFailure, ProviderResult, classify_status
 
@@ -82,6 +82,7 @@ class _Choice(Struct):
     native_finish_reason: str | None = None
     logprobs: _Logprobs | None = None
     token_ids: list[TokenId] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     error: Any = None
 
 
@@ -101,6 +102,7 @@ class _ChatCompletion(Struct):
     model: str | None = None
     provider: str | None = None
     usage: _ChatUsage | None = None
+    prompt_token_ids: list[TokenId] | None = None
     debug_true_ids: list[TokenId] | None = None
 
 
@@ -241,6 +243,7 @@ def _parse_chat(body: Any, *, native_ids: bool) -> ProviderResult:
         model=chat.model,
         upstream_provider=chat.provider,
         native_output_ids=choice.token_ids if native_ids else None,
+        native_prompt_ids=(chat.prompt_token_ids or choice.prompt_token_ids) if native_ids else None,
         logprobs=logprobs,
         debug_true_ids=chat.debug_true_ids,
     )
@@ -292,21 +295,6 @@ def parse_sglang(body: Any, *, think_end: str | None = "</think>") -> ProviderRe
 # --- requests ---
 
 
-def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """OpenAI ``messages`` for a prompt (content always present, optional fields when set)."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        item: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.tool_calls:
-            item["tool_calls"] = msgspec.to_builtins(m.tool_calls)
-        if m.tool_call_id is not None:
-            item["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            item["name"] = m.name
-        out.append(item)
-    return out
-
-
 def sends_tools(prompt: PromptPublished, dataset: DatasetSettings) -> bool:
     """Whether the request carries the ``tools`` parameter (dataset opt-in, prompt has tools)."""
     return bool(dataset.send_tools and prompt.tools)
@@ -321,15 +309,22 @@ def chat_request_body(
     extra_body: dict[str, Any],
     logprobs: bool,
     native_ids: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The chat-completions request body; ``extra_body`` (routing, reasoning...) is merged last."""
+    """The chat-completions request body; ``extra_body`` (routing, reasoning...) is merged last.
+
+    ``template_kwargs`` (the profile's thinking switch and kwargs) go out as
+    ``chat_template_kwargs``, so the server renders the prompt the way reconstruction does.
+    """
     body: dict[str, Any] = {
         "model": model,
-        "messages": chat_messages(prompt.messages),
+        "messages": wire_messages(prompt.messages),
         "max_tokens": max_tokens,
     }
     if sends_tools(prompt, dataset):
         body["tools"] = prompt.tools
+    if template_kwargs:
+        body["chat_template_kwargs"] = template_kwargs
     if logprobs:
         body["logprobs"] = True
     if native_ids:
@@ -429,6 +424,19 @@ class OpenRouterProvider(_HttpProvider):
 
     name = "openrouter"
     native_ids = False
+    # OpenRouter takes thinking switches through its own `reasoning` parameter (extra_body).
+    sends_template_kwargs = False
+
+    def template_kwargs(self, dataset: DatasetSettings) -> dict[str, Any] | None:
+        """The dataset profile's ``chat_template_kwargs`` (thinking on/off), for servers that take them."""
+        if not self.sends_template_kwargs:
+            return None
+        from services.profiles import ProfileError, profile_spec
+
+        try:
+            return profile_spec(dataset.profile, self._settings).render_kwargs() or None
+        except ProfileError:
+            return None  # an unknown profile is refused by pre-flight and reconstruct, not here
 
     async def complete(
         self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
@@ -442,6 +450,7 @@ class OpenRouterProvider(_HttpProvider):
             extra_body=self._provider.extra_body,
             logprobs=self._provider.request_logprobs,
             native_ids=self.native_ids,
+            template_kwargs=self.template_kwargs(dataset),
         )
         data = await self._post("/chat/completions", body, self._headers(prompt))
         return self._parse(data)
@@ -461,6 +470,7 @@ class OpenAIProvider(OpenRouterProvider):
 
     name = "openai"
     native_ids = True
+    sends_template_kwargs = True
     parse_body = staticmethod(parse_openai)
 
 
@@ -468,6 +478,7 @@ class SimulatorProvider(OpenRouterProvider):
     """The local simulator: OpenRouter's shape, plus test-only fault headers from metadata."""
 
     name = "simulator"
+    sends_template_kwargs = True
 
     def _headers(self, prompt: PromptPublished) -> dict[str, str]:
         headers = super()._headers(prompt)
@@ -489,8 +500,8 @@ class PromptEncoder(Protocol):
         """The chat-template text of a prompt, ending where the assistant turn starts."""
         ...
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``."""
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt, as the server tokenizes it."""
         ...
 
 
@@ -536,7 +547,7 @@ class SGLangProvider(_HttpProvider):
 
         def render() -> list[int]:
             tools = prompt.tools if self.tools_sent(prompt, dataset) else None
-            return profile.encode(profile.render_prompt(prompt.messages, tools))
+            return profile.encode_prompt(profile.render_prompt(prompt.messages, tools))
 
         return await asyncio.to_thread(render)
 
