@@ -17,7 +17,11 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
 	@touch $@
 
-setup: $(VENV)/.installed ## Create .venv with pinned dependencies
+TOKENIZERS := .run/tokenizers/deepseek-v3-r1/tokenizer.json
+$(TOKENIZERS): deploy/tokenizers/fetch.sh | $(VENV)/.installed
+	@PYTHON=$(PY) bash deploy/tokenizers/fetch.sh
+
+setup: $(VENV)/.installed $(TOKENIZERS) ## Create .venv with pinned dependencies; fetch the R1/V3 tokenizer
 
 system-deps: ## Install Debian packages the tests use (prometheus, kcat) when missing
 	@bash deploy/system-deps.sh

@@ -132,16 +132,21 @@ def check_loss_mask(p: Prepared, _: AuditProfile) -> CheckResult:
 
 
 def check_ends_with_end_of_turn(p: Prepared, profile: AuditProfile) -> CheckResult:
-    """The output ends with the end-of-turn id."""
+    """A finished output ends with the end-of-turn id; a truncated one (``length``) holds none."""
     ids = p.sample.output_ids
     last = ids[-1] if ids else None
+    if p.sample.response.finish_reason == "length":
+        ok = profile.end_of_turn_id not in ids
+        return _ok(ENDS_WITH_END_OF_TURN, ok, "" if ok else "a truncated output holds an end-of-turn id")
     if last != profile.end_of_turn_id:
         return _ok(ENDS_WITH_END_OF_TURN, False, f"last id {last}, expected {profile.end_of_turn_id}")
     return _ok(ENDS_WITH_END_OF_TURN, True)
 
 
-def check_one_end_of_turn(p: Prepared, profile: AuditProfile) -> CheckResult:
-    """The end-of-turn id occurs exactly once in the output."""
+def check_one_end_of_turn(p: Prepared, profile: AuditProfile) -> CheckResult | None:
+    """The end-of-turn id occurs exactly once in a finished output (truncated: see above)."""
+    if p.sample.response.finish_reason == "length":
+        return None
     n = p.sample.output_ids.count(profile.end_of_turn_id)
     return _ok(ONE_END_OF_TURN, n == 1, "" if n == 1 else f"{n} end-of-turn ids", float(n))
 
@@ -201,8 +206,8 @@ def check_no_think_start(p: Prepared, profile: AuditProfile) -> CheckResult | No
 
 
 def check_reasoning_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult | None:
-    """The text before the think-end is not blank (reasoning datasets only)."""
-    if profile.think_end_id is None or not p.thresholds.require_reasoning:
+    """The text before the think-end is not blank (reasoning datasets, where the model thinks)."""
+    if profile.think_end_id is None or not p.thresholds.require_reasoning or not _layout(p, profile)[1]:
         return None
     text = p.sample.response.reasoning
     if not text.strip() and p.decoded is not None and profile.think_end:
@@ -218,8 +223,10 @@ def _answer_text(p: Prepared, profile: AuditProfile) -> str:
     return text.replace(profile.end_of_turn, "")
 
 
-def check_content_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult:
-    """The answer (content or a tool call) after the reasoning is not blank."""
+def check_content_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult | None:
+    """The answer (content or a tool call) after the reasoning is not blank (truncation: finish_stop's job)."""
+    if p.sample.response.finish_reason == "length":
+        return None
     ok = bool(_answer_text(p, profile).strip()) or bool(p.sample.response.tool_calls)
     return _ok(CONTENT_NONEMPTY, ok, "" if ok else "no content and no tool call")
 

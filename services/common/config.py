@@ -95,7 +95,7 @@ class ProviderSettings(BaseModel):
 
     kind: Literal["simulator", "openrouter", "openai", "sglang"] = "simulator"
     base_url: str = "http://127.0.0.1:8099"
-    model: str = "deepseek/deepseek-v3"
+    model: str = "qwen/qwen3-8b"
     api_key: SecretStr | None = None
     concurrency: int = Field(default=256, gt=0, le=20_000)
     timeout_s: float = Field(default=120.0, gt=0)
@@ -185,6 +185,8 @@ class ProfileSettings(BaseModel):
     template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tool_tokens: dict[str, int] = Field(default_factory=dict)
     tool_format: Literal["kimi", "deepseek-r1", "deepseek-v3.1", "qwen", "dsml", "none"] = "none"
+    # How the server passes earlier tool calls' arguments to the template (vLLM: dict).
+    tool_arguments: Literal["dict", "string"] = "dict"
     template_tokens: list[str] = Field(default_factory=list)
     control_tokens: list[str] = Field(default_factory=list)
     chat_template: str | None = None

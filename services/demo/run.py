@@ -57,7 +57,7 @@ topic_prefix = "{prefix}"
 [provider]
 kind = "simulator"
 base_url = "http://127.0.0.1:{sim_port}/api/v1"
-model = "deepseek/deepseek-v3"
+model = "qwen/qwen3-8b"
 concurrency = 64
 max_attempts = 2
 backoff_initial_s = 0.05
@@ -80,15 +80,15 @@ sink_port = {free_port()}
 simulator_port = 0
 
 [datasets.math]
-profile = "deepseek-v3"
+profile = "qwen3"
 max_tokens = 2048
 
 [datasets.code]
-profile = "deepseek-v3"
+profile = "qwen3"
 max_tokens = 2048
 
 [datasets.tools]
-profile = "deepseek-v3"
+profile = "qwen3"
 max_tokens = 2048
 """
 

@@ -102,6 +102,11 @@ class ProfileSpec:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # Variables of our own template only (never sent to a server).
     template_vars: Mapping[str, Any] = field(default_factory=dict)
+    # How the server hands earlier tool calls' arguments to the template: vLLM parses the
+    # JSON strings into dicts (chat_utils._postprocess_messages), which templates then
+    # re-serialise with tojson; DeepSeek's templates concatenate strings, so those get them
+    # as sent (with dicts they fail: DeepSeek-V3 issue #952).
+    tool_arguments: Literal["dict", "string"] = "dict"
     # Markers the template writes that must each encode as ONE token (any id).
     template_tokens: tuple[str, ...] = ()
     # Other control strings that can never stand inside generated text.
@@ -244,6 +249,7 @@ class Profile:
         # Our own template's variables apply only when our template is the one in use.
         self._template_vars = dict(spec.template_vars) if self.chat_template == ours else {}
         self._template: Any = None
+        self._partial_prefixes: frozenset[bytes] | None = None
         declared = [*spec.expected_ids(), *spec.template_tokens, *spec.control_tokens, spec.bos_token]
         self._special_strings = tuple(s for s in dict.fromkeys(declared) if s)
         self._template_lock = threading.Lock()
@@ -320,6 +326,20 @@ class Profile:
         """Whether the model produces a think block under this profile (thinking on)."""
         return self.spec.thinks
 
+    def partial_char_prefixes(self) -> frozenset[bytes]:
+        """Visible byte strings that some token extends with an incomplete UTF-8 character.
+
+        A server detokenising a truncated output holds back a trailing incomplete character;
+        when the model's last token was one of these prefixes plus such bytes, the text shows
+        only the prefix and a re-encoding can match the count with a different last id.
+        """
+        with self._template_lock:
+            if self._partial_prefixes is None:
+                self._partial_prefixes = frozenset(
+                    visible for visible in map(_visible_part, self.backend.all_token_bytes()) if visible
+                )
+            return self._partial_prefixes
+
     @property
     def special_strings(self) -> tuple[str, ...]:
         """Every control string this profile declares (declared, template and control tokens)."""
@@ -376,8 +396,11 @@ class Profile:
         kwargs (thinking on or off) are passed as a server gets them.
         """
         template = self._compiled_template()
+        sent = wire_messages(messages)
+        if self.spec.tool_arguments == "dict":
+            sent = [_arguments_as_dicts(m) for m in sent]
         rendered: str = template.render(
-            messages=wire_messages(messages),
+            messages=sent,
             tools=tools or None,
             add_generation_prompt=True,
             bos_token=self.spec.bos_token,
@@ -386,6 +409,34 @@ class Profile:
             **self.template_kwargs,
         )
         return rendered
+
+
+def _visible_part(token: bytes) -> bytes | None:
+    """The bytes before a trailing incomplete UTF-8 character, or None when the token ends complete."""
+    for back in range(1, min(4, len(token)) + 1):
+        byte = token[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: keep looking for the lead
+            continue
+        if byte >= 0xC0:
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return token[:-back] if back < need else None
+        return None
+    return None
+
+
+def _arguments_as_dicts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with its tool calls' JSON arguments parsed, as vLLM hands them to templates."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        try:
+            args: Any = json.loads(call["function"]["arguments"] or "{}")
+        except ValueError:
+            args = {}
+        parsed.append({**call, "function": {**call["function"], "arguments": args}})
+    return {**message, "tool_calls": parsed}
 
 
 def profile_from_backend(spec: ProfileSpec, backend: TokenizerBackend) -> Profile:
@@ -486,6 +537,7 @@ _DEEPSEEK_R1 = ProfileSpec(
     tool_tokens=_DEEPSEEK_TOOLS,
     tool_format="deepseek-r1",
     template="deepseek-r1",
+    tool_arguments="string",
     template_tokens=_DEEPSEEK_TEMPLATE_TOKENS,
     bos_token="<｜begin▁of▁sentence｜>",  # noqa: S106 - a token string, not a secret
     tokenizer="deepseek-v3-r1",

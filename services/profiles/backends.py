@@ -49,6 +49,9 @@ class TokenizerBackend(Protocol):
     def token_bytes(self, id_: int) -> bytes:
         """The exact bytes one token stands for."""
 
+    def all_token_bytes(self) -> list[bytes]:
+        """The bytes of every ordinary (non-added) vocabulary entry."""
+
     def id_of_bytes(self, b: bytes) -> int | None:
         """The id whose bytes are exactly ``b`` (special tokens first), else None."""
 
@@ -166,6 +169,10 @@ class TokenizersBackend:
         """Exact bytes of one id; KeyError when the id is not in the vocabulary."""
         return self._bytes[id_]
 
+    def all_token_bytes(self) -> list[bytes]:
+        """The bytes of every ordinary vocabulary entry."""
+        return [b for i, b in self._bytes.items() if i not in self._added_ids]
+
     def id_of_bytes(self, b: bytes) -> int | None:
         """The id whose bytes are exactly ``b``."""
         return self._by_bytes.get(b)
@@ -276,6 +283,10 @@ class TiktokenBackend:
         """Texts of many sequences."""
         out: list[str] = self._enc.decode_batch(batch, errors="replace")
         return out
+
+    def all_token_bytes(self) -> list[bytes]:
+        """The bytes of every ordinary vocabulary entry (tiktoken's mergeable ranks)."""
+        return list(self._enc._mergeable_ranks)
 
     def token_bytes(self, id_: int) -> bytes:
         """Exact bytes of one id; KeyError when the id is not in the vocabulary."""

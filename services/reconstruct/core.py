@@ -65,6 +65,8 @@ WHITESPACE_STRIPPED = "whitespace_stripped"
 WHITESPACE_AMBIGUOUS = "whitespace_ambiguous"
 TOOL_TEXT_LOST = "tool_call_text_lost"
 LOSS_UNVERIFIABLE = "lossy_text_unverifiable"
+TRUNCATED_TAIL_LOST = "truncated_tail_lost"
+TRUNCATED_TAIL_AMBIGUOUS = "truncated_tail_ambiguous"
 
 # Whitespace that a lossy provider could have removed at a gap. If inserting any of them
 # leaves the token count unchanged, the count cannot prove the gap empty.
@@ -129,6 +131,10 @@ class ReconstructProfile(Protocol):
 
     def tool_call_pieces(self, calls: Sequence[ToolCall]) -> list[str | tuple[str]]:
         """Native text of structured tool calls with its gaps."""
+        ...
+
+    def partial_char_prefixes(self) -> frozenset[bytes]:
+        """Visible byte strings some token extends with an incomplete character."""
         ...
 
 
@@ -388,6 +394,33 @@ def _check_output_ids(plan: _Plan, ids: list[int], profile: ReconstructProfile) 
     return None
 
 
+def _check_truncated_tail(plan: _Plan, ids: list[int], profile: ReconstructProfile) -> DeadLetter | None:
+    """A truncated output's end: a server holds back a trailing incomplete character.
+
+    The model's last token may then be visible bytes plus part of a character. Either that
+    shows in the count (a token of its own), or the visible bytes are one of the profile's
+    partial-character prefixes and a re-encoding can match the count with another last id.
+    """
+    completion = plan.response.usage.completion_tokens
+    if completion is None:
+        return DeadLetter(LOSS_UNVERIFIABLE, "a truncated answer without a usage count: its last token cannot be checked")
+    if len(ids) != completion:
+        return DeadLetter(
+            TRUNCATED_TAIL_LOST,
+            f"{len(ids)} ids rebuilt, usage.completion_tokens says {completion}: the cut answer's tail is not in the text",
+        )
+    tail = (plan.output_text or "").encode("utf-8")[-16:]
+    prefixes = profile.partial_char_prefixes()
+    for start in range(len(tail)):
+        if tail[start:] in prefixes:
+            return DeadLetter(
+                TRUNCATED_TAIL_AMBIGUOUS,
+                f"the cut answer ends with {tail[start:]!r}, which a token can extend with part of a character the "
+                "server would not show: the last id is not pinned",
+            )
+    return None
+
+
 def _with_probe(text: str, offset: int, probe: str) -> str:
     return text[:offset] + probe + text[offset:]
 
@@ -467,6 +500,8 @@ def reconstruct_batch(
             continue
         if plan.output_text is not None:
             bad = _check_output_ids(plan, ids, profile)
+            if bad is None and plan.response.finish_reason == "length":
+                bad = _check_truncated_tail(plan, ids, profile)
             if bad is not None:
                 out.append(bad)
                 continue

@@ -12,12 +12,14 @@ import asyncio
 import bisect
 import dataclasses
 import hashlib
+import json
 import logging
 import random
 import time
 import uuid
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,6 +29,7 @@ from services.common.config import Settings
 from services.common.metrics import SIMULATOR_CONTENT_FAULTS, SIMULATOR_REQUESTS
 from services.simulator.core import (
     CONTENT_FAULTS,
+    PARSERS,
     TRANSIENT_FAULTS,
     ChatRequest,
     Generation,
@@ -36,13 +39,14 @@ from services.simulator.core import (
     build_response_body,
     choose_content_faults,
     choose_transient_fault,
+    compile_chat_template,
     error_body,
     generate,
     parse_fault_header,
     parse_request,
+    profile_prompt_text,
     prompt_digest,
-    prompt_text_fallback,
-    request_messages,
+    render_chat_template,
 )
 
 __all__ = [
@@ -67,9 +71,16 @@ _RECENT = 100
 
 @dataclass(frozen=True)
 class SimulatorOptions:
-    """Everything the simulator can be told: profile, latency, lengths, fault rates, flags."""
+    """Everything the simulator can be told: profile, latency, lengths, fault rates, flags.
 
-    profile: str = "deepseek-v3"
+    ``parser`` is the inference server whose parse of the raw output is emulated (``vllm``:
+    no whitespace stripped; ``sglang-legacy``: reasoning and content stripped).
+    ``chat_template_file``: render prompts (prompt_tokens, whether the prompt opens the think
+    block, ``prompt_token_ids``) from this Hugging Face chat template instead of the
+    profile's own, e.g. a model's official template as independent truth.
+    """
+
+    profile: str = "qwen3"
     seed: int = 0
     latency_s: float = 0.0
     latency_jitter_s: float = 0.0
@@ -95,6 +106,12 @@ class SimulatorOptions:
     price_per_token: float = 2e-6
     prompt_price_per_token: float = 0.0
     provider_name: str = "SimProvider"
+    parser: str = "vllm"
+    chat_template_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.parser not in PARSERS:
+            raise ValueError(f"unknown parser {self.parser!r}; known: {', '.join(PARSERS)}")
 
     def fault_rates(self) -> dict[str, float]:
         """Rate of every fault by its name (``429``, ``5xx``, ..., ``noncanonical_same``)."""
@@ -121,6 +138,7 @@ class SimulatorOptions:
             count_think_end=self.count_think_end,
             price_per_token=self.price_per_token,
             prompt_price_per_token=self.prompt_price_per_token,
+            parser=self.parser,
         )
 
 
@@ -189,7 +207,14 @@ class SimulatorServer:
         self.rng = random.Random(options.seed)  # noqa: S311 - fault injection, not crypto
         self.stats = _Stats()
         self._cache: dict[tuple[Any, ...], Generation] = {}
-        self._prompt_tokens: dict[bytes, int] = {}
+        self._prompt_texts: dict[tuple[bytes, str], str] = {}
+        # The template file is read and compiled once (jinja2 compiles in milliseconds).
+        self.template: Any = None
+        if options.chat_template_file:
+            source = Path(options.chat_template_file).expanduser().read_text(encoding="utf-8")
+            self.template = compile_chat_template(source)
+        spec = getattr(profile, "spec", None)  # a loaded Profile knows its BOS; a bare ProfileLike may not
+        self._bos_token: str = getattr(spec, "bos_token", "") or ""
 
     def web_app(self) -> web.Application:
         """The aiohttp application with every route."""
@@ -215,22 +240,33 @@ class SimulatorServer:
                 return web.json_response(error_body(400, "'after' must be a unix time"), status=400)
         return web.json_response(snap)
 
-    def _prompt_token_count(self, request: ChatRequest, digest: bytes) -> int:
-        if digest not in self._prompt_tokens:
-            render = getattr(self.profile, "render_prompt", None)
-            try:
-                if render is None:
-                    raise NotImplementedError
-                text = render(request_messages(request), request.tools)
-            except Exception:  # no chat template, or an unusual prompt: count plain text instead
-                text = prompt_text_fallback(request)
-            self._prompt_tokens[digest] = len(self.profile.encode(text))
-        return self._prompt_tokens[digest]
+    def _prompt_text(self, request: ChatRequest, digest: bytes, kwargs_key: str) -> str:
+        """The rendered prompt: the configured template file's, else the profile's own."""
+        key = (digest, kwargs_key)
+        if key not in self._prompt_texts:
+            if len(self._prompt_texts) >= _CACHE_MAX:
+                self._prompt_texts.clear()
+            if self.template is not None:
+                text = render_chat_template(
+                    self.template, request, bos_token=self._bos_token, eos_token=self.profile.end_of_turn
+                )
+            else:
+                text = profile_prompt_text(self.profile, request)
+            self._prompt_texts[key] = text
+        return self._prompt_texts[key]
 
     def _generation(self, request: ChatRequest, forced: list[str]) -> Generation:
         digest = prompt_digest(request)
         faults = sorted(set(choose_content_faults(digest, self.options.seed, self.rates)) | set(forced))
-        cache_key = (digest, request.max_tokens, bool(request.tools), request.tool_choice == "none", *faults)
+        kwargs_key = json.dumps(request.chat_template_kwargs or {}, sort_keys=True, default=str)
+        cache_key = (
+            digest,
+            kwargs_key,
+            request.max_tokens,
+            bool(request.tools),
+            request.tool_choice == "none",
+            *faults,
+        )
         cached = self._cache.get(cache_key)
         if cached is None:
             if len(self._cache) >= _CACHE_MAX:
@@ -240,7 +276,7 @@ class SimulatorServer:
                 request,
                 self.params,
                 content_faults=faults,
-                prompt_tokens=self._prompt_token_count(request, digest),
+                prompt_text=self._prompt_text(request, digest, kwargs_key),
             )
             self._cache[cache_key] = cached
         return cached

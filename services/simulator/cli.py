@@ -46,7 +46,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
     def simulate_provider(
         port: Annotated[int, typer.Option(help="Port to listen on")] = 8099,
         host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
-        profile: Annotated[str, typer.Option(help="Model profile whose tokenizer generates")] = "deepseek-v3",
+        profile: Annotated[str, typer.Option(help="Model profile whose tokenizer generates")] = "qwen3",
         seed: Annotated[int, typer.Option(help="Seed of generation and of transient faults")] = 0,
         latency: Annotated[float, typer.Option(help="Fixed latency per response, seconds")] = 0.0,
         jitter: Annotated[float, typer.Option(help="Extra uniform latency 0..jitter, seconds")] = 0.0,
@@ -71,6 +71,20 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         logprobs: Annotated[bool, typer.Option(help="Always return logprobs")] = False,
         debug_true_ids: Annotated[bool, typer.Option(help="Add debug_true_ids to every response")] = False,
         price_per_token: Annotated[float, typer.Option(help="USD per completion token in usage.cost")] = 2e-6,
+        parser: Annotated[
+            str,
+            typer.Option(
+                help="Server parse to emulate: vllm (no whitespace stripped) or sglang-legacy "
+                "(reasoning and content stripped)"
+            ),
+        ] = "vllm",
+        chat_template_file: Annotated[
+            Path | None,
+            typer.Option(
+                help="Render prompts from this Hugging Face chat template (e.g. the model's official one) "
+                "instead of the profile's"
+            ),
+        ] = None,
         metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics on this port (0: off)")] = 0,
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (custom profiles)")] = None,
     ) -> None:
@@ -82,8 +96,6 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from services.common.service import run_service
         from services.simulator.app import SimulatorOptions, create_app, get_profile
 
-        settings = settings_from(config)
-        setup_logging(settings)
         try:
             options = SimulatorOptions(
                 profile=profile,
@@ -99,11 +111,22 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 logprobs=logprobs,
                 debug_true_ids=debug_true_ids,
                 price_per_token=price_per_token,
+                parser=parser,
+                chat_template_file=str(chat_template_file) if chat_template_file is not None else None,
             ).with_fault_rates(_parse_rates(fault_rate or []))
         except ValueError as exc:
             fail(str(exc))
         if min(latency, jitter, retry_after, timeout_sleep, price_per_token) < 0:
             fail("latency, jitter, retry-after, timeout-sleep and price must not be negative")
+        if chat_template_file is not None:
+            from services.simulator.core import compile_chat_template
+
+            try:
+                compile_chat_template(chat_template_file.read_text(encoding="utf-8"))
+            except Exception as exc:  # missing file, not UTF-8, or a Jinja syntax error: one clear line
+                fail(f"--chat-template-file {chat_template_file}: {exc}")
+        settings = settings_from(config)
+        setup_logging(settings)
         try:
             loaded = get_profile(profile, settings)
         except Exception as exc:  # ProfileError and tokenizer load failures: one clear line

@@ -5,10 +5,15 @@ of the prompt (a hash of ``messages`` and ``tools``) and the seed, so a retry of
 prompt sees the same answer and the same content faults, while transient faults are drawn
 from an RNG the caller owns.
 
-The ground truth follows the way reconstruction rebuilds a sample: the model's ids are
-``encode(reasoning + THINK_END + content + render_tool_calls(calls) + END_OF_TURN)`` in one
-call. We build that full text, encode it once, and split the *text* into the response
-fields, so the joint encoding is the truth by construction.
+The ground truth is built the way a model produces it, independently of reconstruction:
+the simulator writes the RAW text the model would generate, in the model's own format
+(think block, native tool-call syntax, end-of-turn; see :func:`write_raw_output`), and the
+true ids are the tokenizer's encoding of that text. The response fields are then what an
+inference server makes of those ids: it decodes them (the end-of-turn dropped, the think
+and tool tokens kept) and runs its reasoning and tool parsers over the text
+(:func:`parse_raw_output`, after ``../shared/reference/PARSERS.md``). Nothing here calls a
+profile's own rendering of an answer, so a pipeline test comparing rebuilt ids with
+``debug_true_ids`` compares two independent things.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import random
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from datetime import datetime
+from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
@@ -27,29 +33,47 @@ from schemas import Message, ToolCall, ToolFunction
 
 __all__ = [
     "CONTENT_FAULTS",
+    "PARSERS",
     "TRANSIENT_FAULTS",
     "ChatRequest",
     "Generation",
     "GenerationParams",
     "ProfileLike",
     "RequestError",
+    "ThinkBlock",
     "build_response_body",
     "choose_content_faults",
     "choose_transient_fault",
+    "compile_chat_template",
     "error_body",
     "generate",
     "noncanonical_same_length",
     "noncanonical_split",
     "parse_fault_header",
+    "parse_raw_output",
     "parse_request",
+    "profile_prompt_text",
     "prompt_digest",
+    "prompt_text_fallback",
+    "render_chat_template",
+    "request_messages",
+    "think_block_of",
     "usage_counts",
+    "write_raw_output",
 ]
 
 TRANSIENT_FAULTS: Final = ("429", "5xx", "timeout", "drop", "malformed", "error_in_200")
 CONTENT_FAULTS: Final = ("truncate", "empty_reasoning", "bad_usage", "noncanonical_len", "noncanonical_same")
+# Server parsers the simulator emulates: current vLLM (no whitespace stripped), and SGLang
+# before PR #24251 (reasoning and content .strip()ped). PARSERS.md has the sources.
+PARSERS: Final = ("vllm", "sglang-legacy")
 # How far off a bad_usage response's completion_tokens is (at least).
 BAD_USAGE_OFFSET: Final = 1000
+
+# Where the think block of an answer opens: the model writes the think-start itself
+# ("model"), the prompt already opened it ("prompt"), or the answer has none ("none":
+# the model does not think, or the prompt closed the block to switch thinking off).
+ThinkBlock = Literal["model", "prompt", "none"]
 
 
 class ProfileLike(Protocol):
@@ -68,6 +92,14 @@ class ProfileLike(Protocol):
         """End-of-turn token id."""
 
     @property
+    def think_start(self) -> str | None:
+        """Think-start token string (None: the model never thinks)."""
+
+    @property
+    def think_start_id(self) -> int | None:
+        """Think-start token id."""
+
+    @property
     def think_end(self) -> str | None:
         """Think-end token string."""
 
@@ -79,8 +111,18 @@ class ProfileLike(Protocol):
     def tool_tokens(self) -> dict[str, int]:
         """Tool-call special tokens by string."""
 
+    @property
+    def tool_format(self) -> str:
+        """Native tool-call format: qwen, deepseek-r1, deepseek-v3.1, kimi, dsml or none."""
+
+    def thinks(self) -> bool:
+        """Whether the model writes a think block under this profile."""
+
     def encode(self, text: str) -> list[int]:
-        """Encode with special tokens parsed, no BOS."""
+        """Ids of model-generated text: specials parsed, no BOS, no normalisation."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a rendered prompt as a server tokenizes it."""
 
     def decode(self, ids: list[int]) -> str:
         """Decode ids, specials kept as text."""
@@ -91,19 +133,11 @@ class ProfileLike(Protocol):
     def id_of_bytes(self, data: bytes) -> int | None:
         """The id of the vocab entry with exactly these bytes."""
 
-    def render_tool_calls(self, calls: Sequence[ToolCall]) -> str:
-        """Native text of structured tool calls."""
+    def render_prompt(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> str:
+        """The profile's own rendering of the prompt (its chat template, generation prompt on)."""
 
-    def render_output(
-        self,
-        *,
-        reasoning: str,
-        content: str,
-        tool_calls: Sequence[ToolCall] = (),
-        finished: bool = True,
-        reasoning_closed: bool = True,
-    ) -> str:
-        """``reasoning + THINK_END + content + native tool calls + END_OF_TURN``."""
+    def prompt_state(self, prompt_text: str) -> str:
+        """``open``, ``closed`` or ``none``: how the rendered prompt leaves the think block."""
 
 
 class RequestError(ValueError):
@@ -126,6 +160,9 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     tool_choice: Any = None
+    # vLLM's extensions: kwargs for the chat template, and the prompt/output ids in the body.
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,11 +176,12 @@ class GenerationParams:
     count_think_end: bool = True
     price_per_token: float = 2e-6
     prompt_price_per_token: float = 0.0
+    parser: str = "vllm"
 
 
 @dataclass
 class Generation:
-    """One generated answer: the response fields and the model's true ids."""
+    """One generated answer: the model's raw text and true ids, and the parsed response fields."""
 
     reasoning: str
     content: str
@@ -156,6 +194,12 @@ class Generation:
     reasoning_tokens: int
     faults: list[str] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
+    # What the model wrote, end-of-turn included, before any cut (true ids encode it).
+    raw_text: str = ""
+    # The prompt the answer follows, and its ids as a server tokenizes it.
+    prompt_text: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    think_block: ThinkBlock = "none"
 
 
 # ---------------------------------------------------------------- request parsing
@@ -205,6 +249,9 @@ def parse_request(body: bytes) -> ChatRequest:
     model = data.get("model") or "simulator/model"
     if not isinstance(model, str):
         raise RequestError("'model' must be a string")
+    template_kwargs = data.get("chat_template_kwargs")
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise RequestError("'chat_template_kwargs' must be an object")
     return ChatRequest(
         model=model,
         messages=clean,
@@ -213,6 +260,8 @@ def parse_request(body: bytes) -> ChatRequest:
         logprobs=bool(data.get("logprobs")),
         top_logprobs=top,
         tool_choice=data.get("tool_choice"),
+        chat_template_kwargs=template_kwargs or None,
+        return_token_ids=bool(data.get("return_token_ids")),
     )
 
 
@@ -225,6 +274,106 @@ def parse_fault_header(value: str | None) -> list[str]:
     if unknown:
         raise RequestError(f"unknown simulator fault(s) {unknown}; known: {list(TRANSIENT_FAULTS + CONTENT_FAULTS)}")
     return names
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def prompt_text_fallback(request: ChatRequest) -> str:
+    """A plain rendering of the prompt, for token counting when a profile has no chat template."""
+    return "".join(f"{m.get('role', '')}: {m.get('content', '')}\n" for m in request.messages)
+
+
+def request_messages(request: ChatRequest) -> list[Message]:
+    """The request's messages as schema Messages (what the profile's template renders)."""
+    out = []
+    for m in request.messages:
+        try:
+            out.append(msgspec.convert(m, Message))
+        except msgspec.ValidationError:  # an odd role or field: keep what a template needs
+            role = m.get("role")
+            if role in ("system", "user", "assistant", "tool"):
+                out.append(Message(role=role, content=m.get("content") or ""))
+    return out
+
+
+def profile_prompt_text(profile: ProfileLike, request: ChatRequest) -> str:
+    """The prompt rendered by the profile's own template, else as plain text (no template)."""
+    try:
+        return profile.render_prompt(request_messages(request), request.tools)
+    except Exception:  # no chat template, or an unusual prompt: count plain text instead
+        return prompt_text_fallback(request)
+
+
+def _tojson(
+    value: Any, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False
+) -> str:
+    """``tojson`` as Hugging Face gives it to chat templates: no HTML escaping, non-ASCII kept."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise RequestError(f"chat template error: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    # A template asking for today's date gets it; pure otherwise (no template in tests asks).
+    return datetime.now().strftime(fmt)  # noqa: DTZ005 - templates format the local date
+
+
+def compile_chat_template(source: str) -> Any:
+    """A chat template compiled the way Hugging Face renders one (``apply_chat_template``).
+
+    jinja2's immutable sandbox with ``trim_blocks``/``lstrip_blocks`` and loop controls,
+    ``tojson`` without ASCII escaping, ``raise_exception`` and ``strftime_now``: the same
+    environment transformers builds, so an official template file renders here as a server
+    renders it (CONVENTIONS.md: render templates the way Hugging Face does).
+    """
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def render_chat_template(template: Any, request: ChatRequest, *, bos_token: str, eos_token: str) -> str:
+    """The prompt text a server renders from ``template`` for this request.
+
+    The messages are the plain dicts the request carried, the generation prompt is on and
+    the request's ``chat_template_kwargs`` are passed through, as vLLM does. Raises
+    :class:`RequestError` (400) when the template refuses the prompt.
+    """
+    kwargs = {
+        k: v
+        for k, v in (request.chat_template_kwargs or {}).items()
+        if k not in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+    }
+    try:
+        rendered: str = template.render(
+            messages=request.messages,
+            tools=request.tools,
+            add_generation_prompt=True,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **kwargs,
+        )
+    except RequestError:
+        raise
+    except Exception as exc:  # jinja2's errors: the request's fault, as a server reports it
+        raise RequestError(f"chat template error: {type(exc).__name__}: {exc}") from None
+    return rendered
+
+
+def think_block_of(profile: ProfileLike, prompt_text: str) -> ThinkBlock:
+    """Where the answer's think block opens, given the rendered prompt it follows."""
+    state = profile.prompt_state(prompt_text)
+    if state == "open":
+        return "prompt"
+    if state == "none" and profile.thinks():
+        return "model"
+    return "none"
 
 
 # ---------------------------------------------------------------- determinism
@@ -422,17 +571,15 @@ def _argument_value(rng: random.Random, schema: Any) -> Any:
     return " ".join(words)
 
 
-def _tool_call(rng: random.Random, digest: bytes, tools: list[tuple[str, dict[str, Any]]]) -> ToolCall:
+def _tool_call_args(rng: random.Random, tools: list[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
+    """(name, arguments object) of one call to an offered tool, arguments filling its schema."""
     name, params = tools[rng.randrange(len(tools))]
     props = params.get("properties") if isinstance(params.get("properties"), dict) else None
     if props:
         args = {key: _argument_value(rng, schema) for key, schema in props.items()}
     else:
         args = {"query": _argument_value(rng, {"type": "string"})}
-    return ToolCall(
-        id=f"call_{digest.hex()[:24]}",
-        function=ToolFunction(name=name, arguments=json.dumps(args, ensure_ascii=False)),
-    )
+    return name, args
 
 
 # ---------------------------------------------------------------- non-canonical ids
@@ -440,8 +587,7 @@ def _tool_call(rng: random.Random, digest: bytes, tools: list[tuple[str, dict[st
 
 def _special_ids(profile: ProfileLike) -> set[int]:
     ids = set(profile.tool_tokens.values()) | {profile.end_of_turn_id}
-    if profile.think_end_id is not None:
-        ids.add(profile.think_end_id)
+    ids.update(i for i in (profile.think_start_id, profile.think_end_id) if i is not None)
     return ids
 
 
@@ -509,11 +655,205 @@ def noncanonical_same_length(profile: ProfileLike, ids: list[int], rng: random.R
     return None
 
 
+# ---------------------------------------------------------------- the model's raw output
+#
+# Each family's raw answer, written here from its official chat template (the assistant
+# turn of the history, which is what the model was trained to produce) and PARSERS.md,
+# never from a profile's own rendering:
+#
+# - Qwen3 / Qwen3-2507 (Qwen-Qwen3-0.6B.jinja): '<think>\n' + reasoning + '\n</think>\n\n' +
+#   content, then per call ('\n' first when content is not empty)
+#   '<tool_call>\n{"name": "' + name + '", "arguments": ' + arguments + '}\n</tool_call>', then
+#   '<|im_end|>'. Qwen3-2507's generation prompt ends '<think>\n': the model goes on from the
+#   reasoning.
+# - DeepSeek-R1 (R1-Distill template: generation prompt '<｜Assistant｜><think>\n'):
+#   reasoning + '\n</think>\n\n' + content, then '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' +
+#   type + '<｜tool▁sep｜>' + name + '\n```json\n' + arguments + '\n```<｜tool▁call▁end｜>' +
+#   '<｜tool▁calls▁end｜>', then '<｜end▁of▁sentence｜>'. DeepSeek-V3 (no thinking): the same
+#   without the think block.
+# - DeepSeek-V3.1 (generation prompt '<｜Assistant｜><think>', history '</think>' + content):
+#   reasoning + '</think>' + content, calls '<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' +
+#   arguments + '<｜tool▁call▁end｜>' inside the calls section.
+# - Kimi-K2-Thinking (moonshotai-Kimi-K2-Thinking.jinja): '<think>' + reasoning + '</think>' +
+#   content + '<|tool_calls_section_begin|><|tool_call_begin|>functions.' + name + ':0' +
+#   '<|tool_call_argument_begin|>' + arguments + '<|tool_call_end|><|tool_calls_section_end|>'
+#   + '<|im_end|>'. Kimi-K2 (no thinking): the same without the think block.
+# - DeepSeek-V4 (DSML) and profiles without a tool format: no native call is written (the
+#   simulator answers in content instead).
+
+# Tool formats whose think block has newlines around the reasoning and after the think-end.
+_NEWLINE_THINK: Final = frozenset({"qwen", "deepseek-r1", "none"})
+
+
+def _native_tool_call(tool_format: str, name: str, arguments: str) -> str | None:
+    """The text one tool call is in the model's own syntax (None: no native syntax here)."""
+    if tool_format == "qwen":
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+    if tool_format == "deepseek-r1":
+        return (
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+            f"{name}\n```json\n{arguments}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+        )
+    if tool_format == "deepseek-v3.1":
+        return (
+            f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{arguments}"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+        )
+    if tool_format == "kimi":
+        return (
+            f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>"
+            f"{arguments}<|tool_call_end|><|tool_calls_section_end|>"
+        )
+    return None
+
+
+def write_raw_output(
+    profile: ProfileLike,
+    *,
+    think_block: ThinkBlock,
+    reasoning: str,
+    content: str,
+    tool_call: tuple[str, dict[str, Any]] | None = None,
+) -> str:
+    """The full text the model generates after the prompt, end-of-turn included.
+
+    ``tool_call`` is (name, arguments object); the arguments are written as the model
+    writes JSON, ``json.dumps(arguments, ensure_ascii=False)``.
+    """
+    fmt = profile.tool_format
+    text = ""
+    if think_block != "none" and profile.think_start is not None and profile.think_end is not None:
+        if fmt in _NEWLINE_THINK:
+            opening = f"{profile.think_start}\n" if think_block == "model" else ""
+            text = f"{opening}{reasoning}\n{profile.think_end}\n\n"
+        else:
+            opening = profile.think_start if think_block == "model" else ""
+            text = f"{opening}{reasoning}{profile.think_end}"
+    text += content
+    if tool_call is not None:
+        name, arguments = tool_call
+        native = _native_tool_call(fmt, name, json.dumps(arguments, ensure_ascii=False))
+        if native is not None:
+            text += ("\n" if fmt == "qwen" and content else "") + native
+    return text + profile.end_of_turn
+
+
+# ---------------------------------------------------------------- the server's parse
+
+# Where each format's tool block starts, and one complete call inside it (the regexes of
+# vLLM's hermes, deepseekv3, deepseekv31 and kimi_k2 tool parsers, PARSERS.md).
+_TOOL_BLOCK_START: Final = {
+    "qwen": "<tool_call>",
+    "deepseek-r1": "<｜tool▁calls▁begin｜>",
+    "deepseek-v3.1": "<｜tool▁calls▁begin｜>",
+    "kimi": "<|tool_calls_section_begin|>",
+}
+_TOOL_CALL_PATTERN: Final = {
+    "qwen": re.compile(r"<tool_call>(?P<body>.*?)</tool_call>", re.DOTALL),
+    "deepseek-r1": re.compile(
+        r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<args>.*?)\n```<｜tool▁call▁end｜>",
+        re.DOTALL,
+    ),
+    "deepseek-v3.1": re.compile(
+        r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>", re.DOTALL
+    ),
+    "kimi": re.compile(
+        r"<\|tool_call_begin\|>\s*(?P<id>[^<]+:\d+)\s*<\|tool_call_argument_begin\|>\s*(?P<args>.*?)\s*"
+        r"<\|tool_call_end\|>",
+        re.DOTALL,
+    ),
+}
+# Formats whose tool parser re-serialises the arguments (json.loads then json.dumps with
+# ensure_ascii=False): vLLM's hermes; SGLang's Qwen25 and DeepSeek detectors.
+_RESERIALIZED: Final = {
+    "vllm": frozenset({"qwen"}),
+    "sglang-legacy": frozenset({"qwen", "deepseek-r1", "deepseek-v3.1"}),
+}
+
+
+def _parse_tool_calls(tool_format: str, text: str, parser: str, call_id: str) -> tuple[str, list[ToolCall]]:
+    """(content before the tool block, structured calls); the text unchanged when no call parses.
+
+    Text after the block is dropped, as every tool parser does. A block with no complete,
+    valid call (an answer cut inside it) stays in the content, with no calls.
+    """
+    start = _TOOL_BLOCK_START.get(tool_format)
+    pattern = _TOOL_CALL_PATTERN.get(tool_format)
+    if start is None or pattern is None or start not in text:
+        return text, []
+    block_at = text.index(start)
+    reserialize = tool_format in _RESERIALIZED.get(parser, frozenset())
+    calls: list[ToolCall] = []
+    try:
+        for index, match in enumerate(pattern.finditer(text, block_at)):
+            id_ = call_id if index == 0 else f"{call_id}_{index}"
+            if tool_format == "qwen":
+                obj = json.loads(match["body"])
+                name, arguments = obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
+            elif tool_format == "kimi":
+                id_ = match["id"].strip()  # kimi_k2 returns the model's "functions.name:idx" as the id
+                name, arguments = id_.split(":")[0].split(".")[-1], match["args"]
+            else:
+                name, arguments = match["name"], match["args"]
+            if reserialize and tool_format != "qwen":
+                arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
+            calls.append(ToolCall(id=id_, function=ToolFunction(name=name, arguments=arguments)))
+    except (ValueError, KeyError, TypeError):  # not JSON, or not a call object: the parser gives up
+        return text, []
+    if not calls:
+        return text, []
+    return text[:block_at], calls
+
+
+def parse_raw_output(
+    profile: ProfileLike,
+    text: str,
+    *,
+    think_block: ThinkBlock,
+    tools_sent: bool,
+    parser: str = "vllm",
+    call_id: str = "call_0",
+) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning, content, tool calls) a server returns for the decoded output ``text``.
+
+    ``text`` is the detokenised output (end-of-turn dropped; think and tool tokens kept,
+    being ``special=false``). ``vllm``: a leading think-start removed, the rest split at the
+    first think-end with no strip (no think-end: all reasoning, a cut answer); the tool
+    parser runs on the content only when the request sent ``tools`` (else the native call
+    text stays in the content). ``sglang-legacy``: the same split, then reasoning and
+    content ``.strip()``ped (the 2025 detectors stripped the whole text and the content,
+    and the streaming path rstripped the reasoning; OpenRouter-style streaming answers come
+    out stripped on both sides, which is what is emulated).
+    """
+    if parser not in PARSERS:
+        raise ValueError(f"unknown parser {parser!r}; known: {', '.join(PARSERS)}")
+    reasoning, content = "", text
+    if think_block != "none" and profile.think_end is not None:
+        if profile.think_start and content.startswith(profile.think_start):
+            content = content[len(profile.think_start) :]
+        if profile.think_end in content:
+            reasoning, _, content = content.partition(profile.think_end)
+        else:
+            reasoning, content = content, ""
+    calls: list[ToolCall] = []
+    if tools_sent:
+        content, calls = _parse_tool_calls(profile.tool_format, content, parser, call_id)
+    if parser == "sglang-legacy":
+        reasoning, content = reasoning.strip(), content.strip()
+    return reasoning, content, calls
+
+
 # ---------------------------------------------------------------- generation
 
 
-def usage_counts(profile: ProfileLike, true_ids: Sequence[int], params: GenerationParams) -> tuple[int, int]:
-    """(completion_tokens, reasoning_tokens) of true ids under the counting convention."""
+def usage_counts(
+    profile: ProfileLike, true_ids: Sequence[int], params: GenerationParams, *, thinking: bool = True
+) -> tuple[int, int]:
+    """(completion_tokens, reasoning_tokens) of true ids under the counting convention.
+
+    Reasoning tokens are the ids before the think-end (all of them when the answer stopped
+    inside the reasoning; none when ``thinking`` is off).
+    """
     completion = len(true_ids)
     if not params.count_end_of_turn and true_ids and true_ids[-1] == profile.end_of_turn_id:
         completion -= 1
@@ -523,17 +863,22 @@ def usage_counts(profile: ProfileLike, true_ids: Sequence[int], params: Generati
         if not params.count_think_end:
             completion -= list(true_ids).count(think_end_id)
     else:
-        reasoning = len(true_ids)
+        reasoning = len(true_ids) if thinking else 0
     return completion, reasoning
 
 
-def _split_decoded(profile: ProfileLike, ids: list[int]) -> tuple[str, str]:
-    """(reasoning, content) text of a cut id sequence, split at the think-end token."""
+def _truncation_cut(profile: ProfileLike, ids: list[int], rng: random.Random) -> int:
+    """Where a ``truncate`` fault cuts: strictly inside the reasoning, else inside the answer."""
     think_end_id = profile.think_end_id
     if think_end_id is not None and think_end_id in ids:
-        i = ids.index(think_end_id)
-        return profile.decode(ids[:i]), profile.decode(ids[i + 1 :])
-    return profile.decode(ids), ""
+        n_reasoning = ids.index(think_end_id)
+        # Keep at least one id of reasoning after a think-start the model wrote.
+        low = 2 if ids and ids[0] == profile.think_start_id else 1
+        if n_reasoning - 1 >= low:
+            return rng.randint(low, n_reasoning - 1)
+        return max(1, n_reasoning)  # nothing to cut inside: stop right before the think-end
+    n_answer = len(ids) - 1 if ids and ids[-1] == profile.end_of_turn_id else len(ids)
+    return rng.randint(1, n_answer - 1) if n_answer >= 2 else max(1, n_answer)
 
 
 def generate(
@@ -542,49 +887,59 @@ def generate(
     params: GenerationParams,
     *,
     content_faults: Sequence[str] = (),
-    prompt_tokens: int = 0,
+    prompt_text: str | None = None,
 ) -> Generation:
-    """The deterministic answer to ``request``, with its true ids and the given content faults."""
-    if profile.think_end is None or profile.think_end_id is None:
-        raise RequestError(f"profile {profile.name} has no think-end token: cannot simulate reasoning", 500)
+    """The deterministic answer to ``request``: raw text, true ids, parsed fields, faults.
+
+    ``prompt_text`` is the rendered prompt the answer follows (the profile's own template
+    when None); it decides whether the model opens a think block and gives prompt_tokens.
+    """
+    if params.parser not in PARSERS:
+        raise RequestError(f"unknown parser {params.parser!r}; known: {', '.join(PARSERS)}", 500)
+    if prompt_text is None:
+        prompt_text = profile_prompt_text(profile, request)
+    prompt_ids = profile.encode_prompt(prompt_text)
+    think_block = think_block_of(profile, prompt_text)
+    thinking = think_block != "none"
     digest = prompt_digest(request)
     rng = random.Random(int.from_bytes(digest, "little") ^ params.seed)  # noqa: S311 - not crypto
     faults = [f for f in CONTENT_FAULTS if f in content_faults]
-
-    reasoning = "" if "empty_reasoning" in faults else _sized_text(profile, rng, params.reasoning_tokens, True)
-    tools = _offered_tools(request)
-    calls = [_tool_call(rng, digest, tools)] if tools else []
-    content_range = (3, 15) if calls else params.content_tokens
-    content_text = _sized_text(profile, rng, content_range, False)
-    rendered = profile.render_tool_calls(calls) if calls else ""
-    # Exactly the text reconstruction encodes: the joint encoding is the truth by construction.
-    full = profile.render_output(reasoning=reasoning, content=content_text, tool_calls=calls)
-    canonical = profile.encode(full)
-    true_ids = list(canonical)
-    finish = "tool_calls" if calls else "stop"
     fallbacks: list[str] = []
 
-    # The response text fields, exactly as a provider strips THINK_END and END_OF_TURN.
-    out_reasoning, out_content = reasoning, content_text
-    out_calls = calls
-    if not request.tools and calls:
-        out_content, out_calls = content_text + rendered, []
+    reasoning = ""
+    if thinking and "empty_reasoning" not in faults:
+        reasoning = _sized_text(profile, rng, params.reasoning_tokens, True)
+    elif "empty_reasoning" in faults and not thinking:
+        fallbacks.append("empty_reasoning")  # no think block to leave empty
+    tools = _offered_tools(request) if _native_tool_call(profile.tool_format, "f", "{}") is not None else []
+    call = _tool_call_args(rng, tools) if tools else None
+    content_range = (3, 15) if call else params.content_tokens
+    content_text = _sized_text(profile, rng, content_range, False)
+    raw = write_raw_output(profile, think_block=think_block, reasoning=reasoning, content=content_text, tool_call=call)
+    canonical = profile.encode(raw)
+    true_ids = list(canonical)
 
     cut: int | None = None
     if "truncate" in faults:
-        n_reasoning = true_ids.index(profile.think_end_id)
-        if n_reasoning >= 2:
-            cut = rng.randint(1, n_reasoning - 1)  # strictly inside the reasoning: no think-end
-        else:  # nothing to cut inside: stop right before the think-end
-            cut = max(1, n_reasoning)
+        cut = _truncation_cut(profile, true_ids, rng)
     if request.max_tokens is not None and len(true_ids) > request.max_tokens:
         cut = request.max_tokens if cut is None else min(cut, request.max_tokens)
     if cut is not None:
         true_ids = true_ids[:cut]
         canonical = true_ids[:]
-        out_reasoning, out_content = _split_decoded(profile, true_ids)
-        out_calls = []
-        finish = "length"
+
+    # What the server detokenises (skip_special_tokens: the end-of-turn goes, the
+    # special=false think and tool tokens stay) and parses into the response fields.
+    decoded = profile.decode([i for i in true_ids if i != profile.end_of_turn_id])
+    out_reasoning, out_content, out_calls = parse_raw_output(
+        profile,
+        decoded,
+        think_block=think_block,
+        tools_sent=bool(request.tools),
+        parser=params.parser,
+        call_id=f"call_{digest.hex()[:24]}",
+    )
+    finish = "length" if cut is not None else ("tool_calls" if out_calls else "stop")
 
     if "noncanonical_len" in faults:
         changed = noncanonical_split(profile, true_ids, rng)
@@ -599,7 +954,7 @@ def generate(
         else:
             true_ids = changed
 
-    completion, reasoning_tokens = usage_counts(profile, true_ids, params)
+    completion, reasoning_tokens = usage_counts(profile, true_ids, params, thinking=thinking)
     if "bad_usage" in faults:
         completion += max(BAD_USAGE_OFFSET, len(true_ids))
     return Generation(
@@ -609,30 +964,16 @@ def generate(
         true_ids=true_ids,
         canonical_ids=canonical,
         finish_reason=finish,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=len(prompt_ids),
         completion_tokens=completion,
         reasoning_tokens=reasoning_tokens,
         faults=faults,
         fallbacks=fallbacks,
+        raw_text=raw,
+        prompt_text=prompt_text,
+        prompt_ids=prompt_ids,
+        think_block=think_block,
     )
-
-
-def prompt_text_fallback(request: ChatRequest) -> str:
-    """A plain rendering of the prompt, for token counting when a profile has no chat template."""
-    return "".join(f"{m.get('role', '')}: {m.get('content', '')}\n" for m in request.messages)
-
-
-def request_messages(request: ChatRequest) -> list[Message]:
-    """The request's messages as schema Messages (what reconstruction renders the prompt from)."""
-    out = []
-    for m in request.messages:
-        try:
-            out.append(msgspec.convert(m, Message))
-        except msgspec.ValidationError:  # an odd role or field: keep what a template needs
-            role = m.get("role")
-            if role in ("system", "user", "assistant", "tool"):
-                out.append(Message(role=role, content=m.get("content") or ""))
-    return out
 
 
 # ---------------------------------------------------------------- response bodies
@@ -666,7 +1007,11 @@ def build_response_body(
     logprobs: bool,
     debug_true_ids: bool,
 ) -> dict[str, Any]:
-    """The OpenRouter-shaped JSON body for one generation."""
+    """The OpenRouter-shaped JSON body for one generation.
+
+    With ``return_token_ids`` in the request the body carries the ids as vLLM returns
+    them: ``choices[0].token_ids`` (the output ids) and a top-level ``prompt_token_ids``.
+    """
     message: dict[str, Any] = {
         "role": "assistant",
         "content": generation.content,
@@ -694,6 +1039,8 @@ def build_response_body(
         choice["logprobs"] = _logprobs(
             profile, generation.true_ids, prompt_digest(request), params.seed, request.top_logprobs
         )
+    if request.return_token_ids:
+        choice["token_ids"] = generation.true_ids
     cost = (
         generation.completion_tokens * params.price_per_token + generation.prompt_tokens * params.prompt_price_per_token
     )
@@ -713,6 +1060,8 @@ def build_response_body(
             "prompt_tokens_details": {"cached_tokens": 0},
         },
     }
+    if request.return_token_ids:
+        body["prompt_token_ids"] = generation.prompt_ids
     if debug_true_ids:
         body["debug_true_ids"] = generation.true_ids
     return body

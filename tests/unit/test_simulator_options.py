@@ -2,32 +2,44 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import typer
+from typer.testing import CliRunner
 
 from services.simulator.app import SimulatorOptions
 from services.simulator.cli import _parse_range, _parse_rates
-from services.simulator.core import CONTENT_FAULTS, TRANSIENT_FAULTS
+from services.simulator.core import CONTENT_FAULTS, PARSERS, TRANSIENT_FAULTS
 
 
 def test_defaults_match_the_documented_api() -> None:
     o = SimulatorOptions()
     assert (o.profile, o.seed, o.reasoning_tokens, o.content_tokens) == (
-        "deepseek-v3",
+        "qwen3",
         0,
         (40, 200),
         (20, 120),
     )
     assert o.count_end_of_turn and o.count_think_end and not o.logprobs and not o.debug_true_ids
     assert o.price_per_token == 2e-6 and o.retry_after_s == 0.1 and o.timeout_sleep_s == 30.0
+    assert (o.parser, o.chat_template_file) == ("vllm", None)
     assert set(o.fault_rates()) == set(TRANSIENT_FAULTS + CONTENT_FAULTS)
     assert not any(o.fault_rates().values())
 
 
+def test_parser_option() -> None:
+    assert PARSERS == ("vllm", "sglang-legacy")
+    assert SimulatorOptions(parser="sglang-legacy").params().parser == "sglang-legacy"
+    assert SimulatorOptions().params().parser == "vllm"
+    with pytest.raises(ValueError, match="unknown parser"):
+        SimulatorOptions(parser="tgi")
+
+
 def test_with_fault_rates() -> None:
-    o = SimulatorOptions().with_fault_rates({"429": 0.2, "noncanonical_same": 1.0})
+    o = SimulatorOptions(parser="sglang-legacy").with_fault_rates({"429": 0.2, "noncanonical_same": 1.0})
     assert o.rate_429 == 0.2 and o.rate_noncanonical_same == 1.0
-    assert o.params().seed == 0
+    assert o.params().seed == 0 and o.parser == "sglang-legacy"
     with pytest.raises(ValueError, match="unknown fault"):
         SimulatorOptions().with_fault_rates({"gremlins": 0.1})
     with pytest.raises(ValueError, match="0..1"):
@@ -43,3 +55,17 @@ def test_cli_parsers() -> None:
             _parse_range(bad, "--x")
     with pytest.raises(typer.Exit):
         _parse_rates(["429"])
+
+
+def test_cli_refuses_a_bad_parser_or_template_before_loading_anything(tmp_path: Path) -> None:
+    from services.cli import app
+
+    runner = CliRunner()
+    bad_parser = runner.invoke(app, ["simulate-provider", "--parser", "tgi"])
+    assert bad_parser.exit_code == 2 and "unknown parser" in bad_parser.output
+    missing = runner.invoke(app, ["simulate-provider", "--chat-template-file", str(tmp_path / "none.jinja")])
+    assert missing.exit_code == 2 and "--chat-template-file" in missing.output
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% if %}", encoding="utf-8")
+    syntax = runner.invoke(app, ["simulate-provider", "--chat-template-file", str(broken)])
+    assert syntax.exit_code == 2 and "broken.jinja" in syntax.output

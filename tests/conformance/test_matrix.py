@@ -1,0 +1,252 @@
+"""The conformance matrix: our reconstruct + audit against the official formats.
+
+For every built-in profile that has an official chat template in ``../shared/reference``
+(Qwen3 hybrid, Qwen3-2507 Thinking, DeepSeek-R1, DeepSeek-V3.1 thinking and not,
+Kimi-K2-Thinking on the tiny Kimi tokenizer) plus a user profile whose vocabulary has
+ordinary added tokens, ``truth.py`` builds ≥ 30 conversations, the raw text the model
+writes, its true ids (official template + real tokenizer, never our code) and what each
+server returns (vLLM, SGLang before 2026, OpenRouter-like). Each response then goes
+through the same pure functions the stages run. Required:
+
+- 0 accepted samples whose prompt_ids, output_ids, input_ids or loss_mask differ from
+  the truth;
+- ≥ 95 % accepted where the server's text lost nothing (neither in these bytes nor by its
+  convention: a re-serialising tool parser or a stripping server is lossy even when one
+  response happens to come through unchanged, since nothing in it can show that);
+- every dead letter carries a specific reason.
+
+The table is printed (``make conformance`` shows it; ``pytest -s`` too).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import msgspec
+import pytest
+
+from schemas import LogprobToken, Message, PromptPublished, ResponseReceived, SampleReconstructed, ToolCall, Usage
+from services.audit.core import audit_batch
+from services.common.config import AuditThresholds, load_settings
+from services.common.kafka import DeadLetter
+from services.profiles import Profile, load_profile
+from services.profiles.conventions import CONVENTIONS
+from services.reconstruct.core import reconstruct_batch
+from tests.conformance import truth as T
+from tests.unit.test_profiles import KIMI_GOOD
+
+SERVER_CONVENTION = {"vllm": "vllm", "sglang-strip": "sglang-legacy", "openrouter": "openrouter"}
+# Truncated samples are exact too: the matrix keeps them (finish_stop is a dataset choice).
+THRESHOLDS = AuditThresholds(require_stop=False)
+VAGUE = {"", "internal_error", "decode_failed"}
+
+
+def _profile_settings(model: str, thinking: bool) -> tuple[str, dict[str, Any]]:
+    """Our profile name and [profiles] section for a truth model (thinking on or off)."""
+    if model == "kimi-k2-thinking":
+        return model, {model: {"tokenizer": str(KIMI_GOOD), "kind": "tiktoken"}}
+    if model == "user-addedtok":
+        folder = T.user_addedtok_folder()
+        return model, {model: {"tokenizer": str(folder["path"]), "end_of_turn": folder["end_of_turn"],
+                               "end_of_turn_id": folder["end_of_turn_id"], "bos_token": folder["bos"]}}
+    if not thinking:
+        return f"{model}-off", {f"{model}-off": {"base": model, "thinking": False}}
+    return model, {}
+
+
+@cache
+def profile_for(model: str, thinking: bool) -> Profile:
+    """Our profile for a truth model, loaded through the normal configuration path."""
+    name, sections = _profile_settings(model, thinking)
+    return load_profile(name, load_settings(None, profiles=sections))
+
+
+def _messages(conv: Any) -> list[Message]:
+    """What a dataset row holds: the messages sent, plus earlier reasoning the request drops."""
+    out = []
+    for index, m in enumerate(conv.messages):
+        message = msgspec.convert({k: v for k, v in m.items() if v is not None}, Message)
+        if index in conv.history_reasoning:
+            message.reasoning_content = conv.history_reasoning[index]
+        out.append(message)
+    return out
+
+
+def _response(case: Any, server: str, index: int) -> ResponseReceived:
+    got = T.emulate(case, server)
+    conv = case.conversation
+    prompt = PromptPublished(dataset="conf", sample_id=f"{case.model}-{index}", messages=_messages(conv),
+                             tools=conv.tools, max_tokens=conv.max_tokens)
+    logprobs = None
+    if got.get("logprobs"):
+        logprobs = [LogprobToken(token=t["token"], bytes=t["bytes"]) for t in got["logprobs"]]
+    return ResponseReceived(
+        dataset="conf",
+        sample_id=prompt.sample_id,
+        prompt=prompt,
+        provider=server,
+        model=case.model,
+        reasoning=got["reasoning"] or "",
+        content=got["content"] or "",
+        tool_calls=[msgspec.convert(c, ToolCall) for c in got["tool_calls"] or []],
+        finish_reason=got["finish_reason"],
+        usage=Usage(**got["usage"]),
+        logprobs=logprobs,
+        native_prompt_ids=got.get("prompt_token_ids"),
+        tools_sent=got["tools_sent"],
+    )
+
+
+@dataclass
+class Cell:
+    """One model × server cell of the matrix."""
+
+    cases: int = 0
+    lossless: int = 0
+    accepted: int = 0
+    accepted_lossless: int = 0
+    exact: int = 0
+    wrong: list[str] = field(default_factory=list)
+    vague: list[str] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+
+
+def _differences(sample: SampleReconstructed, case: Any) -> list[str]:
+    out = []
+    if list(sample.prompt_ids) != case.prompt_ids:
+        out.append("prompt_ids")
+    if list(sample.output_ids) != case.output_ids:
+        out.append("output_ids")
+    if [*sample.prompt_ids, *sample.output_ids] != case.input_ids:
+        out.append("input_ids")
+    if list(sample.loss_mask) != case.loss_mask:
+        out.append("loss_mask")
+    return out
+
+
+def lossy_by_convention(response: ResponseReceived, profile: Profile, convention_name: str) -> bool:
+    """Whether the server's convention loses text for this response, whatever this text happens to be.
+
+    A tool parser that re-serialises arguments (json.loads/dumps) or drops what stands
+    between calls loses the model's bytes even when, for one response, the result happens
+    to equal them: nothing in the response can tell. SGLang before 2026 strips every answer.
+    """
+    convention = CONVENTIONS[convention_name]
+    if convention.strips_whitespace and not response.logprobs:
+        return True
+    calls = response.tool_calls
+    if not calls or response.logprobs:
+        return False
+    return profile.tool_format in convention.reserialized_tool_formats or (
+        len(calls) > 1 and profile.tool_format in ("deepseek-r1", "qwen")
+    )
+
+
+def run_cell(model: str, server: str) -> Cell:
+    """Every conversation of one model through one server emulation, reconstruct and audit."""
+    cell = Cell()
+    convention = CONVENTIONS[SERVER_CONVENTION[server]]
+    cases = T.build_cases(model)
+    by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]] = {}
+    for index, case in enumerate(cases):
+        response = _response(case, server, index)
+        profile = profile_for(model, case.conversation.thinking)
+        lossy = T.emulate(case, server)["lossy"] or lossy_by_convention(response, profile, SERVER_CONVENTION[server])
+        by_profile.setdefault(case.conversation.thinking, []).append((case, response, lossy))
+    for thinking, members in by_profile.items():
+        profile = profile_for(model, thinking)
+        verdicts = reconstruct_batch([r for _, r, _ in members], profile, convention)
+        samples = [v for v in verdicts if isinstance(v, SampleReconstructed)]
+        audited = iter(audit_batch(samples, profile, THRESHOLDS))
+        for (case, response, lossy), verdict in zip(members, verdicts, strict=True):
+            cell.cases += 1
+            cell.lossless += not lossy
+            if isinstance(verdict, DeadLetter):
+                cell.reasons[f"reconstruct/{verdict.reason}"] += 1
+                if verdict.reason in VAGUE:
+                    cell.vague.append(response.sample_id)
+                continue
+            result = next(audited)
+            if not result.passed:
+                cell.reasons[f"audit/{result.reasons[0]}"] += 1
+                continue
+            cell.accepted += 1
+            cell.accepted_lossless += not lossy
+            wrong = _differences(verdict, case)
+            if wrong:
+                cell.wrong.append(f"{response.sample_id} ({'+'.join(wrong)}; {sorted(case.conversation.features)})")
+            else:
+                cell.exact += 1
+    return cell
+
+
+@cache
+def matrix() -> dict[tuple[str, str], Cell]:
+    """The whole matrix, computed once per test session."""
+    return {(m, s): run_cell(m, s) for m in T.MODELS for s in T.SERVERS}
+
+
+def _print_table(cells: dict[tuple[str, str], Cell]) -> None:
+    header = f"{'model':<22}{'server':<14}{'cases':>6}{'lossless':>9}{'accepted':>9}{'exact':>6}{'wrong':>6}  dead letters"
+    print("\nconformance matrix (truth: official templates + real tokenizers)\n" + header)
+    for (model, server), c in cells.items():
+        reasons = ", ".join(f"{r} {n}" for r, n in c.reasons.most_common())
+        print(f"{model:<22}{server:<14}{c.cases:>6}{c.lossless:>9}{c.accepted:>9}{c.exact:>6}{len(c.wrong):>6}  {reasons}")
+    total = sum(c.cases for c in cells.values())
+    accepted = sum(c.accepted for c in cells.values())
+    wrong = sum(len(c.wrong) for c in cells.values())
+    lossless = sum(c.lossless for c in cells.values())
+    kept = sum(c.accepted_lossless for c in cells.values())
+    print(f"total: {total} samples, {accepted} accepted, {wrong} accepted with wrong ids; "
+          f"lossless emulations: {kept}/{lossless} accepted ({kept / max(lossless, 1):.1%})")
+
+
+def test_matrix_has_at_least_30_conversations_per_model() -> None:
+    for model in T.MODELS:
+        assert len(T.build_cases(model)) >= 30, model
+
+
+def test_no_accepted_sample_differs_from_the_official_truth() -> None:
+    cells = matrix()
+    _print_table(cells)
+    wrong = {f"{m}/{s}": c.wrong for (m, s), c in cells.items() if c.wrong}
+    assert not wrong, wrong
+    assert sum(c.exact for c in cells.values()) > 0  # the check compared something
+
+
+@pytest.mark.parametrize("model", T.MODELS)
+def test_lossless_emulations_accept_at_least_95_percent(model: str) -> None:
+    cells = [c for (m, _), c in matrix().items() if m == model]
+    lossless = sum(c.lossless for c in cells)
+    kept = sum(c.accepted_lossless for c in cells)
+    assert lossless >= 30
+    assert kept / lossless >= 0.95, {s: dict(c.reasons) for (m, s), c in matrix().items() if m == model}
+
+
+def test_every_dead_letter_names_a_specific_reason() -> None:
+    vague = {f"{m}/{s}": c.vague for (m, s), c in matrix().items() if c.vague}
+    assert not vague, vague
+    reasons = Counter[str]()
+    for c in matrix().values():
+        reasons.update(c.reasons)
+    assert reasons, "no dead letters at all: the lossy emulations lost nothing?"
+
+
+if __name__ == "__main__":  # debugging aid: python -m tests.conformance.test_matrix MODEL SERVER
+    import sys
+
+    model, server = sys.argv[1], sys.argv[2]
+    convention = CONVENTIONS[SERVER_CONVENTION[server]]
+    for index, case in enumerate(T.build_cases(model)):
+        response = _response(case, server, index)
+        profile = profile_for(model, case.conversation.thinking)
+        (verdict,) = reconstruct_batch([response], profile, convention)
+        if isinstance(verdict, SampleReconstructed):
+            (result,) = audit_batch([verdict], profile, THRESHOLDS)
+            if not result.passed:
+                print(index, sorted(case.conversation.features), result.reasons)
+                print("  ours :", repr(verdict.prompt_text[-300:]))
+                print("  truth:", repr(case.prompt_text[-300:]))
