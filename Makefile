@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help setup system-deps demo test test-unit lint bench bench-quick chaos kafka-up kafka-down schemas clean
+.PHONY: help setup system-deps demo test test-unit conformance lint bench bench-quick chaos kafka-up kafka-down schemas clean
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -34,6 +34,9 @@ test: setup system-deps ## Every test tier against a real Kafka 4.4 broker start
 
 test-unit: setup ## Unit tests only (no broker)
 	$(PY) -m pytest tests/unit -q
+
+conformance: setup ## The fidelity matrix: reconstruct + audit vs the official chat templates (prints the table)
+	$(PY) -m pytest tests/conformance -q -s -p no:cacheprovider
 
 lint: setup ## ruff, mypy strict on schemas/ and services/, dashboard linter
 	$(BIN)/ruff check schemas services tests bench

@@ -143,18 +143,19 @@ async def reference_round(settings: Any, base_url: str, texts: list[str], tag: s
     import msgspec
 
     from schemas import Message, PromptPublished
-    from services.audit.core import OffsetLearner, audit_batch
+    from services.audit.core import audit_batch
     from services.common.kafka import DeadLetter
     from services.inference.adapters.providers import chat_request_body, parse_openrouter
     from services.inference.core import response_event
     from services.profiles import load_profile
+    from services.profiles.conventions import convention_for
     from services.reconstruct.core import reconstruct_batch
     from services.sink.core import row_line, training_row
 
     profile = await asyncio.to_thread(load_profile, settings.defaults.profile)
+    convention = convention_for(settings.provider.kind, settings.provider.convention)
     dataset = settings.defaults
     thresholds = dataset.audit
-    learner = OffsetLearner()
     out = io.BytesIO()
     counts = {"accepted": 0, "rejected": 0}
     limit = asyncio.Semaphore(settings.provider.concurrency)
@@ -162,9 +163,9 @@ async def reference_round(settings: Any, base_url: str, texts: list[str], tag: s
     work: list[asyncio.Future[None]] = []
 
     def process(batch: list[Any]) -> None:
-        samples = [s for s in reconstruct_batch(batch, profile) if not isinstance(s, DeadLetter)]
+        samples = [s for s in reconstruct_batch(batch, profile, convention) if not isinstance(s, DeadLetter)]
         counts["rejected"] += len(batch) - len(samples)
-        for audited in audit_batch(samples, profile, thresholds, learner, audited_at=time.time()):
+        for audited in audit_batch(samples, profile, thresholds, audited_at=time.time()):
             if audited.passed:
                 out.write(row_line(training_row(audited)))
                 counts["accepted"] += 1

@@ -277,6 +277,19 @@ ensure_tls() {
     (umask 077 && printf '%s\n' "$pass" >"$TLS_DIR/storepass")
 }
 
+# A cluster id is a random 16-byte UUID in URL-safe base64 without padding (22 chars), the
+# same as `kafka-storage random-uuid` prints, without paying for a JVM start. Like Kafka's
+# Uuid.randomUuid(), draw again while it starts with "-": kafka-storage would read such an
+# id as an option (1 in 64 draws); the "--cluster-id=ID" form below is a second guard.
+new_cluster_id() {
+    local id
+    while :; do
+        id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
+        [[ $id == -* ]] || break
+    done
+    printf '%s\n' "$id"
+}
+
 # Format the storage (cluster id, a standalone KRaft quorum of one, SCRAM users) only when
 # it is not formatted yet, or was formatted for another controller endpoint (the quorum
 # remembers its voter's endpoint) or other SCRAM credentials; then the old data goes.
@@ -305,10 +318,8 @@ ensure_formatted() {
     rm -rf "$DATA_DIR"
     mkdir -p "$DATA_DIR"
     local cluster_id args
-    # A cluster id is a random 16-byte UUID in URL-safe base64 without padding (22 chars),
-    # the same as `kafka-storage random-uuid` prints, without paying for a JVM start.
-    cluster_id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
-    args=(format --standalone --cluster-id "$cluster_id" --config "$PROPS")
+    cluster_id=$(new_cluster_id)
+    args=(format --standalone "--cluster-id=$cluster_id" --config "$PROPS")
     if [[ -n $SASL_SSL_PORT ]]; then
         args+=(--add-scram "SCRAM-SHA-256=[name=$SASL_USER,password=$SASL_PASSWORD]"
             --add-scram "SCRAM-SHA-512=[name=$SASL_USER,password=$SASL_PASSWORD]")
@@ -520,6 +531,7 @@ main() {
     esac
     case $cmd in
     fetch) cmd_fetch && log "jars in $LIBS_DIR" ;;
+    cluster-id) new_cluster_id ;;
     start) cmd_start ;;
     stop) cmd_stop ;;
     status) cmd_status ;;

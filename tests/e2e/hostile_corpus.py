@@ -87,8 +87,8 @@ def base_prompt(dataset: str, sample_id: str = "base", **kw: Any) -> PromptPubli
     )
 
 
-def base_response(dataset: str, profile: str = "deepseek-v3", **kw: Any) -> ResponseReceived:
-    """A valid response (text a deepseek-v3 tokenizer can rebuild)."""
+def base_response(dataset: str, profile: str = "deepseek-r1", **kw: Any) -> ResponseReceived:
+    """A valid response (text the deepseek-r1 tokenizer can rebuild)."""
     fields: dict[str, Any] = {
         "reasoning": "Two plus two is four.",
         "content": "4",
@@ -107,10 +107,10 @@ def base_response(dataset: str, profile: str = "deepseek-v3", **kw: Any) -> Resp
     )
 
 
-def base_sample(dataset: str, profile: str = "deepseek-v3", output_ids: list[int] | None = None) -> SampleReconstructed:
+def base_sample(dataset: str, profile: str = "deepseek-r1", output_ids: list[int] | None = None) -> SampleReconstructed:
     """A structurally valid sample (its ids need not pass the audit)."""
     prompt_ids = [0, 128803, 17, 18, 128804]
-    out = output_ids if output_ids is not None else [19, 20, 128822, 21, 1]
+    out = output_ids if output_ids is not None else [19, 20, 128799, 21, 1]
     return SampleReconstructed(
         dataset=dataset,
         sample_id="base",

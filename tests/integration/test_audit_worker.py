@@ -32,7 +32,7 @@ async def test_audit_worker_routes_good_bad_and_poison(settings_factory: Callabl
     profile = deepseek()
     good1 = make(profile)
     good1.sample_id = good1.response.sample_id = "good1"
-    bad = make(profile, content="", finish="length")
+    bad = make(profile, content="", finish="tool_calls")  # no answer, and no tool call either
     bad.sample_id = bad.response.sample_id = "bad"
     unknown = make(profile)
     unknown.sample_id, unknown.profile = "unknown", "no-such-profile"
@@ -83,7 +83,7 @@ async def test_audit_worker_routes_good_bad_and_poison(settings_factory: Callabl
     bad_headers = by_key[b"math:bad"].headers
     assert header(bad_headers, DLQ_HEADERS.REASON) == "content_nonempty"
     assert header(bad_headers, DLQ_HEADERS.REASONS) == "content_nonempty,finish_stop"
-    assert "finish reason 'length'" in (header(bad_headers, DLQ_HEADERS.MESSAGE) or "")
+    assert "finish reason 'tool_calls'" in (header(bad_headers, DLQ_HEADERS.MESSAGE) or "")
     assert header(by_key[b"math:poison"].headers, DLQ_HEADERS.REASON) == "invalid_json"
     assert header(by_key[b"math:unknown"].headers, DLQ_HEADERS.REASON) == "unknown_profile"
     assert header(by_key[b"math:oov"].headers, DLQ_HEADERS.REASON) == "ids_in_vocab"

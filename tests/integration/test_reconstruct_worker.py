@@ -31,12 +31,14 @@ async def test_worker_rebuilds_and_dead_letters(settings_factory: Callable[..., 
     settings = settings_factory(stage={"batch_max": 3, "batch_timeout_ms": 50})
     await ensure_topics(settings.kafka)
     ds, qw = deepseek(), qwen()
-    good1 = response(sample_id="good1")
-    qwen_good = response(sample_id="qwen1", content="", tool_calls=[tc("calc", '{"x": 1}')], profile="qwen3")
-    empty = response(sample_id="empty", reasoning="", content="")
-    bad_args = response(sample_id="badargs", tool_calls=[tc("calc", "{oops")])
+    r1 = "deepseek-r1"
+    good1 = response(sample_id="good1", profile=r1)
+    raw_call = '\n<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
+    qwen_good = response(sample_id="qwen1", content=raw_call, profile="qwen3")
+    empty = response(sample_id="empty", reasoning="", content="", profile=r1)
+    bad_args = response(sample_id="badargs", tool_calls=[tc("calc", "{oops")], profile=r1)
     unknown = response(sample_id="unknown", profile="no-such-profile")
-    good2 = response(sample_id="good2", content="Four.")
+    good2 = response(sample_id="good2", content="Four.", profile=r1)
     records = [
         (b"math:good1", encode(good1)),
         (b"math:poison", b"\x00 not json"),
@@ -55,7 +57,7 @@ async def test_worker_rebuilds_and_dead_letters(settings_factory: Callable[..., 
     finally:
         await producer.stop()
 
-    service = create_app(settings, profiles={"deepseek-v3": ds, "qwen3": qw})
+    service = create_app(settings, profiles={"deepseek-r1": ds, "qwen3": qw})
     await service.start()
     task = asyncio.create_task(service.run())
     try:
@@ -72,8 +74,8 @@ async def test_worker_rebuilds_and_dead_letters(settings_factory: Callable[..., 
     by_key = {r.key: decode(r.value, SampleReconstructed) for r in samples}
     assert set(by_key) == {b"math:good1", b"math:qwen1", b"math:good2"}
     s1 = by_key[b"math:good1"]
-    assert s1.profile == "deepseek-v3" and s1.method == "reencode"
-    assert ds.decode(s1.output_ids) == "Let me think.</think>The answer is 4.<｜end▁of▁sentence｜>"
+    assert s1.profile == "deepseek-r1" and s1.method == "reencode"
+    assert ds.decode(s1.output_ids) == "Let me think.\n</think>\n\nThe answer is 4.<｜end▁of▁sentence｜>"
     assert s1.loss_mask == [0] * len(s1.prompt_ids) + [1] * len(s1.output_ids)
     q = by_key[b"math:qwen1"]
     assert q.profile == "qwen3" and q.output_ids[-1] == 151645 and 151657 in q.output_ids
