@@ -1,11 +1,12 @@
 """Benchmark 1: reconstruct + audit cores vs the tokenizer's own limit on the same texts.
 
 Responses with a reasoning-heavy length mix (500 to 16,000 output tokens, log-uniform)
-come from the simulator's pure generator. draftstream: ``reconstruct_batch`` then
-``audit_batch`` per batch of 64 (the stages' batch size). Reference: the bare
-``tokenizers`` tokenizer doing the unavoidable work on the same texts — batch encode of
-prompt and output texts, batch decode of the output ids, batch encode of the decoded
-texts. The two alternate over several rounds; medians of samples/s are compared.
+come from the simulator's pure generator (DeepSeek-R1's format, parsed as vLLM would).
+draftstream: ``reconstruct_batch`` then ``audit_batch`` per batch of 64 (the stages' batch
+size). Reference: the bare ``tokenizers`` tokenizer doing the unavoidable work on the same
+texts — batch encode of the prompt and of the model's raw output text (the simulator's
+true ids decoded), batch decode of the output ids, batch encode of the decoded texts. The
+two alternate over several rounds; medians of samples/s are compared.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ CLOCK = time.process_time if os.environ.get("BENCH_CLOCK", "cpu") == "cpu" else 
 BATCH = 64
 
 
+PROFILE = "deepseek-r1"  # a thinking model on the bare `tokenizers` backend the reference uses
+
+
 def load_profile_once() -> Any:
-    """The deepseek-v3 profile (its tokenizer loads in about a second)."""
+    """The deepseek-r1 profile (its tokenizer loads in about a second)."""
     from services.profiles import load_profile
 
-    return load_profile("deepseek-v3")
+    return load_profile(PROFILE)
 
 
 def make_responses(profile: Any, n: int, low: int, high: int, seed: int = 7) -> list[Any]:
@@ -50,9 +54,9 @@ def make_responses(profile: Any, n: int, low: int, high: int, seed: int = 7) -> 
         reasoning = max(1, int(total * rng.uniform(0.80, 0.95)))
         content = max(10, total - reasoning)
         text = f"Problem {i}: prove the claim about sequence {rng.randint(0, 10**6)} step by step."
-        request = ChatRequest(model="deepseek/deepseek-v3", messages=[{"role": "user", "content": text}])
+        request = ChatRequest(model="deepseek/deepseek-r1", messages=[{"role": "user", "content": text}])
         params = GenerationParams(seed=seed, reasoning_tokens=(reasoning, reasoning), content_tokens=(content, content))
-        g = generate(profile, request, params, prompt_tokens=20)
+        g = generate(profile, request, params)
         prompt = PromptPublished(dataset="bench", sample_id=f"s{i}", messages=[Message(role="user", content=text)])
         out.append(
             ResponseReceived(
@@ -60,8 +64,8 @@ def make_responses(profile: Any, n: int, low: int, high: int, seed: int = 7) -> 
                 sample_id=f"s{i}",
                 prompt=prompt,
                 provider="SimProvider",
-                model="deepseek/deepseek-v3",
-                profile="deepseek-v3",
+                model="deepseek/deepseek-r1",
+                profile=PROFILE,
                 reasoning=g.reasoning,
                 content=g.content,
                 finish_reason=g.finish_reason,
@@ -70,6 +74,8 @@ def make_responses(profile: Any, n: int, low: int, high: int, seed: int = 7) -> 
                     completion_tokens=g.completion_tokens,
                     reasoning_tokens=g.reasoning_tokens,
                 ),
+                # The model's true ids: the reference decodes them back to the raw output text.
+                debug_true_ids=g.true_ids,
             )
         )
     return out
@@ -84,12 +90,12 @@ class Ours:
     """draftstream's reconstruct then audit cores, one batch at a time (the stages' batch path)."""
 
     def __init__(self, profile: Any) -> None:
-        from services.audit.core import OffsetLearner
         from services.common.config import AuditThresholds
+        from services.profiles.conventions import convention_for
 
         self.profile = profile
         self.thresholds = AuditThresholds()
-        self.learner = OffsetLearner()
+        self.convention = convention_for("simulator")  # the simulator parses as vLLM does
         self.accepted = 0
 
     def __call__(self, batch: Sequence[Any]) -> None:
@@ -98,8 +104,8 @@ class Ours:
         from services.common.kafka import DeadLetter
         from services.reconstruct.core import reconstruct_batch
 
-        samples = [s for s in reconstruct_batch(batch, self.profile) if not isinstance(s, DeadLetter)]
-        audited = audit_batch(samples, self.profile, self.thresholds, self.learner)
+        samples = [s for s in reconstruct_batch(batch, self.profile, self.convention) if not isinstance(s, DeadLetter)]
+        audited = audit_batch(samples, self.profile, self.thresholds)
         self.accepted += sum(a.passed for a in audited)
 
 
@@ -117,7 +123,7 @@ def cached_responses(profile: Any, n: int, low: int, high: int) -> list[Any]:
 
     from schemas import ResponseReceived
 
-    cache = Path(tempfile.gettempdir()) / "draftstream-bench-cache" / f"responses-{n}-{low}-{high}-v1.json"
+    cache = Path(tempfile.gettempdir()) / "draftstream-bench-cache" / f"responses-{PROFILE}-{n}-{low}-{high}-v2.json"
     if cache.is_file():
         return msgspec.json.decode(cache.read_bytes(), type=list[ResponseReceived])
     responses = make_responses(profile, n, low, high)
@@ -136,20 +142,16 @@ def run(quick: bool) -> list[Result]:
     raw = profile.backend._tok  # noqa: SLF001 - the bare tokenizer is the point of the reference
     t0 = time.perf_counter()
     responses = cached_responses(profile, n, low, high)
-    out_tokens = [
-        len(profile.encode(profile.render_output(reasoning=r.reasoning, content=r.content))) for r in responses
-    ]
+    out_tokens = [len(r.debug_true_ids or ()) for r in responses]
     print(
         f"{n} responses ready in {time.perf_counter() - t0:.1f}s: output tokens "
         f"min {min(out_tokens)}, median {int(median(out_tokens))}, max {max(out_tokens)}, total {sum(out_tokens)}",
         flush=True,
     )
-    # The reference gets the texts draftstream would encode, rendered beforehand.
+    # The reference gets the prompt text and the model's raw output (its true ids decoded),
+    # rendered beforehand: the same amount of text draftstream encodes.
     texts = [
-        (
-            profile.render_prompt(r.prompt.messages, r.prompt.tools),
-            profile.render_output(reasoning=r.reasoning, content=r.content, tool_calls=r.tool_calls),
-        )
+        (profile.render_prompt(r.prompt.messages, r.prompt.tools), profile.decode(list(r.debug_true_ids or ())))
         for r in responses
     ]
     Ours(profile)(responses[:4])  # warm-up: template compile, thread pools

@@ -207,8 +207,11 @@ def check_no_think_start(p: Prepared, profile: AuditProfile) -> CheckResult | No
 
 def check_reasoning_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult | None:
     """The text before the think-end is not blank (reasoning datasets, where the model thinks)."""
-    if profile.think_end_id is None or not p.thresholds.require_reasoning or not _layout(p, profile)[1]:
+    if profile.think_end_id is None or not p.thresholds.require_reasoning:
         return None
+    state = profile.prompt_state(p.sample.prompt_text)
+    if state == "closed" or (state == "none" and not profile.thinks()):
+        return None  # thinking is off for this prompt: there is no reasoning to require
     text = p.sample.response.reasoning
     if not text.strip() and p.decoded is not None and profile.think_end:
         text = p.decoded.split(profile.think_end, 1)[0] if profile.think_end in p.decoded else ""

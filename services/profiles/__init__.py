@@ -396,7 +396,7 @@ class Profile:
         kwargs (thinking on or off) are passed as a server gets them.
         """
         template = self._compiled_template()
-        sent = wire_messages(messages)
+        sent = wire_messages(list(messages))
         if self.spec.tool_arguments == "dict":
             sent = [_arguments_as_dicts(m) for m in sent]
         rendered: str = template.render(

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,11 @@ class SimulatorOptions:
         )
 
 
+def _strftime_now(fmt: str) -> str:
+    """Today's local date for templates that print it (as transformers gives them)."""
+    return datetime.now().strftime(fmt)  # noqa: DTZ005 - templates format the local date
+
+
 def get_profile(name: str, settings: Settings | None = None) -> ProfileLike:
     """Load a model profile (``services.profiles`` caches it per process: about a second once)."""
     from services.profiles import load_profile
@@ -212,7 +218,7 @@ class SimulatorServer:
         self.template: Any = None
         if options.chat_template_file:
             source = Path(options.chat_template_file).expanduser().read_text(encoding="utf-8")
-            self.template = compile_chat_template(source)
+            self.template = compile_chat_template(source, strftime_now=_strftime_now)
         spec = getattr(profile, "spec", None)  # a loaded Profile knows its BOS; a bare ProfileLike may not
         self._bos_token: str = getattr(spec, "bos_token", "") or ""
 
@@ -241,7 +247,12 @@ class SimulatorServer:
         return web.json_response(snap)
 
     def _prompt_text(self, request: ChatRequest, digest: bytes, kwargs_key: str) -> str:
-        """The rendered prompt: the configured template file's, else the profile's own."""
+        """The rendered prompt: the configured template file's, else the profile's own.
+
+        A template file gets the request's ``chat_template_kwargs``, as vLLM passes them; the
+        profile's own template is rendered with the profile's kwargs (the ones the inference
+        stage sends), whatever the request says.
+        """
         key = (digest, kwargs_key)
         if key not in self._prompt_texts:
             if len(self._prompt_texts) >= _CACHE_MAX:

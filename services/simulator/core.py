@@ -22,9 +22,8 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Final, Literal, Protocol
 
 import msgspec
@@ -316,34 +315,71 @@ def _raise_exception(message: str) -> None:
     raise RequestError(f"chat template error: {message}")
 
 
-def _strftime_now(fmt: str) -> str:
-    # A template asking for today's date gets it; pure otherwise (no template in tests asks).
-    return datetime.now().strftime(fmt)  # noqa: DTZ005 - templates format the local date
+def _no_clock(fmt: str) -> str:
+    raise RequestError("chat template error: strftime_now is not available (no clock given)")
 
 
-def compile_chat_template(source: str) -> Any:
+def compile_chat_template(source: str, *, strftime_now: Callable[[str], str] | None = None) -> Any:
     """A chat template compiled the way Hugging Face renders one (``apply_chat_template``).
 
     jinja2's immutable sandbox with ``trim_blocks``/``lstrip_blocks`` and loop controls,
     ``tojson`` without ASCII escaping, ``raise_exception`` and ``strftime_now``: the same
     environment transformers builds, so an official template file renders here as a server
-    renders it (CONVENTIONS.md: render templates the way Hugging Face does).
+    renders it (CONVENTIONS.md: render templates the way Hugging Face does). The core has no
+    clock: the shell passes ``strftime_now`` for templates that print today's date.
     """
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = strftime_now or _no_clock
     return env.from_string(source)
+
+
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's messages as vLLM hands them to a chat template.
+
+    Plain dicts as the request carried them, with vLLM's one change (``_postprocess_messages``
+    in ``vllm/entrypoints/chat_utils``): an assistant turn's tool-call ``arguments`` become a
+    JSON object (not JSON, or not an object: ``{}``), and an empty ``tool_calls`` list is dropped.
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if message.get("role") != "assistant" or not isinstance(calls, list):
+            out.append(message)
+            continue
+        copy = {k: v for k, v in message.items() if k != "tool_calls"}
+        if calls:
+            copy["tool_calls"] = [_template_tool_call(call) for call in calls]
+        out.append(copy)
+    return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    parsed: Any = arguments
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments else {}
+        except json.JSONDecodeError:
+            parsed = {}
+    if not isinstance(parsed, dict):
+        parsed = {}
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def render_chat_template(template: Any, request: ChatRequest, *, bos_token: str, eos_token: str) -> str:
     """The prompt text a server renders from ``template`` for this request.
 
-    The messages are the plain dicts the request carried, the generation prompt is on and
-    the request's ``chat_template_kwargs`` are passed through, as vLLM does. Raises
-    :class:`RequestError` (400) when the template refuses the prompt.
+    The messages are the dicts the request carried (tool-call arguments as objects, see
+    :func:`_template_messages`), the generation prompt is on and the request's
+    ``chat_template_kwargs`` are passed through, as vLLM does. Raises :class:`RequestError`
+    (400) when the template refuses the prompt.
     """
     kwargs = {
         k: v
@@ -352,7 +388,7 @@ def render_chat_template(template: Any, request: ChatRequest, *, bos_token: str,
     }
     try:
         rendered: str = template.render(
-            messages=request.messages,
+            messages=_template_messages(request.messages),
             tools=request.tools,
             add_generation_prompt=True,
             bos_token=bos_token,

@@ -1,8 +1,10 @@
-"""Contract: simulator over HTTP -> inference's OpenRouter parser -> reconstruction's ids.
+"""Contract: simulator over HTTP -> inference's response parsers -> reconstruction's ids.
 
-Clean answers must rebuild to the simulator's true ids exactly (text and logprobs paths);
-non-canonical faults must be exact through logprobs and differ through re-encoding, the
-same-length one invisibly to the usage count. No broker involved.
+The simulator's truth is independent of reconstruction: it writes Qwen3's raw output in
+the format of the official template, takes the tokenizer's ids of that text as the truth,
+and returns what a vLLM (or legacy SGLang) server parses out of it. Reconstruction must
+then either rebuild exactly those ids or refuse with a dead letter naming what was lost;
+a sample with wrong ids is the one outcome never allowed. No broker involved.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import httpx
 import pytest
 
 from schemas import Message, PromptPublished, ResponseReceived, SampleReconstructed
-from services.inference.adapters.providers import parse_openrouter
+from services.common.records import DeadLetter
+from services.inference.adapters.providers import parse_openai, parse_openrouter
 from services.profiles import load_profile
+from services.profiles.conventions import convention_for
 from services.reconstruct.core import reconstruct
 from services.simulator.app import SimulatorOptions, start_simulator
 
-PROFILE = load_profile("deepseek-v3")
+PROFILE = load_profile("qwen3")
 TOOL: dict[str, Any] = {
     "type": "function",
     "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
@@ -26,9 +30,17 @@ TOOL: dict[str, Any] = {
 
 
 async def rebuild(
-    client: httpx.AsyncClient, url: str, i: int, *, fault: str, logprobs: bool, tools: bool
-) -> tuple[SampleReconstructed, list[int], int]:
-    """One round trip: (sample, true ids, usage.completion_tokens)."""
+    client: httpx.AsyncClient,
+    url: str,
+    i: int,
+    *,
+    fault: str = "",
+    logprobs: bool = False,
+    tools: bool = False,
+    native: bool = False,
+    convention: str = "vllm",
+) -> tuple[SampleReconstructed | DeadLetter, list[int], int]:
+    """One round trip: (sample or dead letter, true ids, usage.completion_tokens)."""
     text = f"contract question {i}"
     body: dict[str, Any] = {
         "model": "m",
@@ -37,9 +49,11 @@ async def rebuild(
     }
     if tools:
         body["tools"] = [TOOL]
+    if native:
+        body["return_token_ids"] = True
     headers = {"X-Simulator-Fault": fault} if fault else {}
     r = await client.post(f"{url}/chat/completions", json=body, headers=headers)
-    result = parse_openrouter(r.json())
+    result = (parse_openai if native else parse_openrouter)(r.json())
     prompt = PromptPublished(
         dataset="d",
         sample_id=str(i),
@@ -60,12 +74,19 @@ async def rebuild(
         native_finish_reason=result.native_finish_reason,
         usage=result.usage,
         logprobs=result.logprobs,
+        native_output_ids=result.native_output_ids,
+        native_prompt_ids=result.native_prompt_ids,
         tools_sent=tools,
     )
-    sample = reconstruct(response, PROFILE)
-    assert isinstance(sample, SampleReconstructed), sample
+    sample = reconstruct(response, PROFILE, convention_for("simulator", convention))
     assert result.debug_true_ids is not None and result.usage.completion_tokens is not None
     return sample, result.debug_true_ids, result.usage.completion_tokens
+
+
+def exact(sample: SampleReconstructed | DeadLetter) -> SampleReconstructed:
+    """The sample, asserting reconstruction accepted it."""
+    assert isinstance(sample, SampleReconstructed), sample
+    return sample
 
 
 @pytest.mark.parametrize("tools", [False, True])
@@ -74,21 +95,43 @@ async def test_reconstruction_matches_simulator_truth(tools: bool) -> None:
     try:
         async with httpx.AsyncClient() as client:
             for i in range(3):
-                for logprobs in (False, True):
-                    sample, truth, _ = await rebuild(client, sim.url, i, fault="", logprobs=logprobs, tools=tools)
-                    assert sample.output_ids == truth
-                    assert sample.method == ("logprobs" if logprobs else "reencode")
-                same, same_truth, same_usage = await rebuild(
-                    client, sim.url, i, fault="noncanonical_same", logprobs=False, tools=tools
-                )
+                # Exact through logprob tokens and through native ids, tools or not.
+                for how in ({"logprobs": True}, {"native": True}):
+                    sample, truth, _ = await rebuild(client, sim.url, i, tools=tools, **how)
+                    assert exact(sample).output_ids == truth
+                    assert exact(sample).method == ("logprobs" if "logprobs" in how else "native")
+                caught, caught_truth, _ = await rebuild(client, sim.url, i, fault="noncanonical_same", logprobs=True)
+                assert exact(caught).output_ids == caught_truth  # logprob tokens carry the real split
+                text, truth, _ = await rebuild(client, sim.url, i, tools=tools)
+                if tools:
+                    # vLLM's hermes parser re-serialises Qwen3's arguments: text alone cannot be trusted.
+                    assert isinstance(text, DeadLetter) and text.reason == "tool_arguments_reserialized", text
+                    continue
+                assert exact(text).output_ids == truth and exact(text).method == "reencode"
+                same, same_truth, same_usage = await rebuild(client, sim.url, i, fault="noncanonical_same")
+                same = exact(same)
                 assert same.output_ids != same_truth and same_usage == len(same.output_ids)  # invisible to counts
-                longer, longer_truth, longer_usage = await rebuild(
-                    client, sim.url, i, fault="noncanonical_len", logprobs=False, tools=tools
-                )
+                longer, longer_truth, longer_usage = await rebuild(client, sim.url, i, fault="noncanonical_len")
+                longer = exact(longer)
                 assert longer.output_ids != longer_truth and longer_usage == len(longer.output_ids) + 1
-                caught, caught_truth, _ = await rebuild(
-                    client, sim.url, i, fault="noncanonical_same", logprobs=True, tools=tools
-                )
-                assert caught.output_ids == caught_truth  # logprob tokens carry the real split
+    finally:
+        await sim.close()
+
+
+async def test_stripped_fields_are_rebuilt_exactly_or_refused() -> None:
+    """Legacy SGLang strips the think block's newlines: exact ids on proof, else a dead letter."""
+    sim = await start_simulator(SimulatorOptions(debug_true_ids=True, parser="sglang-legacy"), profile=PROFILE)
+    try:
+        verdicts = []
+        async with httpx.AsyncClient() as client:
+            for i in range(6):
+                sample, truth, _ = await rebuild(client, sim.url, i, convention="sglang-legacy")
+                if isinstance(sample, SampleReconstructed):
+                    assert sample.output_ids == truth  # never a sample with wrong ids
+                verdicts.append(sample.reason if isinstance(sample, DeadLetter) else "exact")
+                native, native_truth, _ = await rebuild(client, sim.url, i, native=True, convention="sglang-legacy")
+                assert exact(native).output_ids == native_truth
+        # The whitespace the server stripped is named, not guessed back.
+        assert set(verdicts) <= {"exact", "whitespace_stripped", "whitespace_ambiguous"}, verdicts
     finally:
         await sim.close()

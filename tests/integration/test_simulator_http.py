@@ -1,7 +1,9 @@
 """The simulator over real HTTP: response shape, every transient fault, stats, the CLI process.
 
 No broker needed: these tests talk to a simulator started in-process (or as a subprocess)
-through httpx / aiohttp clients on localhost.
+through httpx / aiohttp clients on localhost. Ground truth is checked against things the
+simulator did not make: Qwen3's special tokens put back by hand around the parsed fields,
+and the official Qwen3 chat template from ``../shared/reference`` rendered by transformers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,8 +27,9 @@ from schemas import Message
 from services.profiles import load_profile
 from services.simulator.app import RunningSimulator, SimulatorOptions, start_simulator
 
-PROFILE = load_profile("deepseek-v3")
-THINK_END = 128822
+PROFILE = load_profile("qwen3")
+THINK_START, THINK_END, EOT = 151667, 151668, 151645  # Qwen3's ids (TOKENS.md)
+REPO = Path(__file__).resolve().parents[2]
 WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -35,6 +39,33 @@ WEATHER_TOOL: dict[str, Any] = {
 }
 
 SimFactory = Callable[..., Awaitable[RunningSimulator]]
+
+
+def official_qwen3_template() -> Path:
+    """The official Qwen3 chat template (``$DRAFTSTREAM_REFERENCE_DIR`` or ``../shared/reference``)."""
+    base = Path(os.environ.get("DRAFTSTREAM_REFERENCE_DIR") or REPO.parent / "shared" / "reference")
+    path = base / "chat-templates" / "Qwen-Qwen3-0.6B.jinja"
+    if not path.is_file():
+        pytest.skip(f"reference template {path} not found (set DRAFTSTREAM_REFERENCE_DIR)")
+    return path
+
+
+def hf_render(template: Path, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """The generation prompt transformers renders from ``template`` (independent of the simulator)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[messages],
+        chat_template=template.read_text(encoding="utf-8"),
+        add_generation_prompt=True,
+        **kwargs,
+    )
+    return str(rendered[0])
+
+
+def put_back(message: dict[str, Any], calls: str = "") -> str:
+    """Qwen3's raw answer from vLLM-parsed fields: the stripped specials put back by hand."""
+    return "<think>" + (message["reasoning"] or "") + "</think>" + message["content"] + calls + "<|im_end|>"
 
 
 @pytest.fixture
@@ -54,7 +85,7 @@ async def sim_factory() -> AsyncIterator[SimFactory]:
 
 def body(text: str = "What is 12 * 34?", **extra: Any) -> dict[str, Any]:
     """A chat-completions request body."""
-    return {"model": "deepseek/deepseek-v3", "messages": [{"role": "user", "content": text}], **extra}
+    return {"model": "qwen/qwen3", "messages": [{"role": "user", "content": text}], **extra}
 
 
 async def post(
@@ -71,22 +102,21 @@ async def test_response_shape_and_ground_truth(sim_factory: SimFactory) -> None:
         again = await client.post(f"{sim.base_url}/v1/chat/completions", json=body())
     assert r.status_code == 200 and again.status_code == 200
     data = r.json()
-    assert data["provider"] == "SimProvider" and data["model"] == "deepseek/deepseek-v3"
+    assert data["provider"] == "SimProvider" and data["model"] == "qwen/qwen3"
     choice = data["choices"][0]
     message = choice["message"]
     assert message["reasoning"] and message["content"]
     assert choice["finish_reason"] == "stop" and choice["native_finish_reason"] == "stop"
     assert choice["logprobs"] is None and "tool_calls" not in message
+    assert "token_ids" not in choice and "prompt_token_ids" not in data  # only on return_token_ids
     true_ids = data["debug_true_ids"]
-    rebuilt = PROFILE.encode(
-        PROFILE.render_output(reasoning=message["reasoning"], content=message["content"])
-    )
-    assert rebuilt == true_ids
+    assert PROFILE.encode(put_back(message)) == true_ids
+    assert true_ids[0] == THINK_START and true_ids[-1] == EOT
     usage = data["usage"]
     assert usage["completion_tokens"] == len(true_ids)
     assert usage["completion_tokens_details"]["reasoning_tokens"] == true_ids.index(THINK_END)
     prompt = PROFILE.render_prompt([Message(role="user", content="What is 12 * 34?")], None)
-    assert usage["prompt_tokens"] == len(PROFILE.encode(prompt))
+    assert usage["prompt_tokens"] == len(PROFILE.encode_prompt(prompt))
     assert usage["cost"] == pytest.approx(len(true_ids) * 2e-6)
     assert again.json()["choices"][0]["message"] == message  # same prompt, same answer, other path
     assert "sk-x" not in json.dumps(sim.stats())
@@ -104,10 +134,9 @@ async def test_tool_calls_when_tools_are_sent(sim_factory: SimFactory) -> None:
     assert isinstance(calls[0]["function"]["arguments"], str)
     assert "city" in json.loads(calls[0]["function"]["arguments"])
     assert data["choices"][0]["finish_reason"] == "tool_calls"
-    rebuilt = PROFILE.encode(
-        PROFILE.render_output(reasoning=message["reasoning"], content=message["content"], tool_calls=calls)
-    )
-    assert rebuilt == data["debug_true_ids"]
+    name, arguments = calls[0]["function"]["name"], calls[0]["function"]["arguments"]
+    native = f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+    assert PROFILE.encode(put_back(message, native)) == data["debug_true_ids"]
 
 
 async def test_logprobs_when_asked_or_forced(sim_factory: SimFactory) -> None:
@@ -217,7 +246,9 @@ async def test_content_faults_reproduce_on_retry(sim_factory: SimFactory) -> Non
     for data in first:
         if data["choices"][0]["finish_reason"] == "length":
             assert THINK_END not in data["debug_true_ids"]
-            assert data["choices"][0]["message"]["content"] == ""
+            message = data["choices"][0]["message"]
+            assert message["content"] == ""  # cut inside the reasoning: reasoning only
+            assert PROFILE.encode("<think>" + message["reasoning"]) == data["debug_true_ids"]
     assert sim.stats()["faults"]["truncate"] == 2 * reasons.count("length")
 
 
@@ -235,8 +266,69 @@ async def test_forced_content_faults_over_http(sim_factory: SimFactory) -> None:
     assert len(same["debug_true_ids"]) == len(clean["debug_true_ids"]) == same["usage"]["completion_tokens"]
     assert same["debug_true_ids"] != clean["debug_true_ids"]
     assert len(longer["debug_true_ids"]) == len(clean["debug_true_ids"]) + 1
-    assert empty["choices"][0]["message"]["reasoning"] is None
+    # Qwen3's empty think block is "<think>\n\n</think>": vLLM returns its newlines as the reasoning.
+    assert empty["choices"][0]["message"]["reasoning"] == "\n\n"
+    assert empty["debug_true_ids"][:3] == [THINK_START, *PROFILE.encode("\n\n"), THINK_END]
     assert bad["usage"]["completion_tokens"] - len(bad["debug_true_ids"]) >= 1000
+
+
+async def test_return_token_ids_gives_vllms_ids(sim_factory: SimFactory) -> None:
+    sim = await sim_factory(debug_true_ids=True, chat_template_file=str(official_qwen3_template()))
+    async with httpx.AsyncClient() as client:
+        data = (await post(client, sim, body("ids please", return_token_ids=True))).json()
+    choice = data["choices"][0]
+    official = hf_render(official_qwen3_template(), [{"role": "user", "content": "ids please"}])
+    assert data["prompt_token_ids"] == PROFILE.encode_prompt(official)
+    assert choice["token_ids"] == data["debug_true_ids"] == PROFILE.encode(put_back(choice["message"]))
+
+
+async def test_official_template_drives_prompt_tokens_and_thinking(sim_factory: SimFactory) -> None:
+    template = official_qwen3_template()
+    sim = await sim_factory(debug_true_ids=True, chat_template_file=str(template))
+    messages = [{"role": "system", "content": "Be brief. Café ≥ 5°C."}, {"role": "user", "content": "Hi, Ω?"}]
+    async with httpx.AsyncClient() as client:
+        on = (await post(client, sim, {"model": "m", "messages": messages})).json()
+        off = (
+            await post(
+                client, sim, {"model": "m", "messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+            )
+        ).json()
+        tools = (await post(client, sim, {"model": "m", "messages": messages, "tools": [WEATHER_TOOL]})).json()
+    assert on["usage"]["prompt_tokens"] == len(PROFILE.encode_prompt(hf_render(template, messages)))
+    assert tools["usage"]["prompt_tokens"] == len(
+        PROFILE.encode_prompt(hf_render(template, messages, tools=[WEATHER_TOOL]))
+    )
+    off_prompt = hf_render(template, messages, enable_thinking=False)
+    assert off_prompt.endswith("<think>\n\n</think>\n\n")
+    assert off["usage"]["prompt_tokens"] == len(PROFILE.encode_prompt(off_prompt))
+    # Thinking off: the prompt closed the think block, the model answers straight away.
+    message = off["choices"][0]["message"]
+    assert message["reasoning"] is None and off["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    assert PROFILE.encode(message["content"] + "<|im_end|>") == off["debug_true_ids"]
+    assert THINK_START not in off["debug_true_ids"] and THINK_END not in off["debug_true_ids"]
+    assert PROFILE.encode(put_back(on["choices"][0]["message"])) == on["debug_true_ids"]
+
+
+async def test_sglang_legacy_parser_strips_the_fields(sim_factory: SimFactory) -> None:
+    vllm = await sim_factory(debug_true_ids=True)
+    legacy = await sim_factory(debug_true_ids=True, parser="sglang-legacy")
+    async with httpx.AsyncClient() as client:
+        a = (await post(client, vllm, body("strip test"))).json()
+        b = (await post(client, legacy, body("strip test"))).json()
+    assert a["debug_true_ids"] == b["debug_true_ids"]  # the same model output, parsed by another server
+    raw, kept = a["choices"][0]["message"], b["choices"][0]["message"]
+    assert kept["reasoning"] == raw["reasoning"].strip() != raw["reasoning"]
+    assert kept["content"] == raw["content"].strip() != raw["content"]
+    assert b["usage"]["completion_tokens"] == len(b["debug_true_ids"])  # the count still covers every id
+
+
+async def test_a_template_refusing_the_prompt_is_a_400(sim_factory: SimFactory, tmp_path: Path) -> None:
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}ok")
+    sim = await sim_factory(chat_template_file=str(template))
+    async with httpx.AsyncClient() as client:
+        refused = await post(client, sim, body())
+    assert refused.status_code == 400 and "system first" in refused.json()["error"]["message"]
 
 
 async def test_bad_requests_get_400(sim_factory: SimFactory) -> None:
@@ -311,8 +403,11 @@ async def test_cli_serves_until_sigint(tmp_path: Any) -> None:
             "simulate-provider",
             "--port",
             str(port),
-            "--fault-rate",
-            "error_in_200=1",
+            "--parser",
+            "sglang-legacy",
+            "--chat-template-file",
+            str(official_qwen3_template()),
+            "--debug-true-ids",
             stdout=log,
             stderr=log,
         )
@@ -328,8 +423,15 @@ async def test_cli_serves_until_sigint(tmp_path: Any) -> None:
                     assert proc.returncode is None, log_path.read_text()
                     assert time.monotonic() < deadline, "simulator did not start"
                     await asyncio.sleep(0.2)
-                r = await client.post(f"http://127.0.0.1:{port}/api/v1/chat/completions", json=body())
+                url = f"http://127.0.0.1:{port}/api/v1/chat/completions"
+                r = await client.post(url, json=body(), headers={"X-Simulator-Fault": "error_in_200"})
                 assert r.json()["error"]["code"] == 502
+                ok = (await client.post(url, json=body())).json()
+                message = ok["choices"][0]["message"]
+                assert message["reasoning"] == message["reasoning"].strip() and message["content"].strip()
+                official = hf_render(official_qwen3_template(), body()["messages"])
+                assert ok["usage"]["prompt_tokens"] == len(PROFILE.encode_prompt(official))
+                assert PROFILE.decode(ok["debug_true_ids"]).startswith("<think>\n")
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGINT)

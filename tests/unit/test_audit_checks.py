@@ -66,6 +66,8 @@ def make(
     if output_ids is None:
         output_ids = [*profile.encode(reasoning), profile.think_end_id, *profile.encode(content),
                       *(extra_ids or []), profile.end_of_turn_id]
+        if finish == "length":  # a cut answer has no end-of-turn
+            output_ids = output_ids[:-1]
     prompt_ids = prompt_ids if prompt_ids is not None else profile.encode("2+2?")
     prompt = PromptPublished(dataset="math", sample_id="s1",
                              messages=[Message(role="user", content="2+2?")], tools=tools)

@@ -503,6 +503,31 @@ def test_official_template_with_thinking_off_closes_the_think_block() -> None:
     assert g.content + "<|im_end|>" == g.raw_text and g.true_ids == PROFILE.encode(g.raw_text)
 
 
+def test_tool_call_history_reaches_the_template_as_vllm_passes_it() -> None:
+    """vLLM turns an earlier call's JSON-string arguments into an object before rendering."""
+    source = official_template("Qwen-Qwen3-0.6B.jinja")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Zürich"}'}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5°C"},
+        {"role": "assistant", "content": "Cold.", "tool_calls": []},
+        {"role": "user", "content": "Thanks."},
+    ]
+    request = ChatRequest(model="m", messages=messages, tools=[WEATHER_TOOL])
+    prompt = render_chat_template(compile_chat_template(source), request, bos_token="", eos_token="<|im_end|>")
+    as_objects = [
+        *messages[:1],
+        {**messages[1], "tool_calls": [{**call, "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+        messages[2],
+        {"role": "assistant", "content": "Cold."},
+        messages[4],
+    ]
+    assert prompt == hf_render(source, as_objects, generation=True, tools=[WEATHER_TOOL])
+    assert '"arguments": {"city": "Zürich"}' in prompt
+    assert request.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city":"Zürich"}'  # not mutated
+
+
 def test_render_chat_template_errors_are_request_errors() -> None:
     template = compile_chat_template("{{ raise_exception('no system messages') }}")
     with pytest.raises(RequestError, match="no system messages"):
@@ -510,6 +535,11 @@ def test_render_chat_template_errors_are_request_errors() -> None:
     broken = compile_chat_template("{{ messages[5].content }}")
     with pytest.raises(RequestError, match="chat template error"):
         render_chat_template(broken, chat(), bos_token="", eos_token="")
+    dated = "Today {{ strftime_now('%d %b %Y') }}"
+    with pytest.raises(RequestError, match="strftime_now"):  # the core has no clock of its own
+        render_chat_template(compile_chat_template(dated), chat(), bos_token="", eos_token="")
+    fixed = compile_chat_template(dated, strftime_now=lambda fmt: "26 Jul 2024")
+    assert render_chat_template(fixed, chat(), bos_token="", eos_token="") == "Today 26 Jul 2024"
 
 
 def test_qwen3_2507_continues_inside_the_prompts_think_block() -> None:
