@@ -215,6 +215,8 @@ def check_reasoning_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult 
     text = p.sample.response.reasoning
     if not text.strip() and p.decoded is not None and profile.think_end:
         text = p.decoded.split(profile.think_end, 1)[0] if profile.think_end in p.decoded else ""
+        if profile.think_start:
+            text = text.replace(profile.think_start, "")  # the block's own opener is not reasoning
     ok = bool(text.strip())
     return _ok(REASONING_NONEMPTY, ok, "" if ok else "reasoning is empty")
 

@@ -1,8 +1,12 @@
-"""Issue 5's end-to-end acceptance and issue 4's ground-truth acceptance.
+"""End-to-end accounting and ground truth from outside the code under test.
 
-A real broker, the simulator over real HTTP with every content fault on and its ground
-truth (``debug_true_ids``) in each response, and every stage in this process: publish →
-inference → reconstruct → audit → sink, with the budget service reading along.
+A real broker, the simulator over real HTTP with every content fault on, and every stage
+in this process: publish → inference → reconstruct → audit → sink, with the budget service
+reading along. The truth is independent of reconstruction: the simulator writes the raw
+text Qwen3 generates in Qwen3's own format and reports its encoding (``debug_true_ids``),
+parses it as vLLM does, and renders prompts from the OFFICIAL Qwen3 chat template
+(``../shared/reference``); the test computes the true prompt ids itself from that template
+and the real tokenizer (``tests/conformance/truth.py``), never with our ``render_prompt``.
 
 Asserts, per variant (token ids rebuilt by re-encoding the text, or from logprobs):
 
@@ -11,6 +15,7 @@ Asserts, per variant (token ids rebuilt by re-encoding the text, or from logprob
 - no sample hit by truncate / empty_reasoning / bad_usage is accepted;
 - among accepted samples, zero differ from the true ids when a fault changed the token
   count (``noncanonical_len``), and 100% of canonical generations equal the true ids;
+- every accepted sample's prompt_ids, input_ids and loss_mask equal the official-template truth;
 - without logprobs, same-length non-canonical samples slip through (the documented blind
   spot: counted and printed, expected > 0); with logprobs, none do and every accepted
   sample, non-canonical included, equals the true ids.
@@ -35,6 +40,7 @@ from services.publish.app import publish
 from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import SimulatorOptions, start_simulator
 from services.sink.app import create_app as sink_app
+from tests.conformance import truth as T
 from tests.e2e.harness import Pipeline, dead_letters, read_all
 
 pytestmark = pytest.mark.e2e
@@ -44,6 +50,21 @@ N_PROMPTS = 150
 # Faults that must never reach the training files, whatever the reconstruction method.
 REJECTED_FAULTS = frozenset({"truncate", "empty_reasoning", "bad_usage"})
 NONCANONICAL = ("noncanonical_len", "noncanonical_same")
+OFFICIAL_QWEN3 = T.reference_dir() / "chat-templates" / "Qwen-Qwen3-0.6B.jinja"
+SYSTEM = "Reason briefly, then answer."
+
+
+def question(i: int) -> str:
+    """The i-th user question."""
+    return f"Question {i}: what is {i} * {i + 3} - {i % 7}?"
+
+
+def true_prompt_ids(i: int) -> list[int]:
+    """The prompt ids a vLLM server feeds Qwen3 for prompt i: official template, real tokenizer."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(i)}]
+    text = T.render_template(OFFICIAL_QWEN3.read_text(encoding="utf-8"), messages, add_generation_prompt=True,
+                             bos_token="", eos_token="<|im_end|>")
+    return list(T.truth_tokenizer("qwen3").encode_prompt(text))
 
 
 def write_prompts(path: Path, n: int) -> Path:
@@ -52,10 +73,7 @@ def write_prompts(path: Path, n: int) -> Path:
         for i in range(n):
             row = {
                 "id": f"q{i:04d}",
-                "messages": [
-                    {"role": "system", "content": "Reason briefly, then answer."},
-                    {"role": "user", "content": f"Question {i}: what is {i} * {i + 3} - {i % 7}?"},
-                ],
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(i)}],
             }
             f.write(json.dumps(row) + "\n")
     return path
@@ -95,6 +113,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
             retry_after_s=0.05,
             logprobs=logprobs,
             debug_true_ids=True,
+            chat_template_file=str(OFFICIAL_QWEN3),
         )
     )
     settings = settings_factory(
@@ -166,7 +185,15 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
     sink_differs: list[str] = []
     rejected_fault_accepted: list[str] = []
     rows_by_key = {r["id"]: r for r in rows}
+    prompt_wrong: list[str] = []
     for key, audited in accepted.items():
+        truth_prompt = true_prompt_ids(int(audited.sample_id[1:]))
+        row = rows_by_key.get(key)
+        if list(audited.sample.prompt_ids) != truth_prompt or (
+            row is not None and (row["input_ids"][: len(truth_prompt)] != truth_prompt
+                                 or row["loss_mask"] != [0] * len(truth_prompt) + [1] * len(audited.sample.output_ids))
+        ):
+            prompt_wrong.append(key)
         truth = audited.sample.response.debug_true_ids
         if truth is None:
             no_truth.append(key)
@@ -205,6 +232,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
         noncanonical_len_accepted_wrong_ids=wrong_by_fault["noncanonical_len"],
         noncanonical_len_accepted_right_ids=right_by_fault["noncanonical_len"],
         methods=dict(Counter(a.sample.method for a in accepted.values())),
+        prompt_ids_differ_from_official_template=len(prompt_wrong),
     )
 
     # --- accounting: every prompt in exactly one place
@@ -216,6 +244,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
     assert set(accepted) == set(row_keys), "the accepted topic and the sink files disagree"
     assert not sink_differs, f"sink rows whose output_ids differ from the accepted sample: {sink_differs[:5]}"
     assert not no_truth, f"accepted samples without debug_true_ids: {no_truth[:5]}"
+    assert not prompt_wrong, f"prompt ids / input ids / loss mask differ from the official template: {prompt_wrong[:5]}"
     assert budget_completion == total_completion, f"budget {budget_completion} != responses {total_completion}: {line}"
 
     # --- the faults really fired, and the ones that must be rejected were

@@ -47,7 +47,7 @@ from tests.kafka_fixture import wait_until
 pytestmark = pytest.mark.kafka
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILE = load_profile("deepseek-v3")
+PROFILE = load_profile("qwen3")
 FAST = {"reasoning_tokens": (4, 12), "content_tokens": (4, 12)}
 
 
@@ -208,7 +208,7 @@ async def test_n_prompts_in_n_responses_and_dead_letters_out(
     responses = out.responses()
     assert sorted(r.sample_id for r in responses) == sorted(p.sample_id for p in good)
     for r in responses:
-        assert r.provider == "simulator" and r.profile == "deepseek-v3"
+        assert r.provider == "simulator" and r.profile == "qwen3"
         assert r.request_max_tokens == 64 and r.attempt == 1 and r.tools_sent is False
         assert r.reasoning and r.usage.completion_tokens and r.upstream_provider == "SimProvider"
         assert r.prompt.sample_id == r.sample_id

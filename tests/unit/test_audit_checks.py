@@ -368,3 +368,11 @@ def test_mismatch_fraction_and_tool_parser() -> None:
     qwen = core.tool_token_roles({"<tool_call>": 151657, "</tool_call>": 151658})
     assert parse_tool_tokens([151657, 5, 151658, 151657, 6, 151658], qwen) == (2, "")
     assert parse_tool_tokens([151657, 151657, 151658], qwen)[1] != ""
+
+
+def test_an_empty_think_block_the_model_opened_is_no_reasoning() -> None:
+    """Qwen3 hybrid's "<think>\\n\\n</think>\\n\\n": vLLM returns reasoning "\\n\\n"; the opener is not reasoning."""
+    p = kimi()
+    ids = [p.think_start_id, *p.encode("\n\n"), p.think_end_id, *p.encode("hello"), p.end_of_turn_id]
+    audited = run(make(p, reasoning="\n\n", output_ids=ids, prompt_text="<assistant>"), p)
+    assert audited.reasons == [core.REASONING_NONEMPTY]

@@ -1,11 +1,19 @@
-"""Rebuilt ids equal the simulator's ground-truth ids (the first cut of the joint test)."""
+"""Rebuilt ids equal the simulator's ground-truth ids: the raw text the model writes, encoded.
+
+The simulator writes the model's raw output in its own format and parses it the way vLLM
+does; reconstruction sees only the parsed fields. Every answer is either rebuilt exactly
+or refused with the reason the vLLM convention gives (Qwen's re-serialised arguments, a
+cut answer whose tail cannot be pinned).
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from schemas import Message, PromptPublished, ResponseReceived, SampleReconstructed
+from schemas import Message, PromptPublished, ResponseReceived, SampleReconstructed, Usage
+from services.common.kafka import DeadLetter
 from services.profiles import load_profile
+from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import reconstruct_batch
 from services.simulator.core import ChatRequest, GenerationParams, generate
 
@@ -20,7 +28,10 @@ TOOLS = [
 ]
 
 
-@pytest.mark.parametrize("profile_name", ["deepseek-v3", "qwen3"])
+REFUSED_UNDER_VLLM = {"tool_arguments_reserialized", "truncated_tail_ambiguous", "truncated_tail_lost"}
+
+
+@pytest.mark.parametrize("profile_name", ["deepseek-r1", "qwen3", "deepseek-v3.1"])
 def test_rebuilt_ids_equal_true_ids(profile_name: str) -> None:
     profile = load_profile(profile_name)
     responses, truths = [], []
@@ -52,16 +63,19 @@ def test_rebuilt_ids_equal_true_ids(profile_name: str) -> None:
                 content=gen.content,
                 tool_calls=gen.tool_calls,
                 finish_reason=gen.finish_reason,
+                usage=Usage(completion_tokens=gen.completion_tokens),
+                tools_sent=bool(tools),
             )
         )
         truths.append(gen.true_ids)
     assert len(responses) >= 30
     finishes = {r.finish_reason for r in responses}
     assert {"stop", "length", "tool_calls"} <= finishes
-    samples = reconstruct_batch(responses, profile)
-    mismatched = [
-        r.sample_id
-        for r, s, truth in zip(responses, samples, truths, strict=True)
-        if not isinstance(s, SampleReconstructed) or s.output_ids != truth
-    ]
-    assert mismatched == []
+    samples = reconstruct_batch(responses, profile, CONVENTIONS["vllm"])
+    wrong = [r.sample_id for r, s, truth in zip(responses, samples, truths, strict=True)
+             if isinstance(s, SampleReconstructed) and s.output_ids != truth]
+    refused = [s.reason for s in samples if isinstance(s, DeadLetter)]
+    assert wrong == []
+    assert set(refused) <= REFUSED_UNDER_VLLM, refused
+    exact = sum(isinstance(s, SampleReconstructed) for s in samples)
+    assert exact >= 0.6 * len(samples), (exact, refused)
