@@ -159,8 +159,10 @@ def corpus(dataset: str) -> list[Poison]:
             response, usage={"completion_tokens": 5, "cost": 1e18}), dict.fromkeys(both, "invalid_field")),
         Poison("ids-outside-vocab", "responses", encode(base_response(
             dataset, native_output_ids=[19, 5_000_000, 1])), {"reconstruct": "id_out_of_vocab"}),
+        # A response's profile name is only a default (a configured dataset's profile wins, so a
+        # replay after a fix uses the fix): it decides only for a dataset the config does not name.
         Poison("unknown-profile", "responses", encode(base_response(
-            dataset, profile="no-such-profile")), {"reconstruct": "unknown_profile"}),
+            f"{dataset}-unconfigured", profile="no-such-profile")), {"reconstruct": "unknown_profile"}),
         Poison("tool-json-broken", "responses", encode(base_response(
             dataset, content="", tool_calls=[ToolCall(id="c1", function=ToolFunction(
                 name="get_weather", arguments='{"city": "Par'))], finish_reason="tool_calls",

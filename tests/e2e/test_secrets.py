@@ -50,8 +50,10 @@ topic_prefix = "{prefix}"
 
 [provider]
 kind = "openrouter"
+# The simulator parses like vLLM; OpenRouter's own upstreams are treated as lossy by default.
+convention = "vllm"
 base_url = "http://127.0.0.1:{sim_port}/api/v1"
-model = "deepseek/deepseek-v3"
+model = "qwen/qwen3-8b"
 concurrency = 16
 max_attempts = 2
 backoff_initial_s = 0.05
