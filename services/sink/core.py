@@ -2,8 +2,8 @@
 
 A row is what SpecForge and vLLM's speculators read: ``id``, ``dataset``, ``input_ids``,
 ``loss_mask``, ``prompt_ids``, ``output_ids``, ``conversations`` (role, content,
-reasoning_content, tool_calls: the prompt turns plus the generated assistant turn),
-``tools`` and ``metadata``. No file I/O here: the shell writes the bytes.
+reasoning_content, tool_calls: the prompt turns as the model saw them plus the generated
+assistant turn), ``tools`` (when the request sent them) and ``metadata``. No file I/O here: the shell writes the bytes.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ def _tool_calls(calls: list[ToolCall] | None) -> list[dict[str, Any]] | None:
 
 
 def _turn(m: Message) -> dict[str, Any]:
+    # The request never carries earlier turns' reasoning (schemas.wire_messages): the model did
+    # not see it, so the row does not claim it did (a re-render would add ids input_ids lack).
     turn: dict[str, Any] = {
         "role": m.role,
         "content": m.content,
-        "reasoning_content": m.reasoning_content,
+        "reasoning_content": None,
         "tool_calls": _tool_calls(m.tool_calls),
     }
     if m.tool_call_id is not None:
@@ -63,7 +65,7 @@ def training_row(audited: SampleAudited) -> dict[str, Any]:
         "prompt_ids": list(s.prompt_ids),
         "output_ids": list(s.output_ids),
         "conversations": conversations,
-        "tools": r.prompt.tools,
+        "tools": r.prompt.tools if r.tools_sent else None,  # only what the model saw
         "metadata": {
             "provider": r.provider,
             "upstream_provider": r.upstream_provider,

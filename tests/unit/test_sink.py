@@ -51,13 +51,26 @@ def test_training_row_has_specforge_and_speculators_fields() -> None:
     last = row["conversations"][-1]
     assert last["content"] == "4" and last["reasoning_content"] == "think"
     assert last["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a":2}'}
-    assert row["tools"][0]["function"]["name"] == "add"
+    assert row["tools"] is None  # the v1 payload's request did not send them (tools_sent false)
     meta = row["metadata"]
     assert meta["provider"] == "openrouter" and meta["model"] == "deepseek/deepseek-v3"
     assert meta["usage"]["completion_tokens"] == 3
     assert meta["finish_reason"] == "stop" and meta["reconstruction_method"] == "native"
     assert meta["audit"]["checks"] == {"ends_with_end_of_turn": True}
     json.dumps(row)  # plain JSON all the way down
+
+
+def test_training_row_holds_only_what_the_model_saw() -> None:
+    """Tools the request did not send and earlier reasoning it never carries stay out of the row."""
+    base = audited()
+    messages = [msgspec.structs.replace(m, reasoning_content="never sent") for m in base.sample.response.prompt.messages]
+    prompt = msgspec.structs.replace(base.sample.response.prompt, messages=messages)
+    for sent in (True, False):
+        response = msgspec.structs.replace(base.sample.response, prompt=prompt, tools_sent=sent)
+        row = training_row(msgspec.structs.replace(base, sample=msgspec.structs.replace(base.sample, response=response)))
+        assert (row["tools"] is not None) == sent
+        assert all(t["reasoning_content"] is None for t in row["conversations"][:-1])
+        assert row["conversations"][-1]["reasoning_content"] == "think"
 
 
 def test_pure_helpers() -> None:
