@@ -263,7 +263,9 @@ class Profile:
         if self.tool_format not in TOOL_FORMATS:
             raise ProfileError("invalid_profile", f"profile {self.name}: unknown tool_format {self.tool_format!r}")
         if self.spec.think_location is not None and (self.think_start_id is None or self.think_end_id is None):
-            raise ProfileError("invalid_profile", f"profile {self.name}: a thinking model needs think_start/think_end ids")
+            raise ProfileError(
+                "invalid_profile", f"profile {self.name}: a thinking model needs think_start/think_end ids"
+            )
         for token, expected in self.spec.expected_ids().items():
             found = self.backend.encode(token)
             if found != [expected]:
@@ -502,7 +504,9 @@ QWEN3_SPECIALS: tuple[str, ...] = (
 )  # fmt: skip
 QWEN3_SPECIAL_START = 151643
 # Qwen3's tokenizer_config.json flags these added tokens special=false (TOKENS.md).
-QWEN3_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"})
+QWEN3_NOT_SPECIAL = frozenset(
+    {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+)
 
 _QWEN3 = ProfileSpec(
     name="qwen3",
@@ -821,7 +825,8 @@ def profile_spec(name: str, settings: Settings | None = None) -> ProfileSpec:
     builtin = BUILTIN_SPECS.get(cfg.base if cfg is not None and cfg.base else name)
     if cfg is None:
         if builtin is None:
-            raise ProfileError("unknown_profile", f"unknown profile {name!r}: built in are {', '.join(BUILTIN_PROFILES)}")
+            known = ", ".join(BUILTIN_PROFILES)
+            raise ProfileError("unknown_profile", f"unknown profile {name!r}: built in are {known}")
         return builtin
     return _spec_from_settings(name, cfg, builtin)
 

@@ -82,8 +82,8 @@ def decide(records: Sequence[ConsumerRecord[bytes, bytes]], profiles: ProfileCac
         except SchemaError as exc:
             results[index] = DeadLetter(exc.reason, exc.message)
             continue
-        key = (profiles.profile_name(response), profiles.convention(response))
-        groups.setdefault(key, []).append((index, response))
+        group = (profiles.profile_name(response), profiles.convention(response))
+        groups.setdefault(group, []).append((index, response))
     for (name, convention), members in groups.items():
         profile = profiles.get(name)
         if isinstance(profile, ProfileError):

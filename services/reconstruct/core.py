@@ -147,7 +147,9 @@ class Layout:
     end_of_turn: bool  # the answer finished
 
 
-def output_layout(profile: ReconstructProfile, prompt_text: str, *, reasoning: str, closed: bool, finished: bool) -> Layout:
+def output_layout(
+    profile: ReconstructProfile, prompt_text: str, *, reasoning: str, closed: bool, finished: bool
+) -> Layout:
     """The think tokens an output holds, from the prompt's state and the profile's facts.
 
     A prompt that opens the think block leaves the model inside it (a think-end follows
@@ -403,11 +405,14 @@ def _check_truncated_tail(plan: _Plan, ids: list[int], profile: ReconstructProfi
     """
     completion = plan.response.usage.completion_tokens
     if completion is None:
-        return DeadLetter(LOSS_UNVERIFIABLE, "a truncated answer without a usage count: its last token cannot be checked")
+        return DeadLetter(
+            LOSS_UNVERIFIABLE, "a truncated answer without a usage count: its last token cannot be checked"
+        )
     if len(ids) != completion:
         return DeadLetter(
             TRUNCATED_TAIL_LOST,
-            f"{len(ids)} ids rebuilt, usage.completion_tokens says {completion}: the cut answer's tail is not in the text",
+            f"{len(ids)} ids rebuilt, usage.completion_tokens says {completion}: "
+            "the cut answer's tail is not in the text",
         )
     tail = (plan.output_text or "").encode("utf-8")[-16:]
     prefixes = profile.partial_char_prefixes()

@@ -190,11 +190,13 @@ def matrix() -> dict[tuple[str, str], Cell]:
 
 
 def _print_table(cells: dict[tuple[str, str], Cell]) -> None:
-    header = f"{'model':<22}{'server':<14}{'cases':>6}{'lossless':>9}{'accepted':>9}{'exact':>6}{'wrong':>6}  dead letters"
+    columns = f"{'cases':>6}{'lossless':>9}{'accepted':>9}{'exact':>6}{'wrong':>6}"
+    header = f"{'model':<22}{'server':<14}{columns}  dead letters"
     print("\nconformance matrix (truth: official templates + real tokenizers)\n" + header)
     for (model, server), c in cells.items():
         reasons = ", ".join(f"{r} {n}" for r, n in c.reasons.most_common())
-        print(f"{model:<22}{server:<14}{c.cases:>6}{c.lossless:>9}{c.accepted:>9}{c.exact:>6}{len(c.wrong):>6}  {reasons}")
+        counts = f"{c.cases:>6}{c.lossless:>9}{c.accepted:>9}{c.exact:>6}{len(c.wrong):>6}"
+        print(f"{model:<22}{server:<14}{counts}  {reasons}")
     total = sum(c.cases for c in cells.values())
     accepted = sum(c.accepted for c in cells.values())
     wrong = sum(len(c.wrong) for c in cells.values())

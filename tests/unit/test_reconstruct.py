@@ -265,8 +265,8 @@ def test_a_cut_answer_whose_last_token_may_hold_part_of_a_character_is_refused()
 
 # -- structured tool calls ---------------------------------------------------------------
 
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "calculator",
-                                           "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
+CALC_PARAMETERS = {"type": "object", "properties": {"expr": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "calculator", "parameters": CALC_PARAMETERS}}]
 R1_CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n{"expr": "6*7"}\n```'
            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 

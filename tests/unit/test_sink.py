@@ -63,11 +63,13 @@ def test_training_row_has_specforge_and_speculators_fields() -> None:
 def test_training_row_holds_only_what_the_model_saw() -> None:
     """Tools the request did not send and earlier reasoning it never carries stay out of the row."""
     base = audited()
-    messages = [msgspec.structs.replace(m, reasoning_content="never sent") for m in base.sample.response.prompt.messages]
+    sent_messages = base.sample.response.prompt.messages
+    messages = [msgspec.structs.replace(m, reasoning_content="never sent") for m in sent_messages]
     prompt = msgspec.structs.replace(base.sample.response.prompt, messages=messages)
     for sent in (True, False):
         response = msgspec.structs.replace(base.sample.response, prompt=prompt, tools_sent=sent)
-        row = training_row(msgspec.structs.replace(base, sample=msgspec.structs.replace(base.sample, response=response)))
+        sample = msgspec.structs.replace(base.sample, response=response)
+        row = training_row(msgspec.structs.replace(base, sample=sample))
         assert (row["tools"] is not None) == sent
         assert all(t["reasoning_content"] is None for t in row["conversations"][:-1])
         assert row["conversations"][-1]["reasoning_content"] == "think"
