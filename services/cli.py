@@ -10,17 +10,65 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from services.common.config import ConfigError, Settings, load_settings
+from services.common.errors import CommandError
 
 if TYPE_CHECKING:
     from services.common.broker import BrokerStatus
+
+# The bootstrap servers of the settings this command loaded, so a Kafka error can say
+# which broker did not answer (one command per process, or per CliRunner call).
+_bootstrap: list[str | None] = [None]
+
+
+class _OneLineErrors(TyperGroup):
+    """The root command: errors a person can act on become one line on stderr and exit 2.
+
+    Every command runs inside :meth:`invoke`, so configuration errors, a broker that does
+    not answer, a port in use or a locked directory never reach the user as a traceback,
+    whichever command (or service) hit them. Anything else is a bug and keeps its traceback.
+    """
+
+    def invoke(self, ctx: Any) -> Any:  # typer vendors click: its Context type is private
+        """Run the command; translate the errors a user can act on."""
+        try:
+            return super().invoke(ctx)
+        except (CommandError, ConfigError) as exc:
+            fail(str(exc))
+        except Exception as exc:
+            if not _is_kafka_error(exc):
+                raise
+            fail(_kafka_error_line(exc, _bootstrap[0]))
+
+
+def _is_kafka_error(exc: BaseException) -> bool:
+    # aiokafka is imported lazily by the commands; if it is not loaded, this is not its error.
+    errors = sys.modules.get("aiokafka.errors")
+    return errors is not None and isinstance(exc, errors.KafkaError)
+
+
+def _kafka_error_line(exc: BaseException, bootstrap: str | None) -> str:
+    """One line for a Kafka client error: where, what, and what to do when unreachable."""
+    where = f" at {bootstrap}" if bootstrap else ""
+    errors = sys.modules["aiokafka.errors"]
+    if isinstance(exc, errors.KafkaConnectionError | errors.KafkaTimeoutError):
+        return (
+            f"cannot reach Kafka{where}: start a local broker with `draftstream broker start`, or point "
+            "KAFKA_BOOTSTRAP_SERVERS (or [kafka] bootstrap_servers) at a running one"
+        )
+    detail = str(exc).splitlines()[0] if str(exc) else ""
+    return f"Kafka error{where}: {type(exc).__name__}{': ' + detail if detail else ''}"
+
 
 app = typer.Typer(
     name="draftstream",
@@ -28,6 +76,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=_OneLineErrors,
 )
 run_app = typer.Typer(help="Run one long-lived service.", no_args_is_help=True)
 app.add_typer(run_app, name="run")
@@ -50,15 +99,40 @@ ConfigOption = Annotated[
 def settings_from(config: Path | None) -> Settings:
     """Load settings or exit with a one-line error."""
     try:
-        return load_settings(config)
+        settings = load_settings(config)
     except ConfigError as exc:
         fail(str(exc))
+    _bootstrap[0] = settings.kafka.bootstrap_servers
+    return settings
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Print one clear error line and exit non-zero."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print one clear error line (the message verbatim: no Rich markup) and exit non-zero."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"draftstream {version('draftstream')}")
+        except PackageNotFoundError:
+            print("draftstream (not installed: version unknown)")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit", is_eager=True, callback=_version)
+    ] = False,
+) -> None:
+    """Token-exact training data for speculative-decoding drafters, streamed through Kafka."""
+    # Until a service sets logging up, aiokafka's connection errors would reach stderr
+    # through logging's last-resort handler, next to the one line the command prints.
+    logging.getLogger("aiokafka").addHandler(logging.NullHandler())
 
 
 def _describe(status: BrokerStatus) -> str:
@@ -75,9 +149,13 @@ def broker_start(
     from services.common import broker
 
     try:
-        print(_describe(broker.start(port=port)))
+        status = broker.start(port=port)
     except broker.BrokerError as exc:
         fail(str(exc), 1)
+    print(_describe(status))
+    if status.bootstrap:
+        print("to use it from draftstream commands in other shells:")
+        print(f"export KAFKA_BOOTSTRAP_SERVERS={status.bootstrap}")
 
 
 @broker_app.command("stop")
@@ -146,6 +224,7 @@ _CONTRIBUTORS = (
     "services.sink.cli",
     "services.budget.cli",
     "services.publish.cli",
+    "services.estimate.cli",
     "services.dlq.cli",
     "services.status.cli",
     "services.demo.cli",

@@ -7,10 +7,12 @@ from typing import Annotated
 
 import typer
 
+from services.common.logs import LogLevelOption
+
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")]
 
 
-def run_audit(config: ConfigOpt = None) -> None:
+def run_audit(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Audit samples: passing ones to accepted, failing ones to dead-letter with every reason."""
     import asyncio
 
@@ -20,7 +22,7 @@ def run_audit(config: ConfigOpt = None) -> None:
     from services.common.service import run_service
 
     settings = settings_from(config)
-    setup_logging(settings)
+    setup_logging(settings, log_level)
     asyncio.run(run_service(lambda: create_app(settings), name="audit", metrics_port=settings.metrics.audit_port,
                             metrics_host=settings.metrics.host))
 

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from services.common.logs import LogLevelOption
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -207,7 +209,7 @@ def budget_command(config: ConfigOption = None) -> None:
     Console(width=200).print(budget_table(snapshots, control, settings))
 
 
-def run_budget(config: ConfigOption = None) -> None:
+def run_budget(config: ConfigOption = None, log_level: LogLevelOption = None) -> None:
     """Run the budget service: count spend, halt scopes over their caps."""
     import asyncio
 
@@ -217,7 +219,7 @@ def run_budget(config: ConfigOption = None) -> None:
     from services.common.service import run_service
 
     settings = settings_from(config)
-    setup_logging(settings)
+    setup_logging(settings, log_level)
     asyncio.run(
         run_service(
             lambda: create_app(settings),

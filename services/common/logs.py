@@ -5,10 +5,23 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable
+from typing import Annotated
 
-from services.common.config import Settings
+import typer
+
+from services.common.config import Settings, check_log_level
 
 REDACTED = "**********"
+
+LogLevelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--log-level",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: the log_level setting, INFO)",
+        show_default=False,
+    ),
+]
+"""The ``--log-level`` option every service command takes (validated by :func:`setup_logging`)."""
 
 
 class RedactingFilter(logging.Filter):
@@ -43,13 +56,18 @@ def secrets_of(settings: Settings) -> list[str]:
     return found
 
 
-def setup_logging(settings: Settings, level: str = "INFO") -> None:
-    """Log to stderr with timestamps, every secret redacted."""
+def setup_logging(settings: Settings, level: str | None = None) -> None:
+    """Log to stderr with timestamps, every secret redacted.
+
+    ``level`` (e.g. from ``--log-level``) wins over the ``log_level`` setting; an unknown
+    name raises :class:`ConfigError` before anything is changed.
+    """
+    resolved = check_log_level(level if level is not None else settings.log_level)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(RedactingFilter(secrets_of(settings)))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level)
+    root.setLevel(resolved)
     for noisy in ("aiokafka", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -11,20 +11,21 @@ command twice never does.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aiokafka import ConsumerRecord, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka import ConsumerRecord
+from aiokafka.admin import NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from schemas import DEAD_LETTER_TOPIC
 from services.common.config import KafkaSettings, Settings
-from services.common.kafka import Outgoing, make_admin, make_consumer, make_producer, publish_all
+from services.common.errors import CommandError
+from services.common.kafka import Outgoing, make_admin, make_producer, publish_all
 from services.common.metrics import REPLAYS
+from services.common.reading import read_to_end, topic_partitions
 from services.dlq.core import (
     DEFAULT_MAX_REPLAYS,
     REPLAYED_TOPIC,
@@ -34,73 +35,9 @@ from services.dlq.core import (
     plan_replay,
 )
 
-_READ_DEADLINE_S = 120.0
 
-
-class DlqError(Exception):
+class DlqError(CommandError):
     """The dead-letter tool cannot do what was asked; the message is one line."""
-
-
-async def topic_partitions(admin: AIOKafkaAdminClient, topics: Sequence[str]) -> dict[str, list[int]]:
-    """Partition numbers of each topic that exists (missing topics are left out)."""
-    if not topics:
-        return {}
-    described = await admin.describe_topics(list(topics))
-    return {
-        d["topic"]: sorted(p["partition"] for p in d["partitions"])
-        for d in described
-        if d.get("error_code", 0) == 0
-    }
-
-
-async def read_to_end(
-    kafka: KafkaSettings,
-    topic: str,
-    handle: Callable[[ConsumerRecord[bytes, bytes]], None],
-    *,
-    deadline_s: float = _READ_DEADLINE_S,
-) -> bool:
-    """Feed every record of ``topic`` present now to ``handle``; False if the topic is missing.
-
-    Manual assignment, no consumer group, nothing committed: a read-only snapshot.
-    """
-    admin = make_admin(kafka)
-    await admin.start()
-    try:
-        if topic not in set(await admin.list_topics()):
-            return False
-        partitions = (await topic_partitions(admin, [topic])).get(topic, [])
-    finally:
-        await admin.close()
-    tps = [TopicPartition(topic, p) for p in partitions]
-    if not tps:
-        return True
-    consumer = make_consumer(kafka, group_id=None)
-    await consumer.start()
-    try:
-        consumer.assign(tps)
-        end = await consumer.end_offsets(tps)
-        start = await consumer.beginning_offsets(tps)
-        todo = {tp for tp in tps if end[tp] > start[tp]}
-        if not todo:
-            return True
-        await consumer.seek_to_beginning(*todo)
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + deadline_s
-        while todo:
-            if loop.time() > give_up:
-                raise DlqError(f"could not read {topic} to its end within {deadline_s:.0f}s")
-            batches = await consumer.getmany(*todo, timeout_ms=500, max_records=1000)
-            for tp, records in batches.items():
-                for record in records:
-                    if record.offset < end[tp]:
-                        handle(record)
-            for tp in list(todo):
-                if await consumer.position(tp) >= end[tp]:
-                    todo.discard(tp)
-        return True
-    finally:
-        await consumer.stop()
 
 
 def to_dead_letter(record: ConsumerRecord[bytes, bytes]) -> DeadLetterRecord:

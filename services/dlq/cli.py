@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 if TYPE_CHECKING:
     from services.dlq.core import Filters
@@ -94,8 +95,12 @@ def dlq_list(
     table.add_column("datasets")
     table.add_column("example key", overflow="fold")
     for group in groups:
-        table.add_row(
-            group.stage, group.reason, str(group.count), ", ".join(group.datasets), group.example_key
+        table.add_row(  # dead-letter text is data: shown verbatim, never read as Rich markup
+            escape(group.stage),
+            escape(group.reason),
+            str(group.count),
+            escape(", ".join(group.datasets)),
+            escape(group.example_key),
         )
     Console().print(table)
 
@@ -129,13 +134,13 @@ def dlq_show(
         grid = Table.grid(padding=(0, 1))
         grid.add_column(style="bold")
         grid.add_column(overflow="fold")
-        grid.add_row("key", record.key_text)
+        grid.add_row("key", escape(record.key_text))
         grid.add_row("failed at", format_ms(record.failed_at_ms))
         for name, value in record.headers:
-            grid.add_row(name, value.decode("utf-8", "replace"))
-        grid.add_row("value", preview(record.value, preview_chars))
+            grid.add_row(escape(name), escape(value.decode("utf-8", "replace")))
+        grid.add_row("value", escape(preview(record.value, preview_chars)))
         console.print(
-            Panel(grid, title=f"{record.id}  {record.stage}/{record.reason}", title_align="left"),
+            Panel(grid, title=escape(f"{record.id}  {record.stage}/{record.reason}"), title_align="left"),
             soft_wrap=False,
         )
     shown = min(limit, len(records))
@@ -189,9 +194,9 @@ def dlq_replay(
     for p in report.replayed:
         table.add_row(
             p.record.id,
-            p.record.key_text,
-            f"{p.record.stage}/{p.record.reason}",
-            p.topic,
+            escape(p.record.key_text),
+            escape(f"{p.record.stage}/{p.record.reason}"),
+            escape(p.topic),
             str(p.record.replay_count + 1),
         )
     console.print(table)
@@ -199,22 +204,23 @@ def dlq_replay(
         console.print(f"skipped {len(report.already_replayed)} already replayed record(s)")
     for record in report.over_max_replays:
         console.print(
-            f"[yellow]refused[/] {record.id} {record.key_text}: replayed {record.replay_count} time(s) "
+            f"[yellow]refused[/] {record.id} {escape(record.key_text)}: replayed {record.replay_count} time(s) "
             f"(--max-replays {max_replays})",
             highlight=False,
         )
     for record, topic in report.missing_topic:
         console.print(
-            f"[yellow]skipped[/] {record.id} {record.key_text}: topic {topic} does not exist", highlight=False
+            f"[yellow]skipped[/] {record.id} {escape(record.key_text)}: topic {escape(topic)} does not exist",
+            highlight=False,
         )
     for record in report.wrong_kind:
         console.print(
-            f"[yellow]skipped[/] {record.id} {record.key_text}: value holds nothing the {to} stage reads",
+            f"[yellow]skipped[/] {record.id} {escape(record.key_text)}: value holds nothing the {to} stage reads",
             highlight=False,
         )
     for record in report.no_target:
         console.print(
-            f"[yellow]skipped[/] {record.id} {record.key_text}: "
+            f"[yellow]skipped[/] {record.id} {escape(record.key_text)}: "
             "no target topic (no original topic or dataset)",
             highlight=False,
         )

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from services.estimate.core import EstimateReport
     from services.publish.app import PublishReport
 
 _MAX_LISTED = 20
@@ -17,7 +19,7 @@ _MAX_LISTED = 20
 
 def _print_rejections(console: Console, report: PublishReport) -> None:
     for rejection in report.rejections[:_MAX_LISTED]:
-        console.print(f"[yellow]skipped[/] {rejection}", highlight=False, soft_wrap=True, markup=True)
+        console.print(f"[yellow]skipped[/] {escape(str(rejection))}", highlight=False, soft_wrap=True)
     extra = len(report.rejections) - _MAX_LISTED
     if extra > 0:
         console.print(f"[yellow]... and {extra} more bad row(s)[/]")
@@ -29,13 +31,33 @@ def _summary(report: PublishReport) -> object:
     table = Table(title=f"publish {report.dataset} → {report.topic}", show_lines=False)
     table.add_column("outcome")
     table.add_column("rows", justify="right")
+    if report.topic_checked:
+        table.add_row("already on the topic", str(report.already_present))
     if report.dry_run:
-        table.add_row("would publish", str(report.valid))
+        table.add_row("would send", str(report.to_send))
     else:
-        table.add_row("published", str(report.published))
+        table.add_row("sent", str(report.published))
     for reason, count in sorted(report.skipped.items()):
         table.add_row(f"skipped: {reason}", str(count))
     return table
+
+
+def summary_line(report: PublishReport) -> str:
+    """The last line of ``publish``: what was already there, what was sent, what was skipped."""
+    skipped = sum(report.skipped.values())
+    if report.dry_run:
+        sent = f"{report.to_send} would be sent to {report.topic}"
+    else:
+        sent = f"{report.published} sent to {report.topic}"
+    if report.topic_checked:
+        already = f"{report.already_present} already on the topic, "
+    elif report.forced:
+        already = "every row sent again (--force): "
+    elif report.valid and report.dry_run:
+        already = "topic not checked (broker unreachable), "
+    else:
+        already = ""
+    return f"{already}{sent}, skipped {skipped}"
 
 
 def publish_command(
@@ -48,10 +70,19 @@ def publish_command(
         str | None, typer.Option("--tools-field", help="Row field holding tool definitions (default: tools)")
     ] = None,
     strict: Annotated[bool, typer.Option(help="Any bad row aborts the run; nothing is published")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and count; publish nothing")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate, count and estimate the cost; publish nothing")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Send every row, even those already on the topic")
+    ] = False,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
 ) -> None:
-    """Publish dataset files as prompts: normalise, give stable ids, skip bad rows."""
+    """Publish dataset files as prompts: normalise, give stable ids, skip bad rows and rows already sent.
+
+    Ctrl-C stops at once and says how many rows were sent (exit 130); the same command
+    again sends only the rest. Exits 1 when no row is usable.
+    """
     import asyncio
 
     from rich.console import Console
@@ -67,7 +98,9 @@ def publish_command(
     )
 
     from services.cli import fail, settings_from
-    from services.publish.app import PublishError, publish
+    from services.estimate.app import Estimator, read_observed, report_for
+    from services.estimate.cli import print_estimate
+    from services.publish.app import PublishError, PublishInterrupted, publish
 
     settings = settings_from(config)
     console = Console()
@@ -82,49 +115,73 @@ def publish_command(
         TimeRemainingColumn(),
     )
 
+    class _Sink:
+        task: TaskID | None = None
+        sent = 0
+
+        def start(self, total: int) -> None:
+            self.task = bar.add_task(f"publishing {escape(dataset)}", total=total, rate="")
+
+        def advance(self, n: int) -> None:
+            self.sent += n
+            if self.task is None:
+                return
+            bar.advance(self.task, n)
+            speed = bar.tasks[self.task].speed
+            bar.update(self.task, rate=f"{speed:,.0f}/s" if speed else "")
+
+    async def run() -> tuple[PublishReport, EstimateReport | None]:
+        if not dry_run:
+            report = await publish(
+                settings, paths, dataset=dataset, fmt=fmt, limit=limit, system=system, tools_field=tools_field,
+                strict=strict, force=force, progress=sink,
+            )  # fmt: skip
+            return report, None
+        # A dry run also prices what it would send: the profile loads first (a bad one fails here).
+        spent = await read_observed(settings)
+        estimator = Estimator(settings, dataset, (spent or {}).get(dataset))
+        report = await publish(
+            settings, paths, dataset=dataset, fmt=fmt, limit=limit, system=system, tools_field=tools_field,
+            strict=strict, dry_run=True, force=force, examine=estimator.add,
+        )  # fmt: skip
+        return report, report_for(settings, [estimator.flush()], spent)
+
+    sink = _Sink()
     with Progress(*columns, console=console, transient=False) as bar:
-
-        class _Sink:
-            task: TaskID | None = None
-
-            def start(self, total: int) -> None:
-                self.task = bar.add_task(f"publishing {dataset}", total=total, rate="")
-
-            def advance(self, n: int) -> None:
-                if self.task is None:
-                    return
-                bar.advance(self.task, n)
-                speed = bar.tasks[self.task].speed
-                bar.update(self.task, rate=f"{speed:,.0f}/s" if speed else "")
-
         try:
-            report = asyncio.run(
-                publish(
-                    settings,
-                    paths,
-                    dataset=dataset,
-                    fmt=fmt,
-                    limit=limit,
-                    system=system,
-                    tools_field=tools_field,
-                    strict=strict,
-                    dry_run=dry_run,
-                    progress=_Sink(),
-                )
-            )
+            report, estimate = asyncio.run(run())
         except PublishError as exc:
             bar.stop()
             if exc.report is not None:
                 _print_rejections(console, exc.report)
             fail(str(exc))
+        except PublishInterrupted as exc:
+            bar.stop()
+            done = exc.report
+            left = max(done.to_send - done.published, 0) if done.to_send else "the rest"
+            console.print(
+                f"interrupted: {done.published} prompt(s) sent to {escape(done.topic)}, {left} not sent; "
+                "run the same command again to send only what is missing",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(130) from None
+        except KeyboardInterrupt:  # a second Ctrl-C while the producer was flushing
+            bar.stop()
+            console.print(
+                f"interrupted twice: at least {sink.sent} prompt(s) were sent, more may have been; "
+                "run the same command again to send only what is missing",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(130) from None
     _print_rejections(console, report)
     console.print(_summary(report))
-    skipped = sum(report.skipped.values())
-    verb = "would publish" if report.dry_run else "published"
-    count = report.valid if report.dry_run else report.published
-    console.print(
-        f"{verb} {count} prompt(s) to {report.topic}, skipped {skipped}", highlight=False, soft_wrap=True
-    )
+    if estimate is not None and report.to_send:
+        print_estimate(console, settings, estimate)
+    console.print(escape(summary_line(report)), highlight=False, soft_wrap=True)
+    if report.valid == 0:
+        fail(f"no usable prompt in {len(paths)} file(s): {len(report.rejections)} bad row(s)", 1)
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

@@ -7,10 +7,12 @@ from typing import Annotated
 
 import typer
 
+from services.common.logs import LogLevelOption
+
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")]
 
 
-def run_reconstruct(config: ConfigOpt = None) -> None:
+def run_reconstruct(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Rebuild token ids: responses in, samples (or dead letters) out."""
     import asyncio
 
@@ -20,7 +22,7 @@ def run_reconstruct(config: ConfigOpt = None) -> None:
     from services.reconstruct.app import create_app
 
     settings = settings_from(config)
-    setup_logging(settings)
+    setup_logging(settings, log_level)
     asyncio.run(
         run_service(
             lambda: create_app(settings),

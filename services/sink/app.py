@@ -18,8 +18,10 @@ renamed, so they are never torn; leftover temporary files are removed at start.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from aiokafka import AIOKafkaProducer, ConsumerRecord
 
 from schemas import ACCEPTED_TOPIC, SampleAudited, SchemaError, decode
 from services.common.config import Settings
+from services.common.errors import DirectoryLocked
 from services.common.kafka import DeadLetter
 from services.common.metrics import SINK_BYTES, SINK_DUPLICATES, SINK_FILES, SINK_ROWS
 from services.common.stage import Result, StageRunner
@@ -57,6 +60,46 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+LOCK_FILE = ".draftstream-sink.lock"
+
+
+class OutputLock:
+    """An exclusive lock on a sink's output folder, held while the sink runs.
+
+    Two sinks writing one folder would number their parts alike and each rebuild its key
+    index without the other's rows. ``fcntl.flock`` is released by the kernel when the
+    holder dies, so a crashed sink never leaves a stale lock; the file names the holder.
+    """
+
+    def __init__(self, out_dir: str | Path) -> None:
+        """Point at the folder to lock (created when missing)."""
+        self.path = Path(out_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`DirectoryLocked` naming the running holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "an unknown process"
+            os.close(fd)
+            raise DirectoryLocked(
+                f"sink output folder {self.path.parent} is in use by another sink ({holder}); "
+                "give each sink its own --out (or [sink] out_dir)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Give the lock up (closing the file releases it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class ShardWriter:
@@ -245,6 +288,7 @@ class SinkService:
             fmt=settings.sink.format,
             rotate_bytes=settings.sink.rotate_bytes,
         )
+        self.lock = OutputLock(self.writer.out_dir)
         self.scan_report: ScanReport | None = None
         self.runner = StageRunner(
             settings=settings,
@@ -282,7 +326,8 @@ class SinkService:
         return results
 
     async def start(self) -> None:
-        """Rebuild the key index, then connect to Kafka."""
+        """Lock the output folder, rebuild the key index, then connect to Kafka."""
+        self.lock.acquire()
         self.scan_report = self.writer.scan()
         log.info("sink: %d key(s) in %d existing part(s)", self.scan_report.keys, self.scan_report.parts)
         await self.runner.start()
@@ -296,9 +341,12 @@ class SinkService:
         self.runner.stop()
 
     async def close(self) -> None:
-        """Close the parts and the Kafka clients."""
-        self.writer.close()
-        await self.runner.close()
+        """Close the parts and the Kafka clients, then release the folder."""
+        try:
+            self.writer.close()
+            await self.runner.close()
+        finally:
+            self.lock.release()
 
 
 def create_app(

@@ -7,12 +7,15 @@ from typing import Annotated
 
 import typer
 
+from services.common.logs import LogLevelOption
+
 
 def run_sink(
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Output folder (default: [sink] out_dir)")
     ] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
+    log_level: LogLevelOption = None,
 ) -> None:
     """Write accepted samples to DIR/<dataset>/part-NNNNN.jsonl, each key once, fsynced before commit."""
     import asyncio
@@ -23,7 +26,7 @@ def run_sink(
     from services.sink.app import create_app
 
     settings = settings_from(config)
-    setup_logging(settings)
+    setup_logging(settings, log_level)
     asyncio.run(run_service(lambda: create_app(settings, out_dir=out), name="sink",
                             metrics_port=settings.metrics.sink_port, metrics_host=settings.metrics.host))
 

@@ -18,11 +18,10 @@ def status_command(
     """Show the budget table, records per stage, consumer lag and dead letters by reason."""
     import asyncio
 
-    from aiokafka.errors import KafkaConnectionError
     from rich.console import Console
     from rich.live import Live
 
-    from services.cli import fail, settings_from
+    from services.cli import settings_from
     from services.status.app import collect
     from services.status.core import StatusSnapshot, render
 
@@ -30,10 +29,8 @@ def status_command(
     console = Console()
 
     async def once() -> StatusSnapshot:
-        try:
-            return await collect(settings)
-        except KafkaConnectionError:
-            fail(f"cannot reach Kafka at {settings.kafka.bootstrap_servers}")
+        # A broker that does not answer is one line on stderr (the root command's error printer).
+        return await collect(settings)
 
     async def loop() -> None:
         previous = await once()

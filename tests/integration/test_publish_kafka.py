@@ -1,7 +1,16 @@
-"""Publishing to a real broker: the right records, stable keys, and a re-publish adds no new keys."""
+"""Publishing to a real broker: the right records, stable keys, a re-publish sends only what is
+missing, and an interrupted publish is resumed by running it again."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -9,11 +18,13 @@ import pytest
 from typer.testing import CliRunner
 
 from schemas import PromptPublished, decode, sample_key
+from services.common.reading import read_keys
 from services.dlq.app import read_to_end
-from services.publish.app import publish
+from services.publish.app import PublishInterrupted, publish
 
 pytestmark = pytest.mark.kafka
 
+ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
 FILES = [
     DATA / "glaive_tools.jsonl",
@@ -45,7 +56,10 @@ async def test_publish_writes_normalised_prompts_with_stable_keys(settings_facto
     assert all(p.dataset == "mix" for p in prompts.values())
 
     again = await publish(settings, FILES, dataset="mix")
-    assert again.published == 8
+    assert (again.already_present, again.to_send, again.published) == (8, 0, 0)  # nothing sent twice
+    assert len(await read_topic(settings, topic)) == 8
+    forced = await publish(settings, FILES, dataset="mix", force=True)
+    assert forced.published == 8 and forced.already_present == 0 and not forced.topic_checked
     both = await read_topic(settings, topic)
     assert len(both) == 16
     per_key = Counter(r.key for r in both)
@@ -98,7 +112,127 @@ def test_cli_publish_summary(settings_factory, tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "bad_rows.jsonl:3: no_user_turn" in result.output
-    assert "published" in result.output and "skipped: oversize" in result.output
+    assert "sent" in result.output and "skipped: oversize" in result.output
     assert result.output.splitlines()[-1] == (
-        f"published 3 prompt(s) to {settings.kafka.topic_prefix}prompts.cli, skipped 7"
+        f"0 already on the topic, 3 sent to {settings.kafka.topic_prefix}prompts.cli, skipped 7"
     )
+    again = CliRunner().invoke(
+        app,
+        ["publish", str(DATA / "bad_rows.jsonl"), str(DATA / "alpaca.jsonl"), "-d", "cli", "-c", str(config)],
+    )
+    assert again.exit_code == 0, again.output
+    assert again.output.splitlines()[-1] == (
+        f"3 already on the topic, 0 sent to {settings.kafka.topic_prefix}prompts.cli, skipped 7"
+    )
+
+
+def big_file(path: Path, rows: int) -> Path:
+    with path.open("w") as fh:
+        for i in range(rows):
+            fh.write(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"What is {i} squared?"}]}))
+            fh.write("\n")
+    return path
+
+
+async def test_cancelled_publish_counts_exactly_what_is_on_the_topic_and_resumes(
+    settings_factory, tmp_path: Path
+) -> None:
+    settings = settings_factory()
+    path = big_file(tmp_path / "big.jsonl", 6000)
+    topic = settings.kafka.prompts_topic("big")
+
+    class CancelAfterFirstAcks:
+        task: asyncio.Task[object] | None = None
+
+        def start(self, total: int) -> None:
+            assert total == 6000
+
+        def advance(self, n: int) -> None:
+            if n and self.task is not None:
+                self.task.cancel()  # as Ctrl-C does through asyncio.run
+
+    sink = CancelAfterFirstAcks()
+    sink.task = asyncio.create_task(publish(settings, [path], dataset="big", progress=sink))
+    with pytest.raises(PublishInterrupted) as info:
+        await sink.task
+    first = info.value.report
+    assert first.interrupted and 0 < first.published < 6000
+    on_topic = await read_keys(settings.kafka, topic)
+    assert len(on_topic) == first.published  # the count printed is what the topic holds
+
+    second = await publish(settings, [path], dataset="big")
+    assert (second.already_present, second.published) == (first.published, 6000 - first.published)
+    records = await read_topic(settings, topic)
+    assert len(records) == 6000 and len({r.key for r in records}) == 6000  # none sent twice
+
+    third = await publish(settings, [path], dataset="big")
+    assert (third.already_present, third.published) == (6000, 0)
+    dry = await publish(settings, [path], dataset="big", dry_run=True)
+    assert dry.topic_checked and (dry.already_present, dry.to_send, dry.published) == (6000, 0, 0)
+
+
+def test_ctrl_c_on_the_cli_reports_the_rows_sent_and_a_rerun_sends_the_rest(settings_factory, tmp_path: Path) -> None:
+    """SIGINT to a real ``draftstream publish`` process mid-send: exit 130, the count printed is
+    the count on the topic, and the same command again sends exactly the rest."""
+    settings = settings_factory()
+    rows = 150_000
+    path = big_file(tmp_path / "big.jsonl", rows)
+    topic = settings.kafka.prompts_topic("sigint")
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
+        "DRAFTSTREAM_KAFKA__TOPIC_PREFIX": settings.kafka.topic_prefix,
+    }
+    command = [sys.executable, "-m", "services.cli", "publish", str(path), "-d", "sigint"]
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while topic_size(settings, topic) < 1000:  # sending has started
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "publish never started sending"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, output
+    match = re.search(r"interrupted: (\d+) prompt\(s\) sent to (\S+), (\d+) not sent", output)
+    assert match, output
+    sent = int(match.group(1))
+    assert 0 < sent < rows and int(match.group(3)) == rows - sent and match.group(2) == topic
+    assert "Traceback" not in output
+    assert len(asyncio.run(read_keys(settings.kafka, topic))) == sent
+
+    again = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.splitlines()[-1] == f"{sent} already on the topic, {rows - sent} sent to {topic}, skipped 0"
+    assert len(asyncio.run(read_keys(settings.kafka, topic))) == rows
+
+
+def topic_size(settings, topic: str) -> int:
+    """Records on ``topic`` now (sum of its partitions' end offsets; 0 before it exists)."""
+
+    async def size() -> int:
+        from aiokafka import TopicPartition
+
+        from services.common.kafka import make_admin, make_consumer
+        from services.common.reading import topic_partitions
+
+        admin = make_admin(settings.kafka)
+        await admin.start()
+        try:
+            parts = (await topic_partitions(admin, [topic])).get(topic, [])
+        finally:
+            await admin.close()
+        if not parts:
+            return 0
+        consumer = make_consumer(settings.kafka, group_id=None)
+        await consumer.start()
+        try:
+            return sum((await consumer.end_offsets([TopicPartition(topic, p) for p in parts])).values())
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(size())

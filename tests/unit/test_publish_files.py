@@ -124,7 +124,7 @@ def test_cli_errors_are_one_line_and_non_zero(tmp_path: Path) -> None:
     assert strict.exit_code == 2 and "bad_rows.jsonl:2: invalid_json" in strict.output
     dry = runner.invoke(app, ["publish", str(DATA / "sharegpt_chat.json"), "-d", "demo", "--dry-run"])
     assert dry.exit_code == 0, dry.output
-    assert "would publish" in dry.output
+    assert "would be sent" in dry.output and "cost estimate" in dry.output
 
 
 def test_bundled_demo_datasets_publish_cleanly(settings_factory) -> None:
