@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
+from services.common.config import Settings
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -60,6 +62,18 @@ def summary_line(report: PublishReport) -> str:
     return f"{already}{sent}, skipped {skipped}"
 
 
+def _preflight_profile(settings: Settings, dataset: str) -> None:
+    """Refuse to publish prompts whose answers could never be rebuilt: the profile must load and verify."""
+    from services.cli import fail
+    from services.profiles import ProfileError, load_profile
+
+    name = settings.dataset(dataset).profile
+    try:
+        load_profile(name, settings)
+    except ProfileError as exc:
+        fail(f"dataset {dataset}: profile {name!r} cannot be used ({exc.reason}): {exc.message}; nothing was published")
+
+
 def publish_command(
     paths: Annotated[list[Path], typer.Argument(help="JSONL, JSON array or Parquet files")],
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Dataset name (topic prompts.<name>)")],
@@ -103,6 +117,7 @@ def publish_command(
     from services.publish.app import PublishError, PublishInterrupted, publish
 
     settings = settings_from(config)
+    _preflight_profile(settings, dataset)
     console = Console()
     columns = (
         TextColumn("[bold]{task.description}"),

@@ -194,3 +194,16 @@ def test_publish_dry_run_without_a_broker_estimates_and_says_the_topic_was_not_c
     assert result.stdout.splitlines()[-1] == (
         "topic not checked (broker unreachable), 100 would be sent to prompts.math, skipped 0"
     )
+
+
+def test_publish_refuses_a_dataset_whose_profile_cannot_load(tmp_path: Path) -> None:
+    """Pre-flight: no prompt is published for answers that could never be rebuilt (and paid for)."""
+    config = tmp_path / "draftstream.toml"
+    config.write_text('[kafka]\nbootstrap_servers = "127.0.0.1:1"\n[datasets.math]\nprofile = "no-such-model"\n',
+                      encoding="utf-8")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n', encoding="utf-8")
+    result = CliRunner().invoke(app, ["publish", str(rows), "-d", "math", "-c", str(config)])
+    assert result.exit_code == 2
+    assert "profile 'no-such-model' cannot be used (unknown_profile)" in result.output
+    assert "nothing was published" in result.output
