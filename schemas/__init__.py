@@ -26,6 +26,7 @@ __all__ = [
     "PROMPTS_TOPIC_PREFIX",
     "REQUESTS_TOPIC",
     "RESPONSES_TOPIC",
+    "RESPONSE_STORE_TOPIC",
     "SAMPLES_TOPIC",
     "SCHEMA_VERSION",
     "BudgetSnapshot",
@@ -64,6 +65,9 @@ ACCEPTED_TOPIC: Final = "accepted"
 DEAD_LETTER_TOPIC: Final = "dead-letter"
 CONTROL_TOPIC: Final = "control"
 BUDGET_STATE_TOPIC: Final = "budget-state"
+# Compacted: the paid response per exact request (``<dataset>:<sample_id>|<request hash>``),
+# so a prompt seen again is answered from here instead of being paid for twice.
+RESPONSE_STORE_TOPIC: Final = "response-store"
 GLOBAL_SCOPE: Final = "global"
 
 # Bounds that make absurd numbers a decode error instead of a silent corruption.
@@ -195,6 +199,12 @@ class ResponseReceived(Struct, kw_only=True):
     # Simulator-only ground truth for tests; no stage ever relies on it.
     debug_true_ids: list[int] | None = None
     schema_version: Version = SCHEMA_VERSION
+    # SHA-256 of the exact request (messages as sent, tools, model, sampling parameters,
+    # max_tokens): the response store's key beside dataset and sample id.
+    request_hash: str = ""
+    # True when this record re-sends a response already paid for (from the response
+    # store) rather than a new provider answer: the budget does not count it again.
+    reused: bool = False
 
 
 class SampleReconstructed(Struct, kw_only=True):

@@ -60,8 +60,8 @@ async def read_compacted(settings: Settings, logical_topic: str) -> tuple[dict[b
     # Checked first: subscribing to a missing topic would let the broker auto-create it
     # without compaction.
     probe = make_consumer(settings.kafka, group_id=None)
-    await probe.start()
     try:
+        await probe.start()  # inside the try: a broker that does not answer leaks no client
         exists = topic in await probe.topics()
     finally:
         await probe.stop()

@@ -230,7 +230,10 @@ class BudgetService:
             response = decode(record.value, ResponseReceived)
             self._check_dataset(response.dataset)
             replayed = int(header(record.headers, DLQ_HEADERS.REPLAY_COUNT) or "0") > 0
-            counted, halts = self.ledger.on_response(response, position, record.offset, now, replay=replayed)
+            # A reused response re-sends one already paid for (the inference worker's
+            # response store): the provider billed it once, so it is counted once.
+            again = replayed or response.reused
+            counted, halts = self.ledger.on_response(response, position, record.offset, now, replay=again)
             if counted is not None:
                 self._count_metrics(counted, response.model)
             return list(halts)
@@ -241,7 +244,6 @@ class BudgetService:
                 return []
             verdict = DeadLetter(exc.reason, exc.message)
             DEAD_LETTERS.labels(stage=STAGE, reason=exc.reason).inc()
-            log.warning("%s@%d: dead letter (%s)", record.topic, record.offset, exc.reason)
             dead.append(
                 dead_letter(
                     dlq_topic=self.settings.kafka.topic(DEAD_LETTER_TOPIC),

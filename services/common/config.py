@@ -29,11 +29,13 @@ from schemas import (
     GLOBAL_SCOPE,
     PROMPTS_TOPIC_PREFIX,
     REQUESTS_TOPIC,
+    RESPONSE_STORE_TOPIC,
     RESPONSES_TOPIC,
     SAMPLES_TOPIC,
 )
 
 DEFAULT_CONFIG_FILE = "draftstream.toml"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _frozen = ConfigDict(frozen=True, extra="forbid")
 
@@ -84,6 +86,7 @@ class KafkaSettings(BaseModel):
                 DEAD_LETTER_TOPIC,
                 CONTROL_TOPIC,
                 BUDGET_STATE_TOPIC,
+                RESPONSE_STORE_TOPIC,
             )
         }
 
@@ -110,6 +113,26 @@ class ProviderSettings(BaseModel):
     request_logprobs: bool = False
     # What the provider's text loses (services/profiles/conventions.py); None: by kind.
     convention: Literal["vllm", "sglang", "sglang-legacy", "openrouter"] | None = None
+    # Consecutive connection errors, timeouts, 5xx or 404s (no success between them) that
+    # make an outage: every worker halts (scope global) instead of dead-lettering prompts.
+    outage_after: int = Field(default=8, ge=1, le=100_000)
+    # While an outage halt stands, the provider is checked this often; it resumes itself.
+    probe_interval_s: float = Field(default=5.0, gt=0)
+
+
+class InferenceSettings(BaseModel):
+    """How the inference worker stops, reports and reuses what was paid for."""
+
+    model_config = _frozen
+
+    # On SIGINT/SIGTERM, requests in flight get this long to finish and be published.
+    drain_timeout_s: float = Field(default=60.0, ge=0)
+    # A progress line (rate, in flight, lag) at INFO this often; 0 turns it off.
+    progress_interval_s: float = Field(default=30.0, ge=0)
+    # Answer a request seen before from the response store instead of paying again.
+    reuse_responses: bool = True
+    # How long a worker may take to read the response store to its end at start.
+    store_load_timeout_s: float = Field(default=300.0, gt=0)
 
 
 class AuditThresholds(BaseModel):
@@ -244,6 +267,7 @@ class Settings(BaseSettings):
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     provider: ProviderSettings = Field(default_factory=ProviderSettings)
+    inference: InferenceSettings = Field(default_factory=InferenceSettings)
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     sink: SinkSettings = Field(default_factory=SinkSettings)
@@ -251,6 +275,8 @@ class Settings(BaseSettings):
     defaults: DatasetSettings = Field(default_factory=DatasetSettings)
     datasets: dict[str, DatasetSettings] = Field(default_factory=dict)
     profiles: dict[str, ProfileSettings] = Field(default_factory=dict)
+    # Log level of every service (DRAFTSTREAM_LOG_LEVEL); a command's --log-level wins.
+    log_level: str = "INFO"
     # Where deploy/tokenizers/fetch.sh puts the tokenizers no package serves (R1/V3).
     tokenizers_dir: str = str(Path(__file__).resolve().parents[2] / ".run" / "tokenizers")
 
@@ -269,6 +295,11 @@ class Settings(BaseSettings):
         if toml_file is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
         return tuple(sources)
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        return check_log_level(value)
 
     @field_validator("datasets")
     @classmethod
@@ -300,6 +331,16 @@ def check_dataset_name(name: str) -> str:
     return name
 
 
+def check_log_level(name: str) -> str:
+    """The canonical name of a log level (case-insensitive); :class:`ConfigError` otherwise."""
+    upper = name.strip().upper()
+    if upper == "WARN":
+        upper = "WARNING"
+    if upper not in LOG_LEVELS:
+        raise ConfigError(f"unknown log level {name!r}: use one of {', '.join(LOG_LEVELS)}")
+    return upper
+
+
 def _refuse_secrets_in_file(path: Path) -> None:
     data = tomllib.loads(path.read_text(encoding="utf-8"))
     for section, key in (("provider", "api_key"), ("kafka", "sasl_password")):
@@ -308,6 +349,25 @@ def _refuse_secrets_in_file(path: Path) -> None:
                 f"{path}: [{section}] {key} must not be written in a file; "
                 f"set DRAFTSTREAM_{section.upper()}__{key.upper()} in the environment"
             )
+
+
+def _file_sets(path: Path | None, section: str, key: str) -> bool:
+    """Whether the TOML file writes ``[section] key``."""
+    if path is None:
+        return False
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    return isinstance(data.get(section), dict) and key in data[section]
+
+
+def _port(text: str, name: str) -> int:
+    """A TCP port from an environment variable, or a :class:`ConfigError` naming it."""
+    try:
+        port = int(text.strip())
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise ConfigError(f"{name}={text!r} is not a TCP port (1-65535)")
+    return port
 
 
 def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
@@ -337,6 +397,14 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
     kafka_over: dict[str, Any] = dict(overrides.pop("kafka", {}) or {})
     if "KAFKA_BOOTSTRAP_SERVERS" in environ and "DRAFTSTREAM_KAFKA__BOOTSTRAP_SERVERS" not in environ:
         kafka_over.setdefault("bootstrap_servers", environ["KAFKA_BOOTSTRAP_SERVERS"])
+    elif (
+        "KAFKA_PORT" in environ
+        and "DRAFTSTREAM_KAFKA__BOOTSTRAP_SERVERS" not in environ
+        and not _file_sets(path, "kafka", "bootstrap_servers")
+    ):
+        # The local broker's port (deploy/kafka/kafka.sh reads KAFKA_PORT): only the
+        # default follows it, so a file or an explicit setting still wins.
+        kafka_over.setdefault("bootstrap_servers", f"127.0.0.1:{_port(environ['KAFKA_PORT'], 'KAFKA_PORT')}")
     provider_over: dict[str, Any] = dict(overrides.pop("provider", {}) or {})
     if "OPENROUTER_API_KEY" in environ and "DRAFTSTREAM_PROVIDER__API_KEY" not in environ:
         provider_over.setdefault("api_key", environ["OPENROUTER_API_KEY"])

@@ -7,6 +7,7 @@ builds aiokafka clients, so security settings (SASL PLAIN/SCRAM, TLS) apply ever
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 import time
 from collections.abc import Iterable, Sequence
@@ -16,9 +17,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from schemas import BUDGET_STATE_TOPIC, CONTROL_TOPIC, DLQ_HEADERS
+from schemas import BUDGET_STATE_TOPIC, CONTROL_TOPIC, DLQ_HEADERS, RESPONSE_STORE_TOPIC
 from services.common.config import KafkaSettings
 from services.common.records import DeadLetter, Headers, Outgoing
+
+log = logging.getLogger(__name__)
 
 
 def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
@@ -82,7 +85,7 @@ def make_admin(kafka: KafkaSettings) -> AIOKafkaAdminClient:
 def topic_configs(kafka: KafkaSettings, logical: str) -> dict[str, str]:
     """Per-topic configuration: large messages everywhere, compaction for state topics."""
     configs = {"max.message.bytes": str(kafka.max_message_bytes + 1024 * 1024)}
-    if logical in (CONTROL_TOPIC, BUDGET_STATE_TOPIC):
+    if logical in (CONTROL_TOPIC, BUDGET_STATE_TOPIC, RESPONSE_STORE_TOPIC):
         configs["cleanup.policy"] = "compact"
         configs["min.cleanable.dirty.ratio"] = "0.1"
         configs["segment.ms"] = "3600000"
@@ -159,6 +162,8 @@ def dead_letter(
 
     Replay and first-failure headers carried by a replayed record are kept, so a record
     that fails again still shows how often it was replayed and when it first failed.
+    Every dead letter is logged at WARNING with its key, stage and reason (what Kafka
+    Connect's ``errors.log.enable`` does), whichever stage writes it.
     """
     now = int(time.time() * 1000) if now_ms is None else now_ms
     replay_count = header(in_headers, DLQ_HEADERS.REPLAY_COUNT) or "0"
@@ -186,11 +191,26 @@ def dead_letter(
     ]
     if verdict.http_status is not None:
         out.append((DLQ_HEADERS.HTTP_STATUS, str(verdict.http_status).encode()))
+    log.warning(
+        "dead letter: stage=%s key=%s reason=%s%s (from %s:%d@%d, attempt %d): %s",
+        stage,
+        key_text or "-",
+        verdict.reason,
+        f" http={verdict.http_status}" if verdict.http_status is not None else "",
+        topic,
+        partition,
+        offset,
+        verdict.attempt,
+        message[:300],
+    )
     return Outgoing(topic=dlq_topic, value=value or b"", key=key, headers=out)
 
 
-async def report_lag(consumer: AIOKafkaConsumer, group_id: str) -> None:
-    """Set the consumer-lag gauge of each assigned topic: high-water mark minus position."""
+async def report_lag(consumer: AIOKafkaConsumer, group_id: str) -> dict[str, int]:
+    """Set the consumer-lag gauge of each assigned topic: high-water mark minus position.
+
+    Returns the lag per topic (for progress lines).
+    """
     from services.common.metrics import CONSUMER_LAG
 
     lag: dict[str, int] = {}
@@ -202,6 +222,7 @@ async def report_lag(consumer: AIOKafkaConsumer, group_id: str) -> None:
         lag[tp.topic] = lag.get(tp.topic, 0) + max(0, highwater - position)
     for topic, value in lag.items():
         CONSUMER_LAG.labels(group=group_id, topic=topic).set(value)
+    return lag
 
 
 async def publish_all(producer: AIOKafkaProducer, records: Iterable[Outgoing]) -> None:

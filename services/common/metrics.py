@@ -34,6 +34,14 @@ INFLIGHT = Gauge("draftstream_inflight_requests", "Provider requests in flight",
 RETRIES = Counter("draftstream_provider_retries_total", "Provider retries", ["provider", "reason"])
 RESPONSES = Counter("draftstream_responses_total", "Responses published", ["dataset"])
 HALTED = Gauge("draftstream_inference_halted", "1 while a halt stands for the scope", ["scope"])
+RESPONSES_REUSED = Counter(
+    "draftstream_responses_reused_total",
+    "Responses answered from the response store instead of a new (paid) provider request",
+    ["dataset"],
+)
+PROVIDER_OUTAGES = Counter(
+    "draftstream_provider_outages_total", "Outage halts published by inference workers", ["reason"]
+)
 
 # budget
 TOKENS = Counter(

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from aiokafka.errors import KafkaError
 
+from services.common.errors import PortInUse
 from services.common.metrics import serve
 
 log = logging.getLogger(__name__)
@@ -72,18 +73,38 @@ async def run_service(
 ) -> None:
     """Run a service until SIGINT/SIGTERM, serving its metrics on ``metrics_port``.
 
+    A second SIGINT/SIGTERM calls the service's ``stop_now()`` when it has one.
+
     Given a factory instead of an instance, a start that fails because Kafka cannot be
     reached is retried with a fresh instance for up to ``start_timeout_s``.
     """
-    serve(metrics_port, metrics_host)
+    try:
+        serve(metrics_port, metrics_host)
+    except OSError as exc:
+        raise PortInUse(
+            f"{name}: cannot serve metrics on {metrics_host}:{metrics_port} ({exc.strerror or exc}): is another "
+            f"{name} running? Set [metrics] {name}_port (DRAFTSTREAM_METRICS__{name.upper()}_PORT) to a free "
+            "port, or 0 to turn metrics off"
+        ) from None
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     current: list[Service] = []
 
+    signals = 0
+
     def on_signal() -> None:
+        # The first signal stops gracefully (work in flight finishes and is committed); a
+        # second one stops at once, for a service that can (``stop_now``).
+        nonlocal signals
+        signals += 1
         stopping.set()
         for running in current:
-            running.stop()
+            stop_now = getattr(running, "stop_now", None)
+            if signals > 1 and callable(stop_now):
+                log.warning("%s: second signal, stopping at once", name)
+                stop_now()
+            else:
+                running.stop()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)

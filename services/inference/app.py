@@ -10,6 +10,18 @@ Delivery: a prompt's offset is committed only once its response (or dead letter)
 acknowledged by the broker; the committed offset of a partition is the lowest offset
 still in flight (see :class:`~services.inference.core.OffsetTracker`). A crash replays
 the unfinished prompts (at least once; downstream stages are idempotent by key).
+
+Money: a request already paid for is never sent again. Every paid response is written
+to the compacted ``response-store`` topic under its request key (dataset, sample id and
+the hash of the exact request, :mod:`services.inference.store`); a prompt seen again (a
+re-publish, a restart, a rebalance, a replay ``--to inference``) is answered from there
+and re-published with ``reused=True``, which the budget does not count again. ``--repay``
+(or the ``draftstream.inference.repay`` header on a prompt) pays again on purpose.
+Before the first paid request every dataset's profile and the provider are checked
+(pre-flight); a failure halts the scope on ``control`` instead of paying for answers
+that cannot be used. An outage (``provider.outage_after`` connection errors, timeouts,
+5xx or 404s in a row) halts every worker instead of draining the topic into dead
+letters, and a probe resumes by itself when the provider answers again.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from collections.abc import Iterable
 from typing import Any, TypeAlias
 
 import httpx
+import msgspec
 import stamina
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -40,6 +53,7 @@ from schemas import (
     Halt,
     PromptPublished,
     ResponseReceived,
+    Resume,
     SchemaError,
     decode_control,
     encode,
@@ -59,27 +73,39 @@ from services.common.metrics import (
     DEAD_LETTERS,
     HALTED,
     INFLIGHT,
+    PROVIDER_OUTAGES,
     REQUEST_LATENCY,
     REQUESTS,
     RESPONSES,
+    RESPONSES_REUSED,
     RETRIES,
 )
 from services.inference.adapters.providers import Provider, make_http_client, make_provider
 from services.inference.core import (
     GROUP_ID,
+    OUTAGE_ACTOR,
+    PREFLIGHT_ACTOR,
     STAGE,
     HaltState,
     OffsetTracker,
+    OutageDetector,
+    ProviderCheck,
     ProviderFailure,
     ProviderResult,
     backoff_for,
     check_prompt,
     dataset_of_topic,
     dead_letter_for,
+    is_outage_failure,
+    outage_reason,
+    request_hash,
     request_max_tokens,
     request_started,
     response_event,
+    store_key,
+    wants_repay,
 )
+from services.inference.store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +127,10 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._worker.commit(only=set(revoked))
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
-        """Resume where this worker left off and pause halted partitions again."""
+        """Resume where this worker left off, pause halted partitions again, catch up the store."""
         self._worker.on_assigned(set(assigned))
+        # Responses another worker paid for just before handing these partitions over.
+        await self._worker.store_catch_up()
 
 
 class InferenceWorker:
@@ -115,7 +143,8 @@ class InferenceWorker:
         http_client: httpx.AsyncClient | None = None,
         provider: Provider | None = None,
         worker_id: str | None = None,
-        drain_timeout_s: float = 30.0,
+        drain_timeout_s: float | None = None,
+        repay: bool = False,
     ) -> None:
         self.settings = settings
         self._kafka = settings.kafka
@@ -123,7 +152,8 @@ class InferenceWorker:
         self._own_http = http_client is None
         self._provider = provider
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self._drain_timeout_s = drain_timeout_s
+        self._drain_timeout_s = settings.inference.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self.repay = repay
         self._prompts_prefix = self._kafka.topic(PROMPTS_TOPIC_PREFIX)
         # The topic prefix namespaces a deployment, so it namespaces the group too.
         self.group_id = self._kafka.topic(GROUP_ID)
@@ -144,7 +174,20 @@ class InferenceWorker:
         self._failure: BaseException | None = None
         self._halt_published = False
         self._gauge_scopes: set[str] = set()
+        self._store: ResponseStore | None = None
+        self._pending: dict[str, asyncio.Future[None]] = {}
+        self._outage = OutageDetector(settings.provider.outage_after)
+        self._outage_published = False
+        self._probe_task: asyncio.Task[None] | None = None
+        self._checked: dict[str, bool] = {}
+        self._check_lock = asyncio.Lock()
+        self._abort = asyncio.Event()
+        self._lag = 0
         self.completed = 0
+        self.responded = 0
+        self.reused = 0
+        self.dead_lettered = 0
+        self.preflight: dict[str, ProviderCheck] = {}
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -188,27 +231,49 @@ class InferenceWorker:
         HALTED.labels(scope=GLOBAL_SCOPE).set(1 if GLOBAL_SCOPE in self._halts.scopes() else 0)
         self._gauge_scopes.add(GLOBAL_SCOPE)
         self._control_task = asyncio.create_task(self._follow_control(), name="inference-control")
+        await self._preflight()
+        if self.settings.inference.reuse_responses:
+            store = ResponseStore(self._kafka, self._producer)
+            self._store = store
+            partitions = await topic_partitions(self._kafka, store.topic)
+            await store.start(partitions, self.settings.inference.store_load_timeout_s)
+        self._probe_task = asyncio.create_task(self._probe_loop(), name="inference-probe")
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
         self._consumer = make_consumer(self._kafka, group_id=self.group_id, metadata_max_age_ms=10_000)
         pattern = "^" + re.escape(self._prompts_prefix) + r"[A-Za-z0-9._-]+$"
         self._consumer.subscribe(pattern=pattern, listener=_Rebalance(self))
         await self._consumer.start()
-        log.info("inference worker %s started (halted: %s)", self.worker_id, self._halts.scopes() or "none")
+        log.info(
+            "inference worker %s started (halted: %s; %s)",
+            self.worker_id,
+            self._halts.scopes() or "none",
+            "paying again for every request (--repay)"
+            if self.repay
+            else (f"{len(self._store)} paid response(s) in the store" if self._store is not None else "no store"),
+        )
 
     def stop(self) -> None:
-        """Stop taking prompts; requests in flight finish and are published."""
+        """Stop taking prompts; requests in flight finish (bounded) and are published."""
         self._stopping.set()
         self._signal_state_change()
         self._slot_freed.set()
+
+    def stop_now(self) -> None:
+        """Stop without waiting for requests in flight (a second Ctrl-C): they are cancelled."""
+        self._abort.set()
+        self.stop()
 
     async def close(self) -> None:
         """Cancel what is left and release the Kafka and HTTP clients."""
         self._stopping.set()
         await self._cancel_tasks()
-        if self._control_task is not None:
-            self._control_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._control_task
+        for task in (self._control_task, self._probe_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._store is not None:
+            await self._store.close()
         for client in (self._consumer, self._control):
             if client is not None:
                 with contextlib.suppress(Exception):
@@ -224,6 +289,9 @@ class InferenceWorker:
         consumer = self._require(self._consumer)
         concurrency = self.settings.provider.concurrency
         next_lag = 0.0
+        progress_every = self.settings.inference.progress_interval_s
+        next_progress = time.monotonic() + progress_every
+        last_progress = (time.monotonic(), 0)
         try:
             while not self._stopping.is_set():
                 if self._failure is not None:
@@ -247,6 +315,9 @@ class InferenceWorker:
                 if time.monotonic() >= next_lag:
                     await self._report_lag(consumer)
                     next_lag = time.monotonic() + 5.0
+                if progress_every and time.monotonic() >= next_progress:
+                    last_progress = self._log_progress(*last_progress)
+                    next_progress = time.monotonic() + progress_every
             if self._failure is not None:
                 raise self._failure
         finally:
@@ -383,6 +454,151 @@ class InferenceWorker:
         producer = self._require(self._producer)
         await (await producer.send(self._topics[CONTROL_TOPIC], encode(halt), key=GLOBAL_SCOPE.encode()))
 
+    async def _publish_control(self, event: Halt | Resume) -> None:
+        """Apply a control event here at once, then publish it for every worker (acknowledged)."""
+        if self._halts.apply(event):
+            self._on_halts_changed()
+        if isinstance(event, Halt):
+            log.error("halting %s (by %s): %s", event.scope, event.by, event.reason)
+        else:
+            log.warning("resuming %s (by %s): %s", event.scope, event.by, event.reason)
+        producer = self._require(self._producer)
+        await (await producer.send(self._topics[CONTROL_TOPIC], encode(event), key=event.scope.encode()))
+
+    async def _resume_own(self, scope: str, actors: tuple[str, ...], reason: str, by: str) -> None:
+        """Lift a standing halt of ``scope`` when one of ``actors`` published it (never a person's)."""
+        standing = self._halts.halted.get(scope)
+        if standing is not None and standing.by in actors:
+            await self._publish_control(Resume(scope=scope, reason=reason, by=by, at=time.time()))
+
+    # --- pre-flight, outages ------------------------------------------------------------
+
+    async def _preflight(self) -> None:
+        """Before the first paid request: every dataset's profile, then the provider itself.
+
+        A dataset whose profile cannot be loaded (unknown name, missing tokenizer, special
+        ids that disagree) is halted with the reason; the provider's reachability, key and
+        model decide the global scope. A halt this check published earlier is lifted once
+        the check passes (a corrected configuration needs no manual resume).
+        """
+        for name in sorted(self.settings.datasets):
+            await self._check_dataset(name)
+        check = await self.provider.check()
+        self.preflight[GLOBAL_SCOPE] = check
+        base = self.settings.provider.base_url
+        if check.ok:
+            log.info("pre-flight: provider %s at %s answers: %s", self.provider.name, base, check.detail or "ok")
+            await self._resume_own(
+                GLOBAL_SCOPE, (PREFLIGHT_ACTOR, OUTAGE_ACTOR), "pre-flight passed", PREFLIGHT_ACTOR
+            )
+            return
+        log.error("pre-flight: provider %s at %s: %s", self.provider.name, base, check.message)
+        standing = self._halts.halted.get(GLOBAL_SCOPE)
+        by = OUTAGE_ACTOR if check.outage else PREFLIGHT_ACTOR
+        if standing is not None and standing.by not in (PREFLIGHT_ACTOR, OUTAGE_ACTOR):
+            return  # a person's or the budget's halt stands already; it is not replaced
+        await self._publish_control(
+            Halt(scope=GLOBAL_SCOPE, reason=f"pre-flight: {check.message}", by=by, at=time.time())
+        )
+        if check.outage:
+            self._outage_published = True
+
+    async def _check_dataset(self, name: str) -> bool:
+        """Load and verify the dataset's profile once; halt the dataset when it cannot be used."""
+        async with self._check_lock:
+            if name in self._checked:
+                return self._checked[name]
+            from services.profiles import load_profile
+
+            profile = self.settings.dataset(name).profile
+            try:
+                await asyncio.to_thread(load_profile, profile, self.settings)
+            except Exception as exc:  # noqa: BLE001 - any failure to load means: do not pay for it
+                code = getattr(exc, "reason", type(exc).__name__)
+                message = f"pre-flight: dataset {name}: profile {profile!r} cannot be used ({code}): {exc}"
+                self.preflight[name] = ProviderCheck(ok=False, reason=str(code), message=message)
+                self._checked[name] = False
+                standing = self._halts.halted.get(name)
+                if standing is None or standing.by == PREFLIGHT_ACTOR:
+                    await self._publish_control(Halt(scope=name, reason=message, by=PREFLIGHT_ACTOR, at=time.time()))
+                return False
+            self.preflight[name] = ProviderCheck(ok=True, detail=f"profile {profile} loaded")
+            self._checked[name] = True
+            await self._resume_own(
+                name, (PREFLIGHT_ACTOR,), f"pre-flight passed: profile {profile} loads", PREFLIGHT_ACTOR
+            )
+            return True
+
+    async def _halt_outage(self) -> None:
+        """Enough outage-class failures in a row: halt every worker (the probe resumes)."""
+        if self._outage_published:
+            return
+        standing = self._halts.halted.get(GLOBAL_SCOPE)
+        self._outage_published = True
+        reason = outage_reason(self._outage, self.settings.provider.base_url)
+        PROVIDER_OUTAGES.labels(reason=self._outage.last.reason if self._outage.last else "unknown").inc()
+        if standing is not None:
+            log.error("provider outage while %s is halted already: %s", GLOBAL_SCOPE, reason)
+            return
+        await self._publish_control(Halt(scope=GLOBAL_SCOPE, reason=reason, by=OUTAGE_ACTOR, at=time.time()))
+
+    async def _probe_loop(self) -> None:
+        """While an outage halt stands, check the provider every few seconds; resume when it answers."""
+        interval = self.settings.provider.probe_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            standing = self._halts.halted.get(GLOBAL_SCOPE)
+            if standing is None or standing.by != OUTAGE_ACTOR:
+                self._outage_published = False if standing is None else self._outage_published
+                continue
+            try:
+                check = await self.provider.check()
+            except Exception:  # noqa: BLE001 - a probe that crashes is a probe that failed
+                log.exception("provider probe failed")
+                continue
+            if not check.ok:
+                log.warning(
+                    "provider still unavailable (%s): %s; next probe in %.0f s", check.reason, check.message, interval
+                )
+                continue
+            # The probe's answer counts as one: a prompt that still fails after it fails
+            # on its own (a dead letter), not because the provider is down.
+            self._outage.success(self._outage.begin())
+            self._outage_published = False
+            try:
+                await self._publish_control(
+                    Resume(
+                        scope=GLOBAL_SCOPE,
+                        reason=f"provider answers again: {check.detail or 'ok'}",
+                        by=OUTAGE_ACTOR,
+                        at=time.time(),
+                    )
+                )
+            except KafkaError:
+                log.exception("could not publish the resume after the outage; retrying")
+
+    async def store_catch_up(self) -> None:
+        """Index every response written to the store so far (after partitions moved here)."""
+        if self._store is not None:
+            await self._store.catch_up()
+
+    def _log_progress(self, since: float, done_before: int) -> tuple[float, int]:
+        now = time.monotonic()
+        done = self.responded + self.reused + self.dead_lettered
+        rate = (done - done_before) / max(now - since, 1e-9)
+        log.info(
+            "inference progress: %.1f prompt(s)/s; %d paid response(s), %d reused, %d dead letter(s); "
+            "%d in flight; lag %d; halted: %s",
+            rate,
+            self.responded,
+            self.reused,
+            self.dead_lettered,
+            len(self._tasks),
+            self._lag,
+            ", ".join(self._halts.scopes()) or "none",
+        )
+        return now, done
+
     # --- per prompt -------------------------------------------------------------------
 
     def _spawn(self, tp: TopicPartition, record: Record) -> None:
@@ -430,14 +646,95 @@ class InferenceWorker:
             return
         dataset = self.settings.dataset(prompt.dataset)
         max_tokens = request_max_tokens(prompt, dataset.max_tokens)
+        if prompt.dataset not in self._checked:
+            await self._check_dataset(prompt.dataset)  # a dataset the configuration does not name
+        digest = request_hash(self.provider.request_identity(prompt, dataset, max_tokens=max_tokens))
+        key = store_key(prompt.dataset, prompt.sample_id, digest)
+        repay = self.repay or wants_repay(record.headers)
+        if self._store is not None and not repay:
+            earlier = self._pending.get(key)
+            if earlier is not None:
+                await asyncio.shield(earlier)  # the same request is in flight here: wait for its answer
+            stored = await self._store.get(key)
+            if stored is not None:
+                await self._reuse(stored)
+                return
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending[key] = mine
+        try:
+            await self._pay(record, prompt, dataset, max_tokens, digest, key)
+        finally:
+            if self._pending.get(key) is mine:
+                del self._pending[key]
+            mine.set_result(None)
+
+    async def _provider_down(self, failure: ProviderFailure) -> bool:
+        """After a prompt's last attempt failed with a connection error, timeout, 5xx or 404:
+        is the provider down (wait for it), or is the failure this request's own (dead letter)?
+
+        Down while the global halt stands. Up when a request sent after this prompt's first
+        failure was answered. Otherwise a free check (``GET /models``, OpenRouter ``GET /key``)
+        decides; a failed check counts towards the outage halt.
+        """
+        if self._halts.is_halted(GLOBAL_SCOPE):
+            return True
+        if not self._outage.nobody_answered_since(failure):
+            return False
+        seq = self._outage.begin()
+        try:
+            check = await self.provider.check()
+        except Exception:  # noqa: BLE001 - a check that crashes says nothing about the provider
+            log.exception("provider check failed")
+            return False
+        if check.ok:
+            self._outage.success(seq)
+            return False
+        probe = ProviderFailure(reason=check.reason or "provider_connection", message=check.message, retryable=True)
+        if check.outage and self._outage.failure(probe, seq):
+            await self._halt_outage()
+        return check.outage
+
+    async def _reuse(self, stored: ResponseReceived) -> None:
+        """Re-publish a response already paid for, marked so the budget does not count it again."""
+        event = msgspec.structs.replace(stored, reused=True)
+        producer = self._require(self._producer)
+        key = sample_key(event.dataset, event.sample_id).encode()
+        await (await producer.send(self._topics[RESPONSES_TOPIC], encode(event), key=key))
+        RESPONSES_REUSED.labels(dataset=event.dataset).inc()
+        self.reused += 1
+        log.debug("%s answered from the response store (no new request)", key.decode())
+
+    async def _pay(
+        self,
+        record: Record,
+        prompt: PromptPublished,
+        dataset: DatasetSettings,
+        max_tokens: int,
+        digest: str,
+        key: str,
+    ) -> None:
+        """Send the request (retries, halts, outages) and publish the response or dead letter."""
         scopes = (prompt.dataset,)
+        # The first outage-class failed request of this prompt (kept across restarts of its
+        # attempts): no later request answered at its last attempt means nobody got through.
+        mark: list[int | None] = [None]
         while True:
             try:
-                result, attempt, latency = await self._call(prompt, dataset, max_tokens, scopes)
+                result, attempt, latency = await self._call(prompt, dataset, max_tokens, scopes, mark)
             except ProviderFailure as failure:
                 if failure.fatal:
                     await self._halt_globally(failure)
                     continue  # waits at the gate until resumed, then starts over
+                if is_outage_failure(failure) and await self._provider_down(failure):
+                    # Not this request's fault: the provider answers nobody. Start over (the
+                    # outage halt, once published, holds it at the gate until the provider is back).
+                    log.info(
+                        "%s: %s after %d attempt(s) while the provider answers nobody; trying again",
+                        sample_key(prompt.dataset, prompt.sample_id),
+                        failure.reason,
+                        failure.attempt,
+                    )
+                    continue
                 await self._dead_letter(record, failure_verdict(failure), dataset=prompt.dataset)
                 return
             except _Stopped:
@@ -449,10 +746,18 @@ class InferenceWorker:
                 return
             break
         event = self._response(prompt, dataset, result, max_tokens, latency, attempt)
+        event = msgspec.structs.replace(event, request_hash=digest)
         producer = self._require(self._producer)
-        key = sample_key(prompt.dataset, prompt.sample_id).encode()
-        await (await producer.send(self._topics[RESPONSES_TOPIC], encode(event), key=key))
+        acks = [
+            await producer.send(
+                self._topics[RESPONSES_TOPIC], encode(event), key=sample_key(prompt.dataset, prompt.sample_id).encode()
+            )
+        ]
+        if self._store is not None:
+            acks.append(await self._store.put(key, event))
+        await asyncio.gather(*acks)
         RESPONSES.labels(dataset=prompt.dataset).inc()
+        self.responded += 1
 
     def _response(
         self,
@@ -482,7 +787,12 @@ class InferenceWorker:
         return False
 
     async def _call(
-        self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int, scopes: tuple[str, ...]
+        self,
+        prompt: PromptPublished,
+        dataset: DatasetSettings,
+        max_tokens: int,
+        scopes: tuple[str, ...],
+        mark: list[int | None],
     ) -> tuple[ProviderResult, int, float]:
         """One provider call with retries (stamina: exponential backoff, jitter, Retry-After)."""
         cfg = self.settings.provider
@@ -512,6 +822,7 @@ class InferenceWorker:
                 inflight = INFLIGHT.labels(dataset=prompt.dataset)
                 inflight.inc()
                 t0 = time.monotonic()
+                seq = self._outage.begin()
                 try:
                     result = await provider.complete(prompt, dataset, max_tokens=max_tokens)
                 except ProviderFailure as failure:
@@ -519,12 +830,18 @@ class InferenceWorker:
                     REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
                     if failure.retryable and number < cfg.max_attempts:
                         RETRIES.labels(provider=provider.name, reason=failure.reason).inc()
+                    if is_outage_failure(failure) and mark[0] is None:
+                        mark[0] = seq
+                    failure.answered_mark = mark[0]
+                    if self._outage.failure(failure, seq):
+                        await self._halt_outage()
                     raise
                 finally:
                     latency = time.monotonic() - t0
                     inflight.dec()
                     REQUEST_LATENCY.labels(provider=provider.name).observe(latency)
                 REQUESTS.labels(provider=provider.name, outcome="ok").inc()
+                self._outage.success(seq)
                 return result, number, latency
         raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
 
@@ -544,6 +861,7 @@ class InferenceWorker:
         producer = self._require(self._producer)
         await (await producer.send(out.topic, out.value, key=out.key, headers=out.headers))
         DEAD_LETTERS.labels(stage=STAGE, reason=verdict.reason).inc()
+        self.dead_lettered += 1
 
     # --- offsets ----------------------------------------------------------------------
 
@@ -565,11 +883,24 @@ class InferenceWorker:
         self._tracker.committed(offsets)
 
     async def _drain(self) -> None:
-        """Let requests in flight finish (bounded), then cancel the rest."""
+        """Let requests in flight finish and be published (bounded), then cancel the rest.
+
+        :meth:`stop_now` (a second signal) ends the wait at once.
+        """
+        if self._tasks and not self._abort.is_set():
+            log.info(
+                "stopping: letting %d request(s) in flight finish (up to %.0f s; signal again to stop at once)",
+                len(self._tasks),
+                self._drain_timeout_s,
+            )
+            finished = asyncio.ensure_future(asyncio.wait(set(self._tasks), timeout=self._drain_timeout_s))
+            aborted = asyncio.ensure_future(self._abort.wait())
+            await asyncio.wait({finished, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in (finished, aborted):
+                waiter.cancel()
+            await asyncio.gather(finished, aborted, return_exceptions=True)
         if self._tasks:
-            _done, pending = await asyncio.wait(set(self._tasks), timeout=self._drain_timeout_s)
-            if pending:
-                log.warning("cancelling %d request(s) still in flight at shutdown", len(pending))
+            log.warning("cancelling %d request(s) still in flight at shutdown", len(self._tasks))
         await self._cancel_tasks()
 
     async def _cancel_tasks(self) -> None:
@@ -580,7 +911,7 @@ class InferenceWorker:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _report_lag(self, consumer: AIOKafkaConsumer) -> None:
-        await report_lag(consumer, self.group_id)
+        self._lag = sum((await report_lag(consumer, self.group_id)).values())
 
     @staticmethod
     def _require(obj: Any) -> Any:
@@ -618,6 +949,10 @@ def create_app(
     http_client: httpx.AsyncClient | None = None,
     provider: Provider | None = None,
     worker_id: str | None = None,
+    repay: bool = False,
 ) -> InferenceWorker:
-    """The inference worker, wired from settings (tests may inject an HTTP client)."""
-    return InferenceWorker(settings, http_client=http_client, provider=provider, worker_id=worker_id)
+    """The inference worker, wired from settings (tests may inject an HTTP client).
+
+    ``repay`` sends every request again even when its response was paid for already.
+    """
+    return InferenceWorker(settings, http_client=http_client, provider=provider, worker_id=worker_id, repay=repay)

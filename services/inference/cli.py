@@ -18,6 +18,13 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             typer.Option("--config", "-c", help="TOML config file (default: ./draftstream.toml if present)"),
         ] = None,
         log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
+        repay: Annotated[
+            bool,
+            typer.Option(
+                "--repay",
+                help="Send every request again, even those already answered and paid for (response store)",
+            ),
+        ] = False,
     ) -> None:
         """Consume prompts.*, call the provider with many requests in flight, publish responses."""
         import asyncio
@@ -31,7 +38,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         setup_logging(settings, log_level)
         asyncio.run(
             run_service(
-                lambda: create_app(settings),
+                lambda: create_app(settings, repay=repay),
                 name="inference",
                 metrics_port=settings.metrics.inference_port,
                 metrics_host=settings.metrics.host,

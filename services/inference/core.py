@@ -6,10 +6,14 @@ Nothing here touches Kafka, HTTP, the clock or the environment; the shell in
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
+from typing import Any
+
+import msgspec
 
 from schemas import (
     GLOBAL_SCOPE,
@@ -23,11 +27,32 @@ from schemas import (
     ToolCall,
     Usage,
     decode,
+    sample_key,
 )
 from services.common.kafka import DeadLetter
 
 STAGE = "inference"
 GROUP_ID = "draftstream-inference"
+PREFLIGHT_ACTOR = "preflight"
+"""The ``by`` of halts (and resumes) from the checks made before the first paid request."""
+OUTAGE_ACTOR = "outage-probe"
+"""The ``by`` of outage halts and of the resumes the provider probe publishes."""
+REPAY_HEADER = "draftstream.inference.repay"
+"""A prompt record carrying this header (value ``1``) is sent again even if already paid for."""
+
+# Failures that say "the provider (or the way to it) is down", not "this request is bad":
+# enough of them in a row halt every worker instead of draining the topic into dead letters.
+CONNECTION_REASONS = frozenset(
+    {
+        "provider_connection_refused",
+        "provider_dns",
+        "provider_connect_timeout",
+        "provider_timeout",
+        "provider_connection_closed",
+        "provider_connection",
+        "provider_tls",
+    }
+)
 
 # Statuses worth another attempt: the provider or a proxy is overloaded or flaky.
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
@@ -64,6 +89,9 @@ class ProviderFailure(Exception):  # noqa: N818 - reads better as a verdict than
     retry_after_s: float | None = None
     fatal: bool = False
     attempt: int = 1
+    # The sequence number (OutageDetector.begin) of this prompt's first outage-class failed
+    # request (set by the shell): no later request answered means nobody got through.
+    answered_mark: int | None = None
 
     def __str__(self) -> str:
         status = f" (HTTP {self.http_status})" if self.http_status is not None else ""
@@ -346,3 +374,119 @@ def response_event(
         debug_true_ids=result.debug_true_ids,
     )
 
+
+
+# --- the response store ---------------------------------------------------------------
+
+_canonical = msgspec.json.Encoder(order="sorted")
+
+
+def request_hash(identity: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) of a request's identity, as canonical JSON with sorted keys.
+
+    The identity is what decides the answer: the messages as sent, the tools sent, the
+    model, the sampling parameters (``extra_body``, ``chat_template_kwargs``) and
+    ``max_tokens``; two requests with the same hash are the same request.
+    """
+    return hashlib.sha256(_canonical.encode(identity)).hexdigest()
+
+
+def store_key(dataset: str, sample_id: str, digest: str) -> str:
+    """The response store's key of one request: ``<dataset>:<sample_id>|<request hash>``."""
+    return f"{sample_key(dataset, sample_id)}|{digest}"
+
+
+def wants_repay(headers: Iterable[tuple[str, bytes | None]] | None) -> bool:
+    """Whether a prompt record asks to be paid for again (the ``REPAY_HEADER`` set to 1)."""
+    for name, value in headers or ():
+        if name == REPAY_HEADER and value is not None and value.strip() in (b"1", b"true", b"yes"):
+            return True
+    return False
+
+
+# --- outages and pre-flight -------------------------------------------------------------
+
+
+def is_outage_failure(failure: ProviderFailure) -> bool:
+    """A failure that blames the provider rather than the request: connection, timeout, 5xx, 404."""
+    if failure.reason in CONNECTION_REASONS:
+        return True
+    status = failure.http_status
+    return status is not None and (status == 404 or 500 <= status <= 599)
+
+
+@dataclass
+class OutageDetector:
+    """Counts outage-class failures with no provider answer between them.
+
+    Every request gets a sequence number when it is sent (:meth:`begin`). Only an answer
+    to a request sent *after* a failure proves the provider is up again: a request that
+    was already in flight when the provider went away may still be answered while every
+    new connection is refused. ``answered_seq`` is the highest sequence number answered
+    (a success, or a refusal such as 429, which the provider also has to be up to give).
+    """
+
+    threshold: int
+    consecutive: int = 0
+    sent: int = 0
+    answered_seq: int = 0
+    last_failure_seq: int = 0
+    last: ProviderFailure | None = None
+    kinds: dict[str, int] = field(default_factory=dict)
+
+    def begin(self) -> int:
+        """The sequence number of a request about to be sent."""
+        self.sent += 1
+        return self.sent
+
+    def failure(self, failure: ProviderFailure, seq: int) -> bool:
+        """Note one failed attempt; True when the outage threshold is reached."""
+        if not is_outage_failure(failure):
+            self.success(seq)  # the provider answered (a 429, a 400...): it is up
+            return False
+        self.consecutive += 1
+        self.last_failure_seq = max(self.last_failure_seq, seq)
+        self.last = failure
+        kind = failure.reason if failure.http_status is None else f"HTTP {failure.http_status}"
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        return self.consecutive >= self.threshold
+
+    def success(self, seq: int) -> None:
+        """Note an answer to request ``seq``; it ends the streak if sent after its last failure."""
+        self.answered_seq = max(self.answered_seq, seq)
+        if seq > self.last_failure_seq:
+            self.consecutive = 0
+            self.kinds.clear()
+
+    def nobody_answered_since(self, failure: ProviderFailure) -> bool:
+        """True when no request sent after ``failure``'s prompt first failed got an answer."""
+        return failure.answered_mark is not None and self.answered_seq <= failure.answered_mark
+
+
+def outage_reason(detector: OutageDetector, base_url: str) -> str:
+    """The halt reason of an outage, naming what failed and how often."""
+    last = detector.last
+    kinds = ", ".join(f"{n} x {k}" for k, n in sorted(detector.kinds.items(), key=lambda kv: -kv[1]))
+    if last is not None and last.http_status == 404 and detector.kinds.get("HTTP 404", 0) == detector.consecutive:
+        return (
+            f"base URL answers 404: {detector.consecutive} consecutive requests to {base_url} "
+            f"got HTTP 404 (check provider.base_url); last: {last.message[:200]}"
+        )
+    detail = f"{last.reason}: {last.message[:200]}" if last is not None else "?"
+    return f"provider outage at {base_url}: {detector.consecutive} consecutive failures ({kinds}); last {detail}"
+
+
+@dataclass(frozen=True)
+class ProviderCheck:
+    """What a pre-flight or probe request found: usable, or why not.
+
+    ``outage`` is True when the cause may go away by itself (unreachable, 5xx, 404 from a
+    server still starting): the probe resumes the halt once the provider answers; False
+    when a person must act (no key, key refused, model not served).
+    """
+
+    ok: bool
+    reason: str = ""
+    message: str = ""
+    outage: bool = False
+    detail: str = ""

@@ -57,6 +57,7 @@ __all__ = [
     "SimulatorOptions",
     "SimulatorServer",
     "SimulatorService",
+    "add_model_routes",
     "create_app",
     "get_profile",
     "start_simulator",
@@ -229,6 +230,7 @@ class SimulatorServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
         app.router.add_get("/_sim/stats", self.stats_view)
+        add_model_routes(app, self.profile.name)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -382,6 +384,29 @@ class SimulatorServer:
         if transport is not None:
             transport.abort()
         return response
+
+
+def add_model_routes(app: web.Application, profile_name: str) -> None:
+    """The inference pre-flight and outage probes: never counted as requests.
+
+    ``GET /api/v1/models`` and ``GET /v1/models``: the OpenAI-style model list (the simulator
+    answers any model name; it lists its profile). ``GET /api/v1/key``: OpenRouter's key
+    check (401 without a bearer key; no credit limit).
+    """
+
+    async def models(request: web.Request) -> web.Response:
+        entry = {"id": profile_name, "object": "model", "created": 0, "owned_by": "draftstream-simulator"}
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def key(request: web.Request) -> web.Response:
+        if not request.headers.get("Authorization", "").startswith("Bearer "):
+            return web.json_response(error_body(401, "No auth credentials found"), status=401)
+        data = {"label": "simulator", "limit": None, "usage": 0.0, "limit_remaining": None, "is_free_tier": False}
+        return web.json_response({"data": data})
+
+    app.router.add_get("/api/v1/models", models)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/api/v1/key", key)
 
 
 class RunningSimulator:

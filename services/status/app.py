@@ -19,11 +19,13 @@ from schemas import (
     DEAD_LETTER_TOPIC,
     DLQ_HEADERS,
     BudgetSnapshot,
+    Halt,
     SchemaError,
     decode,
 )
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
+from services.control import read_control_state
 from services.dlq.app import read_to_end, topic_partitions
 from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot
 
@@ -60,9 +62,9 @@ async def collect(
 
     consumer = make_consumer(kafka, group_id=None)
     admin = make_admin(kafka)
-    await consumer.start()
-    await admin.start()
     try:
+        await consumer.start()
+        await admin.start()
         existing = set(await admin.list_topics())
         logical_topics = {logical for _, logical in STAGE_TOPICS} | {
             t for inputs in groups.values() for t in inputs
@@ -115,6 +117,7 @@ async def collect(
     await read_to_end(kafka, kafka.topic(BUDGET_STATE_TOPIC), budget)
     await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead)
     snapshot.budgets = list(latest.values())
+    snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
     return snapshot
 
 

@@ -1,8 +1,9 @@
 """The status screen's model and rendering (pure: the numbers come from services.status.app).
 
-Four panels: the budget table (latest :class:`schemas.BudgetSnapshot` per scope), records
-per stage topic (end offsets, with a rate between two snapshots under ``--watch``),
-consumer lag per stage group, and dead letters by stage and reason.
+Five panels: the halts standing on ``control`` (scope, who, why: a pre-flight or outage
+halt says what to fix), the budget table (latest :class:`schemas.BudgetSnapshot` per
+scope), records per stage topic (end offsets, with a rate between two snapshots under
+``--watch``), consumer lag per stage group, and dead letters by stage and reason.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Final
 
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 
 from schemas import (
@@ -22,6 +24,7 @@ from schemas import (
     RESPONSES_TOPIC,
     SAMPLES_TOPIC,
     BudgetSnapshot,
+    Halt,
 )
 
 # Consumer groups of the stream stages and the logical topics they read.
@@ -67,6 +70,7 @@ class StatusSnapshot:
     lags: list[GroupLag] = field(default_factory=list)
     dead_letters: Counter[tuple[str, str]] = field(default_factory=Counter)
     unreadable_budget_records: int = 0
+    halts: list[Halt] = field(default_factory=list)  # standing halts on the control topic
     topic_prefix: str = ""
     groups: tuple[str, ...] = tuple(GROUP_INPUTS)
 
@@ -106,6 +110,19 @@ def budget_table(snapshot: StatusSnapshot) -> Table:
         )
     if not snapshot.budgets:
         table.add_row("(no budget snapshots yet)", "", "", "", "", "", "", "")
+    return table
+
+
+def halts_table(snapshot: StatusSnapshot) -> Table:
+    """The halts standing on the control topic: scope, who published it, since when, why."""
+    table = Table(title=f"halts: {len(snapshot.halts)}", title_justify="left")
+    for name in ("scope", "by", "since", "reason"):
+        table.add_column(name)
+    for halt in sorted(snapshot.halts, key=lambda h: (h.scope != "global", h.scope)):
+        since = datetime.fromtimestamp(halt.at, tz=UTC).strftime("%H:%M:%SZ") if halt.at else "-"
+        table.add_row(f"[bold red]{halt.scope}[/]", halt.by or "-", since, escape(halt.reason))
+    if not snapshot.halts:
+        table.add_row("(none)", "", "", "")
     return table
 
 
@@ -171,6 +188,7 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         header += f"  (topic prefix {snapshot.topic_prefix})"
     parts: list[RenderableType] = [
         header,
+        halts_table(snapshot),
         budget_table(snapshot),
         throughput_table(snapshot, previous),
         lag_table(snapshot),
@@ -188,6 +206,7 @@ __all__ = [
     "StatusSnapshot",
     "budget_table",
     "dead_letter_table",
+    "halts_table",
     "lag_table",
     "render",
     "throughput_table",

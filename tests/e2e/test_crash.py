@@ -10,10 +10,12 @@ printed, not failed.
 
 What "the budget totals equal the usage of all responses" means: the budget is the bill, and
 the provider bills every request it answered. After a crash the inference worker re-sends
-the prompts whose offsets it had not committed, so one key can have two response records,
-both paid. The budget must therefore equal the sum over EVERY record on ``responses`` (no
-dedup by key), neither missing one (a budget crash between counting and checkpointing) nor
-counting one twice (a budget restart re-reading what it had already counted).
+the prompts whose offsets it had not committed: one answered before the crash comes back
+from the response store (a record marked ``reused``, paid once), one still in flight at the
+crash is paid again. The budget must therefore equal the sum over every paid record on
+``responses`` (no dedup by key, ``reused`` records left out), neither missing one (a budget
+crash between counting and checkpointing) nor counting one twice (a budget restart
+re-reading what it had already counted).
 
 Repeated provider requests (paid twice) are printed against the in-flight bound
 (``provider.concurrency`` per inference crash). The bound is not asserted exactly: a prompt
@@ -242,6 +244,10 @@ async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int
             undecodable += 1
     prompt_sum = completion_sum = 0
     cost_sum = 0.0
+    # A response re-sent from the response store (``reused``) was paid for once, when first
+    # answered: the bill counts it once, and so must the budget.
+    reused = [r for r in responses if r.reused]
+    responses = [r for r in responses if not r.reused]
     for resp in responses:
         p, c, _ = estimate_usage(resp)
         prompt_sum += p
@@ -273,6 +279,7 @@ async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int
         budget_completion=f"{snapshot.completion_tokens}/{completion_sum}",
         budget_prompt=f"{snapshot.prompt_tokens}/{prompt_sum}",
         budget_responses=f"{snapshot.responses}/{len(responses)}",
+        reused_responses=len(reused),
         events="; ".join(events),
     )
     assert expected == {k for k in expected if k in keys or k in dead_keys}, f"prompts lost: {line}"

@@ -31,6 +31,7 @@ TRANSIENT_REASONS = {
     "provider_http_5xx",
     "provider_timeout",
     "provider_connection",
+    "provider_connection_closed",  # the simulator's "drop" fault: the server closes mid-answer
     "provider_malformed_json",
     "provider_malformed_response",
     "provider_error_in_body",

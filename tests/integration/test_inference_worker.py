@@ -130,9 +130,9 @@ class Collector:
 
 
 @contextlib.asynccontextmanager
-async def running(settings: Settings) -> AsyncIterator[InferenceWorker]:
+async def running(settings: Settings, **kw: Any) -> AsyncIterator[InferenceWorker]:
     """A started worker running in the background; stopped gracefully at the end."""
-    worker = create_app(settings)
+    worker = create_app(settings, **kw)
     await worker.start()
     task = asyncio.create_task(worker.run())
     try:
@@ -258,12 +258,14 @@ async def test_each_fault_dead_letters_with_its_reason_after_the_last_attempt(
         "429": ("provider_http_429", "429"),
         "5xx": ("provider_http_5xx", None),
         "timeout": ("provider_timeout", None),
-        "drop": ("provider_connection", None),
+        "drop": ("provider_connection_closed", None),
         "malformed": ("provider_malformed_json", "200"),
         "error_in_200": ("provider_error_in_body", "200"),
     }
     sim = await sim_factory(retry_after_s=0.05, timeout_sleep_s=3.0)
-    settings = settings_factory(provider=provider_cfg(sim, max_attempts=2, timeout_s=0.5))
+    settings = settings_factory(
+        provider=provider_cfg(sim, max_attempts=2, timeout_s=0.5, outage_after=4, probe_interval_s=0.2)
+    )
     await ensure_topics(settings.kafka, ["faults"])
     prompts = [prompt("faults", i, metadata={"simulator_fault": f}) for i, f in enumerate(expected)]
     prompts.append(prompt("faults", 99))
@@ -285,7 +287,9 @@ async def test_each_fault_dead_letters_with_its_reason_after_the_last_attempt(
         else:
             assert header(d.headers, DLQ_HEADERS.HTTP_STATUS) == status, fault
         assert d.value == encode(prompts[i])
-        assert keys[f"faults:s{i:04d}"] == 2  # exactly max_attempts requests
+        # Exactly max_attempts requests; for a timeout, a drop or a 5xx with nobody else
+        # answered meanwhile, a free check (GET /models) told the failure was the request's own.
+        assert keys[f"faults:s{i:04d}"] == 2
 
 
 async def test_worker_killed_mid_run_loses_nothing(
@@ -394,8 +398,13 @@ async def test_401_halts_globally_and_resumes_without_losing_the_prompt(
             )
         return web.Response(status=upstream.status_code, body=upstream.content, content_type="application/json")
 
+    async def models(request: web.Request) -> web.Response:
+        """The key passes pre-flight: it is revoked only after the run started."""
+        return web.json_response({"data": [{"id": "qwen/qwen3-8b"}]})
+
     app = web.Application()
     app.router.add_post("/api/v1/chat/completions", gate)
+    app.router.add_get("/api/v1/models", models)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -514,4 +523,45 @@ async def test_halt_pauses_survive_a_rebalance(
             await publish_control(settings, "held", encode(Resume(scope="held", by="test")))
             await wait_until(lambda: len(out.finished_keys()) >= 72, timeout=60, message="all 72")
     assert out.finished_keys() == {f"{p.dataset}:{p.sample_id}" for p in held + free}
+    assert out.dead_letters() == []
+
+
+async def test_a_paid_request_is_answered_from_the_store_unless_repay_is_asked(
+    settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]
+) -> None:
+    from services.inference.core import REPAY_HEADER
+
+    sim = await sim_factory()
+    settings = settings_factory(provider=provider_cfg(sim))
+    await ensure_topics(settings.kafka, ["chat"])
+    prompts = [prompt("chat", i) for i in range(10)]
+    values = [(p.sample_id, encode(p)) for p in prompts]
+    await publish(settings, "chat", values)
+    async with Collector(settings, "responses", "dead-letter") as out:
+        async with running(settings):
+            await wait_until(lambda: len(out.responses()) >= 10, timeout=60, message="10 responses")
+        assert sum(sim.stats()["keys"].values()) == 10
+        # The same prompts again; two of them carry the repay header.
+        await publish(settings, "chat", values)
+        producer = make_producer(settings.kafka)
+        await producer.start()
+        try:
+            for p in prompts[:2]:
+                topic = settings.kafka.prompts_topic("chat")
+                key = sample_key("chat", p.sample_id).encode()
+                await (await producer.send(topic, encode(p), key=key, headers=[(REPAY_HEADER, b"1")]))
+        finally:
+            await producer.stop()
+        async with running(settings) as second:
+            await wait_until(lambda: len(out.responses()) >= 22, timeout=60, message="22 responses")
+            assert second.reused == 10
+        assert sum(sim.stats()["keys"].values()) == 12  # only the two asked for were paid again
+        # --repay: everything is paid again on purpose.
+        await publish(settings, "chat", values)
+        async with running(settings, repay=True) as third:
+            await wait_until(lambda: len(out.responses()) >= 32, timeout=60, message="32 responses")
+            assert third.reused == 0
+        assert sum(sim.stats()["keys"].values()) == 22
+    reused = [r for r in out.responses() if r.reused]
+    assert len(reused) == 10 and all(r.request_hash for r in out.responses())
     assert out.dead_letters() == []

@@ -230,3 +230,73 @@ def test_response_event_carries_prompt_and_request_facts() -> None:
     assert event.model == "deepseek/deepseek-v3-0324" and event.upstream_provider == "DeepInfra"
     assert (event.request_max_tokens, event.attempt, event.latency_s) == (256, 2, 1.5)
     assert event.usage.cost == 0.1 and event.content == "hello" and event.reasoning == "think"
+
+
+# --- outages, the response store's key ---------------------------------------------------
+
+
+def _fail(reason: str, status: int | None = None) -> ProviderFailure:
+    return ProviderFailure(reason=reason, message="x", retryable=True, http_status=status)
+
+
+def test_outage_detector_trips_after_n_in_a_row_and_an_answer_resets_it() -> None:
+    from services.inference.core import OutageDetector
+
+    detector = OutageDetector(threshold=3)
+    assert not detector.failure(_fail("provider_connection_refused"), detector.begin())
+    assert not detector.failure(_fail("provider_http_5xx", 503), detector.begin())
+    detector.success(detector.begin())
+    assert not detector.failure(_fail("provider_timeout"), detector.begin())
+    assert not detector.failure(_fail("provider_dns"), detector.begin())
+    assert detector.failure(_fail("provider_http_4xx", 404), detector.begin())
+    # a 429 is an answer: the provider is up, the streak ends
+    detector.failure(_fail("provider_timeout"), detector.begin())
+    assert not detector.failure(_fail("provider_http_429", 429), detector.begin())
+    assert detector.consecutive == 0
+
+
+def test_an_answer_to_a_request_sent_before_the_failures_proves_nothing() -> None:
+    from services.inference.core import OutageDetector
+
+    detector = OutageDetector(threshold=2)
+    old = detector.begin()  # in flight when the provider went away
+    first = detector.begin()
+    detector.failure(_fail("provider_connection_refused"), first)
+    detector.success(old)  # still answered: the server finishes what it had
+    assert detector.failure(_fail("provider_connection_refused"), detector.begin())
+
+
+def test_a_final_failure_is_an_outage_only_when_nobody_got_an_answer_since() -> None:
+    from services.inference.core import OutageDetector, is_outage_failure
+
+    detector = OutageDetector(threshold=8)
+    old = detector.begin()
+    failure = _fail("provider_connection_refused")
+    failure.answered_mark = detector.begin()
+    detector.failure(failure, failure.answered_mark)
+    detector.success(old)
+    assert detector.nobody_answered_since(failure)
+    detector.success(detector.begin())
+    assert not detector.nobody_answered_since(failure)
+    assert not is_outage_failure(_fail("provider_http_429", 429))
+    assert not is_outage_failure(_fail("provider_error_in_body", 200))
+    assert is_outage_failure(_fail("provider_http_5xx", 502))
+
+
+def test_outage_reason_names_a_wrong_base_url() -> None:
+    from services.inference.core import OutageDetector, outage_reason
+
+    detector = OutageDetector(threshold=2)
+    detector.failure(_fail("provider_http_4xx", 404), detector.begin())
+    detector.failure(_fail("provider_http_4xx", 404), detector.begin())
+    assert outage_reason(detector, "http://x/v1").startswith("base URL answers 404")
+    detector.failure(_fail("provider_connection_refused"), detector.begin())
+    reason = outage_reason(detector, "http://x/v1")
+    assert "3 consecutive failures" in reason and "provider_connection_refused" in reason
+
+
+def test_store_key_and_repay_header() -> None:
+    from services.inference.core import REPAY_HEADER, store_key, wants_repay
+
+    assert store_key("math", "a:b", "f" * 64) == f"math:a:b|{'f' * 64}"
+    assert wants_repay([(REPAY_HEADER, b"1")]) and not wants_repay([(REPAY_HEADER, b"0")]) and not wants_repay(None)

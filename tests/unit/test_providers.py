@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -323,6 +324,12 @@ async def test_simulator_passes_test_fault_headers_from_metadata() -> None:
     assert SIMULATOR_FAULT_HEADER not in rec.requests[1].headers
 
 
+def _caused(exc: Exception, cause: BaseException) -> Exception:
+    """``exc`` raised from ``cause`` (as httpx-aiohttp maps aiohttp's errors)."""
+    exc.__cause__ = cause
+    return exc
+
+
 @pytest.mark.parametrize(
     ("response", "reason", "retryable", "status"),
     [
@@ -336,7 +343,12 @@ async def test_simulator_passes_test_fault_headers_from_metadata() -> None:
          "provider_error_in_body", True, 200),
         (httpx.ReadTimeout("timed out"), "provider_timeout", True, None),
         (httpx.ConnectError("refused"), "provider_connection", True, None),
-        (httpx.RemoteProtocolError("peer closed connection"), "provider_connection", True, None),
+        (httpx.RemoteProtocolError("peer closed connection"), "provider_connection_closed", True, None),
+        (_caused(httpx.ConnectTimeout("connect"), ConnectionRefusedError(111, "refused")),
+         "provider_connection_refused", True, None),
+        (_caused(httpx.ConnectTimeout("connect"), socket.gaierror(-2, "Name or service not known")),
+         "provider_dns", True, None),
+        (httpx.ConnectTimeout("connect timed out"), "provider_connect_timeout", True, None),
     ],
 )
 async def test_http_failures_are_classified(
@@ -392,3 +404,79 @@ async def test_the_worker_client_pools_connections_for_the_configured_concurrenc
         assert client._transport.limits.max_connections == 1000  # type: ignore[attr-defined]
     finally:
         await client.aclose()
+
+
+# --- pre-flight checks and request identity ----------------------------------------------
+
+
+async def test_openrouter_without_a_key_fails_the_check_without_a_request() -> None:
+    rec = Recorder(httpx.Response(200, json={"data": {}}))
+    async with _client(rec) as client:
+        check = await make_provider(_settings(kind="openrouter"), client).check()
+    assert not check.ok and check.reason == "provider_key_missing" and not check.outage
+    assert "OPENROUTER_API_KEY" in check.message
+    assert rec.requests == []
+
+
+async def test_openrouter_check_reads_the_key_limit_and_usage() -> None:
+    body = {"data": {"label": "sk-or-v1-abc...", "limit": 50, "usage": 12.5, "limit_remaining": 37.5}}
+    rec = Recorder(httpx.Response(200, json=body))
+    async with _client(rec) as client:
+        check = await make_provider(_settings(kind="openrouter", api_key=SECRET), client).check()
+    assert check.ok, check
+    assert "$50" in check.detail and "12.5" in check.detail and "37.5" in check.detail
+    assert rec.requests[0].method == "GET" and rec.requests[0].url.path.endswith("/key")
+    assert rec.requests[0].headers["Authorization"] == f"Bearer {SECRET}"
+
+
+async def test_a_rejected_key_and_a_wrong_base_url_fail_the_check() -> None:
+    for response, reason, outage in (
+        (httpx.Response(401, json={"error": {"code": 401, "message": "No auth"}}), "provider_key_rejected", False),
+        (httpx.Response(404, text="not found"), "provider_base_url_404", True),
+        (httpx.Response(503, text="busy"), "provider_http_503", True),
+    ):
+        async with _client(Recorder(response)) as client:
+            check = await make_provider(_settings(kind="openrouter", api_key=SECRET), client).check()
+        assert (check.ok, check.reason, check.outage) == (False, reason, outage)
+        assert SECRET not in check.message
+
+
+async def test_openai_check_requires_the_model_in_the_list() -> None:
+    settings = _settings(kind="openai", model="qwen/qwen3-8b")
+    listed = Recorder(httpx.Response(200, json={"data": [{"id": "qwen/qwen3-8b"}, {"id": "other"}]}))
+    async with _client(listed) as client:
+        assert (await make_provider(settings, client).check()).ok
+    assert listed.requests[0].url.path.endswith("/models")
+    missing = Recorder(httpx.Response(200, json={"data": [{"id": "other"}]}))
+    async with _client(missing) as client:
+        check = await make_provider(settings, client).check()
+    assert (check.ok, check.reason) == (False, "provider_model_not_served")
+    assert "other" in check.message and "qwen/qwen3-8b" in check.message
+
+
+async def test_an_unreachable_provider_is_an_outage_with_its_own_reason() -> None:
+    refused = _caused(httpx.ConnectTimeout("connect"), ConnectionRefusedError(111, "refused"))
+    async with _client(Recorder(refused)) as client:
+        check = await make_provider(_settings(kind="simulator"), client).check()
+    assert (check.ok, check.reason, check.outage) == (False, "provider_connection_refused", True)
+
+
+NO_CLIENT: Any = None  # request_identity never touches the HTTP client
+
+
+def test_request_identity_changes_with_what_decides_the_answer() -> None:
+    from services.inference.core import request_hash
+
+    settings = _settings(kind="simulator")
+    provider = make_provider(settings, NO_CLIENT)
+    base = request_hash(provider.request_identity(_prompt(), settings.defaults, max_tokens=5))
+    assert base == request_hash(provider.request_identity(_prompt(), settings.defaults, max_tokens=5))
+    assert base != request_hash(provider.request_identity(_prompt(), settings.defaults, max_tokens=6))
+    other_text = _prompt(messages=[Message(role="user", content="something else")])
+    assert base != request_hash(provider.request_identity(other_text, settings.defaults, max_tokens=5))
+    hot = _settings(kind="simulator", extra_body={"temperature": 0.9})
+    hot_provider = make_provider(hot, NO_CLIENT)
+    assert base != request_hash(hot_provider.request_identity(_prompt(), hot.defaults, max_tokens=5))
+    # metadata is not sent to the provider: it does not change the request
+    tagged = _prompt(metadata={"source_line": 7})
+    assert base == request_hash(provider.request_identity(tagged, settings.defaults, max_tokens=5))

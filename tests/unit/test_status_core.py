@@ -57,3 +57,27 @@ def test_render_shows_every_panel_and_rates() -> None:
     inference = next(line for line in text.splitlines() if "draftstream-inference" in line)
     assert "36 (not started)" not in inference and " 36 " in inference
     assert "usage_mismatch" in text and "dead letters: 4" in text
+
+
+def test_standing_halts_show_scope_actor_and_reason_with_brackets_intact() -> None:
+    from schemas import Halt
+
+    snap = StatusSnapshot(taken_at=1_700_000_000.0)
+    snap.halts = [
+        Halt(scope="math", by="preflight", at=1_700_000_000.0,
+             reason="pre-flight: dataset math: profile 'x' cannot be used (unknown_profile): see [profiles.x]"),
+        Halt(scope="global", by="outage-probe", reason="base URL answers 404: 8 consecutive requests"),
+    ]
+    console = Console(record=True, width=300)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "halts: 2" in text
+    assert "[profiles.x]" in text and "unknown_profile" in text and "preflight" in text
+    assert "base URL answers 404" in text and "outage-probe" in text
+    assert text.index("global") < text.index("math")  # global first
+
+
+def test_no_halt_says_none() -> None:
+    console = Console(record=True, width=200)
+    console.print(render(StatusSnapshot(taken_at=0.0)))
+    assert "halts: 0" in console.export_text()

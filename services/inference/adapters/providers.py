@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
+import socket
+import ssl
 from collections.abc import Callable
 from typing import Annotated, Any, Protocol
 
@@ -22,7 +25,15 @@ from msgspec import Meta, Struct
 
 from schemas import LogprobToken, PromptPublished, ToolCall, ToolFunction, Usage, sample_key, wire_messages
 from services.common.config import DatasetSettings, Settings
-from services.inference.core import FATAL_STATUSES, ProviderFailure, ProviderResult, classify_status
+from services.inference.core import (
+    FATAL_STATUSES,
+    ProviderCheck,
+    ProviderFailure,
+    ProviderResult,
+    classify_status,
+)
+
+log = logging.getLogger(__name__)
 
 KEY_HEADER = "X-Draftstream-Key"
 SIMULATOR_FAULT_HEADER = "X-Simulator-Fault"
@@ -292,6 +303,48 @@ def parse_sglang(body: Any, *, think_end: str | None = "</think>") -> ProviderRe
     )
 
 
+# --- transport failures ---
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or during, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain and len(chain) < 20:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def transport_reason(exc: BaseException) -> str:
+    """The reason code of a failure to reach the provider, from the whole exception chain.
+
+    httpx-aiohttp reports every connect failure as ``ConnectTimeout``; the cause underneath
+    tells a refused connection from a DNS failure, a TLS error or a real timeout.
+    """
+    chain = _causes(exc)
+    names = {type(e).__name__ for e in chain}
+    if any(isinstance(e, socket.gaierror) for e in chain) or "ClientConnectorDNSError" in names:
+        return "provider_dns"
+    if any(isinstance(e, ConnectionRefusedError) for e in chain):
+        return "provider_connection_refused"
+    if any(isinstance(e, ssl.SSLError | ssl.CertificateError) for e in chain) or names & {
+        "ClientConnectorCertificateError",
+        "ClientConnectorSSLError",
+        "ClientSSLError",
+    }:
+        return "provider_tls"
+    if names & {"ServerDisconnectedError", "RemoteProtocolError", "ClientPayloadError"} or any(
+        isinstance(e, ConnectionResetError | BrokenPipeError) for e in chain
+    ):
+        return "provider_connection_closed"
+    if names & {"ConnectTimeout", "ConnectionTimeoutError"}:
+        return "provider_connect_timeout"
+    if any(isinstance(e, httpx.TimeoutException | TimeoutError) for e in chain):
+        return "provider_timeout"
+    return "provider_connection"
+
+
 # --- requests ---
 
 
@@ -348,12 +401,24 @@ class Provider(Protocol):
         """Whether a request for ``prompt`` carries ``tools``."""
         ...
 
+    def request_identity(self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int) -> dict[str, Any]:
+        """What decides the answer to ``prompt``'s request (hashed into the response store key)."""
+        ...
+
+    async def check(self) -> ProviderCheck:
+        """Whether the provider is reachable, the key valid and the model served (no cost)."""
+        ...
+
 
 class HttpPoster(Protocol):
     """What a provider needs from an HTTP client: ``httpx.AsyncClient`` or a pool of them."""
 
     async def post(self, url: str, *, content: bytes, headers: dict[str, str]) -> httpx.Response:
         """POST ``content`` to ``url``."""
+        ...
+
+    async def get(self, url: str, *, headers: dict[str, str]) -> httpx.Response:
+        """GET ``url`` (pre-flight and outage probes)."""
         ...
 
 
@@ -393,15 +458,9 @@ class _HttpProvider:
             response = await self._client.post(
                 f"{self._base}{path}", content=msgspec.json.encode(body), headers=headers
             )
-        except httpx.TimeoutException as exc:
+        except (httpx.TransportError, OSError) as exc:
             raise ProviderFailure(
-                reason="provider_timeout",
-                message=self._redact(f"{type(exc).__name__}: {exc}"),
-                retryable=True,
-            ) from None
-        except httpx.TransportError as exc:
-            raise ProviderFailure(
-                reason="provider_connection",
+                reason=transport_reason(exc),
                 message=self._redact(f"{type(exc).__name__}: {exc}"),
                 retryable=True,
             ) from None
@@ -417,6 +476,77 @@ class _HttpProvider:
                 response.status_code, self._redact(text), response.headers.get("retry-after")
             )
         return decode_json_body(response.content)
+
+
+    # --- pre-flight and probes -------------------------------------------------------
+
+    def _auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._secret}"} if self._secret else {}
+
+    async def _get(self, url: str) -> httpx.Response | ProviderCheck:
+        """GET ``url``; a transport failure comes back as a failed (outage) check."""
+        try:
+            return await self._client.get(url, headers=self._auth_headers())
+        except (httpx.TransportError, OSError) as exc:
+            reason = transport_reason(exc)
+            return ProviderCheck(
+                ok=False,
+                reason=reason,
+                message=self._redact(f"cannot reach {url} ({reason}): {type(exc).__name__}: {exc}"),
+                outage=True,
+            )
+
+    def _status_check(self, url: str, response: httpx.Response) -> ProviderCheck | None:
+        """The failed check a non-2xx answer means, or None for a 2xx."""
+        status = response.status_code
+        if 200 <= status < 300:
+            return None
+        text = self._redact(response.text[:300])
+        if status in (401, 403):
+            return ProviderCheck(
+                ok=False,
+                reason="provider_key_rejected",
+                message=f"the provider refused the API key: GET {url} answered HTTP {status}: {text}",
+            )
+        if status == 404:
+            return ProviderCheck(
+                ok=False,
+                reason="provider_base_url_404",
+                message=f"base URL answers 404: GET {url} answered HTTP 404 (check provider.base_url)",
+                outage=True,
+            )
+        return ProviderCheck(
+            ok=False,
+            reason=f"provider_http_{status}",
+            message=f"GET {url} answered HTTP {status}: {text}",
+            outage=status >= 500 or status in (408, 429),
+        )
+
+    async def _models_check(self, url: str, *, require_model: bool) -> ProviderCheck:
+        """``GET .../models`` answers, and (when asked) lists the configured model."""
+        got = await self._get(url)
+        if isinstance(got, ProviderCheck):
+            return got
+        failed = self._status_check(url, got)
+        if failed is not None:
+            return failed
+        try:
+            listed = [str(m.get("id")) for m in (got.json().get("data") or []) if isinstance(m, dict)]
+        except (ValueError, AttributeError):
+            listed = []
+        model = self._provider.model
+        if require_model and model not in listed:
+            shown = ", ".join(listed[:10]) or "none"
+            return ProviderCheck(
+                ok=False,
+                reason="provider_model_not_served",
+                message=f"GET {url} does not list the model {model!r} (provider.model); it serves: {shown}",
+            )
+        return ProviderCheck(ok=True, detail=f"GET {url}: {len(listed)} model(s) listed")
+
+    async def check(self) -> ProviderCheck:
+        """``GET <base_url>/models`` answers (the model listed is checked by OpenAI-compatible kinds)."""
+        return await self._models_check(f"{self._base}/models", require_model=False)
 
 
 class OpenRouterProvider(_HttpProvider):
@@ -438,11 +568,8 @@ class OpenRouterProvider(_HttpProvider):
         except ProfileError:
             return None  # an unknown profile is refused by pre-flight and reconstruct, not here
 
-    async def complete(
-        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
-    ) -> ProviderResult:
-        """Send one chat-completions request for ``prompt``."""
-        body = chat_request_body(
+    def _body(self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int) -> dict[str, Any]:
+        return chat_request_body(
             prompt,
             dataset,
             model=self._provider.model,
@@ -452,8 +579,51 @@ class OpenRouterProvider(_HttpProvider):
             native_ids=self.native_ids,
             template_kwargs=self.template_kwargs(dataset),
         )
-        data = await self._post("/chat/completions", body, self._headers(prompt))
+
+    def request_identity(self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int) -> dict[str, Any]:
+        """The request body exactly as sent (messages, tools, model, sampling, max_tokens)."""
+        return {"provider": self.name, "body": self._body(prompt, dataset, max_tokens)}
+
+    async def complete(
+        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
+    ) -> ProviderResult:
+        """Send one chat-completions request for ``prompt``."""
+        data = await self._post("/chat/completions", self._body(prompt, dataset, max_tokens), self._headers(prompt))
         return self._parse(data)
+
+    async def check(self) -> ProviderCheck:
+        """A key is set and valid (``GET /key``: its credit limit and usage are logged)."""
+        if not self._secret:
+            return ProviderCheck(
+                ok=False,
+                reason="provider_key_missing",
+                message=(
+                    "OpenRouter needs an API key and none is set: export OPENROUTER_API_KEY "
+                    "(or DRAFTSTREAM_PROVIDER__API_KEY) before starting inference"
+                ),
+            )
+        url = f"{self._base}/key"
+        got = await self._get(url)
+        if isinstance(got, ProviderCheck):
+            return got
+        failed = self._status_check(url, got)
+        if failed is not None:
+            return failed
+        try:
+            data = got.json().get("data") or {}
+        except (ValueError, AttributeError):
+            data = {}
+        limit, usage, remaining = data.get("limit"), data.get("usage"), data.get("limit_remaining")
+        detail = (
+            f"OpenRouter key {data.get('label') or '?'}: credit limit "
+            f"{'none' if limit is None else f'${limit}'}, usage ${usage if usage is not None else '?'}"
+            + (f", remaining ${remaining}" if remaining is not None else "")
+        )
+        if remaining is not None and isinstance(remaining, int | float) and remaining <= 0:
+            return ProviderCheck(
+                ok=False, reason="provider_credit_exhausted", message=f"{detail}: no credit left on this key"
+            )
+        return ProviderCheck(ok=True, detail=detail)
 
     parse_body: Callable[[Any], ProviderResult] = staticmethod(parse_openrouter)
 
@@ -473,12 +643,20 @@ class OpenAIProvider(OpenRouterProvider):
     sends_template_kwargs = True
     parse_body = staticmethod(parse_openai)
 
+    async def check(self) -> ProviderCheck:
+        """``GET <base_url>/models`` answers and lists ``provider.model``."""
+        return await self._models_check(f"{self._base}/models", require_model=True)
+
 
 class SimulatorProvider(OpenRouterProvider):
     """The local simulator: OpenRouter's shape, plus test-only fault headers from metadata."""
 
     name = "simulator"
     sends_template_kwargs = True
+
+    async def check(self) -> ProviderCheck:
+        """``GET <base_url>/models`` answers (the simulator serves any model name)."""
+        return await _HttpProvider.check(self)
 
     def _headers(self, prompt: PromptPublished) -> dict[str, str]:
         headers = super()._headers(prompt)
@@ -551,14 +729,35 @@ class SGLangProvider(_HttpProvider):
 
         return await asyncio.to_thread(render)
 
+    def _sampling(self, max_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        extra = dict(self._provider.extra_body)
+        sampling: dict[str, Any] = {"max_new_tokens": max_tokens, "skip_special_tokens": False}
+        sampling.update(extra.pop("sampling_params", {}) or {})
+        return sampling, extra
+
+    def request_identity(self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int) -> dict[str, Any]:
+        """What the ``input_ids`` are rendered from (messages, tools, profile) plus the sampling."""
+        sampling, extra = self._sampling(max_tokens)
+        return {
+            "provider": self.name,
+            "model": self._provider.model,
+            "messages": wire_messages(prompt.messages),
+            "tools": prompt.tools if self.tools_sent(prompt, dataset) else None,
+            "profile": dataset.profile,
+            "sampling_params": sampling,
+            "extra_body": extra,
+        }
+
+    async def check(self) -> ProviderCheck:
+        """``GET <base_url>/v1/models`` answers (SGLang names the model by its path)."""
+        return await self._models_check(f"{self._base}/v1/models", require_model=False)
+
     async def complete(
         self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
     ) -> ProviderResult:
         """Send one ``/generate`` request for ``prompt``."""
         ids = await self.input_ids(prompt, dataset)
-        extra = dict(self._provider.extra_body)
-        sampling: dict[str, Any] = {"max_new_tokens": max_tokens, "skip_special_tokens": False}
-        sampling.update(extra.pop("sampling_params", {}) or {})
+        sampling, extra = self._sampling(max_tokens)
         body: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling, "stream": False}
         body.update(extra)
         data = await self._post("/generate", body, self._headers(prompt))
