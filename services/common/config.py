@@ -97,7 +97,7 @@ class ProviderSettings(BaseModel):
     model_config = _frozen
 
     kind: Literal["simulator", "openrouter", "openai", "sglang"] = "simulator"
-    base_url: str = "http://127.0.0.1:8099"
+    base_url: str = "http://127.0.0.1:8099/api/v1"  # where `draftstream simulate-provider` answers
     model: str = "qwen/qwen3-8b"
     api_key: SecretStr | None = None
     concurrency: int = Field(default=256, gt=0, le=20_000)

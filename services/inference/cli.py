@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from services.common.logs import LogLevelOption
+
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
     """Add the inference commands to the CLI."""
@@ -17,7 +19,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             Path | None,
             typer.Option("--config", "-c", help="TOML config file (default: ./draftstream.toml if present)"),
         ] = None,
-        log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
+        log_level: LogLevelOption = None,
         repay: Annotated[
             bool,
             typer.Option(

@@ -454,7 +454,7 @@ async def start_simulator(
         if isinstance(address, tuple) and len(address) >= 2:
             bound = int(address[1])
             break
-    log.info("simulator (%s) listening on http://%s:%d", profile.name, host, bound)
+    log.info("simulator (%s) listening: set [provider] base_url = \"http://%s:%d/api/v1\"", profile.name, host, bound)
     return RunningSimulator(server, runner, host, bound)
 
 

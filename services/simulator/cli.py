@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from services.common.logs import LogLevelOption
+
 
 def _parse_range(text: str, option: str) -> tuple[int, int]:
     """``"40-200"`` (or ``"100"``) as an inclusive token range."""
@@ -87,6 +89,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         ] = None,
         metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics on this port (0: off)")] = 0,
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (custom profiles)")] = None,
+        log_level: LogLevelOption = None,
     ) -> None:
         """Serve an OpenRouter-shaped provider simulator (ground-truth ids, fault injection)."""
         import asyncio
@@ -126,7 +129,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             except Exception as exc:  # missing file, not UTF-8, or a Jinja syntax error: one clear line
                 fail(f"--chat-template-file {chat_template_file}: {exc}")
         settings = settings_from(config)
-        setup_logging(settings)
+        setup_logging(settings, log_level)
         try:
             loaded = get_profile(profile, settings)
         except Exception as exc:  # ProfileError and tokenizer load failures: one clear line

@@ -207,3 +207,17 @@ def test_publish_refuses_a_dataset_whose_profile_cannot_load(tmp_path: Path) -> 
     assert result.exit_code == 2
     assert "profile 'no-such-model' cannot be used (unknown_profile)" in result.output
     assert "nothing was published" in result.output
+
+
+def test_the_default_base_url_is_where_the_simulator_answers() -> None:
+    """`simulate-provider` on its default port serves /api/v1/chat/completions: the default base_url points there."""
+    from services.common.config import load_settings as fresh
+
+    assert fresh(None).provider.base_url == "http://127.0.0.1:8099/api/v1"
+
+
+def test_every_service_takes_log_level() -> None:
+    runner = CliRunner()
+    for command in (["run", s] for s in ("inference", "reconstruct", "audit", "budget", "sink")):
+        assert "--log-level" in runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"}).output, command
+    assert "--log-level" in runner.invoke(app, ["simulate-provider", "--help"], env={"COLUMNS": "200"}).output
