@@ -374,12 +374,17 @@ async def _halt_in_status(settings: Settings, scope: str) -> tuple[Halt, str]:
     return halt, console.export_text()
 
 
+@pytest.mark.parametrize(
+    ("profile", "reason"),
+    [("no-such-model", "unknown_profile"), ("kimi-k2-thinking", "tokenizer_missing")],
+    ids=["unknown-profile", "missing-tokenizer"],
+)
 async def test_a_bad_profile_halts_its_dataset_before_any_request(
-    settings_factory: Callable[..., Settings], report: Callable[..., str]
+    profile: str, reason: str, settings_factory: Callable[..., Settings], report: Callable[..., str]
 ) -> None:
     sim = await start_simulator(SimulatorOptions(**FAST))
     settings = settings_factory(
-        provider=provider(sim), datasets={"bad": {"profile": "no-such-model"}, "good": {"profile": "qwen3"}}
+        provider=provider(sim), datasets={"bad": {"profile": profile}, "good": {"profile": "qwen3"}}
     )
     await ensure_topics(settings.kafka, ["bad", "good"])
     await produce(settings, settings.kafka.prompts_topic("bad"), [prompt_value("bad", i) for i in range(20)])
@@ -396,8 +401,8 @@ async def test_a_bad_profile_halts_its_dataset_before_any_request(
         await sim.close()
     report(bad_requests=sum(c for k, c in paid(sim).items() if k.startswith("bad:")), halt=halt.reason[:80])
     assert not any(k.startswith("bad:") for k in paid(sim))
-    assert halt.by == PREFLIGHT_ACTOR and "no-such-model" in halt.reason and "unknown_profile" in halt.reason
-    assert "no-such-model" in screen and PREFLIGHT_ACTOR in screen
+    assert halt.by == PREFLIGHT_ACTOR and profile in halt.reason and reason in halt.reason
+    assert profile in screen and PREFLIGHT_ACTOR in screen
     assert await dead_letters(settings) == []  # halted, not drained
 
 
