@@ -69,9 +69,9 @@ async def read_compacted(settings: Settings, logical_topic: str) -> tuple[dict[b
         return {}, {}
     # Without a group, a subscribed consumer is assigned every partition at start.
     consumer = make_consumer(settings.kafka, topic, group_id=None)
-    await consumer.start()
     latest: dict[bytes, bytes | None] = {}
     try:
+        await consumer.start()  # inside the try: a failed start leaks no connection
         partitions = sorted(consumer.assignment(), key=lambda tp: tp.partition)
         if not partitions:
             return {}, {}

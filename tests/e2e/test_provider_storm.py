@@ -60,6 +60,10 @@ async def test_provider_storm_loses_nothing_and_bounds_retries(
             "base_url": sim.url,
             "concurrency": 32,
             "max_attempts": MAX_ATTEMPTS,
+            # A storm of per-request faults, not an outage: eight failures in a row happen by
+            # chance at these rates, and an outage halt (tested in test_money_safety) would
+            # rightly send the held prompts again after it lifts.
+            "outage_after": 100_000,
             "backoff_initial_s": 0.05,
             "backoff_max_s": 0.5,
             "timeout_s": 1.0,

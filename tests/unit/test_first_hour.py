@@ -106,8 +106,8 @@ def test_broker_start_prints_the_export_line(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_bootstrap_default_follows_kafka_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("KAFKA_BOOTSTRAP_SERVERS", "DRAFTSTREAM_KAFKA__BOOTSTRAP_SERVERS"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("KAFKA_BOOTSTRAP_SERVERS", "DRAFTSTREAM_KAFKA__BOOTSTRAP_SERVERS", "KAFKA_PORT"):
+        monkeypatch.delenv(name, raising=False)  # make test exports KAFKA_PORT for its own broker
     monkeypatch.chdir(tmp_path)  # no draftstream.toml
     assert load_settings(None).kafka.bootstrap_servers == "127.0.0.1:9092"
     monkeypatch.setenv("KAFKA_PORT", "29092")
