@@ -483,6 +483,22 @@ class _HttpProvider:
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._secret}"} if self._secret else {}
 
+    async def _get_data(self, url: str) -> Any:
+        """GET ``url`` and return the ``data`` field of its JSON answer (None when absent or not JSON).
+
+        A transport failure or a non-2xx answer comes back as the failed :class:`ProviderCheck`.
+        """
+        got = await self._get(url)
+        if isinstance(got, ProviderCheck):
+            return got
+        failed = self._status_check(url, got)
+        if failed is not None:
+            return failed
+        try:
+            return got.json().get("data")
+        except (ValueError, AttributeError):
+            return None
+
     async def _get(self, url: str) -> httpx.Response | ProviderCheck:
         """GET ``url``; a transport failure comes back as a failed (outage) check."""
         try:
@@ -524,16 +540,10 @@ class _HttpProvider:
 
     async def _models_check(self, url: str, *, require_model: bool) -> ProviderCheck:
         """``GET .../models`` answers, and (when asked) lists the configured model."""
-        got = await self._get(url)
-        if isinstance(got, ProviderCheck):
-            return got
-        failed = self._status_check(url, got)
-        if failed is not None:
-            return failed
-        try:
-            listed = [str(m.get("id")) for m in (got.json().get("data") or []) if isinstance(m, dict)]
-        except (ValueError, AttributeError):
-            listed = []
+        data = await self._get_data(url)
+        if isinstance(data, ProviderCheck):
+            return data
+        listed = [str(m.get("id")) for m in data or [] if isinstance(m, dict)] if isinstance(data, list | None) else []
         model = self._provider.model
         if require_model and model not in listed:
             shown = ", ".join(listed[:10]) or "none"
@@ -603,15 +613,10 @@ class OpenRouterProvider(_HttpProvider):
                 ),
             )
         url = f"{self._base}/key"
-        got = await self._get(url)
-        if isinstance(got, ProviderCheck):
-            return got
-        failed = self._status_check(url, got)
-        if failed is not None:
-            return failed
-        try:
-            data = got.json().get("data") or {}
-        except (ValueError, AttributeError):
+        data = await self._get_data(url)
+        if isinstance(data, ProviderCheck):
+            return data
+        if not isinstance(data, dict):
             data = {}
         limit, usage, remaining = data.get("limit"), data.get("usage"), data.get("limit_remaining")
         detail = (
