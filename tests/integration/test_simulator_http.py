@@ -46,7 +46,7 @@ def official_qwen3_template() -> Path:
     base = Path(os.environ.get("DRAFTSTREAM_REFERENCE_DIR") or REPO.parent / "shared" / "reference")
     path = base / "chat-templates" / "Qwen-Qwen3-0.6B.jinja"
     if not path.is_file():
-        pytest.skip(f"reference template {path} not found (set DRAFTSTREAM_REFERENCE_DIR)")
+        pytest.fail(f"reference template {path} not found (set DRAFTSTREAM_REFERENCE_DIR): the truth must come from it")
     return path
 
 

@@ -80,7 +80,7 @@ def official_template(name: str) -> str:
     """An official chat template from the shared reference (skips when it is not there)."""
     path = reference_dir() / "chat-templates" / name
     if not path.is_file():
-        pytest.skip(f"reference template {path} not found (set DRAFTSTREAM_REFERENCE_DIR)")
+        pytest.fail(f"reference template {path} not found (set DRAFTSTREAM_REFERENCE_DIR): the truth must come from it")
     return path.read_text(encoding="utf-8")
 
 
