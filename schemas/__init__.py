@@ -16,6 +16,8 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
+from schemas import topology as _topology
+
 __all__ = [
     "ACCEPTED_TOPIC",
     "BUDGET_STATE_TOPIC",
@@ -37,6 +39,7 @@ __all__ = [
     "LogprobToken",
     "Message",
     "PromptPublished",
+    "ReplayRecorded",
     "RequestStarted",
     "ResponseReceived",
     "Resume",
@@ -56,18 +59,17 @@ __all__ = [
 
 SCHEMA_VERSION: Final = 1
 
-# Logical topic names (a configured prefix is prepended by services.common.config).
-PROMPTS_TOPIC_PREFIX: Final = "prompts."
-REQUESTS_TOPIC: Final = "requests"
-RESPONSES_TOPIC: Final = "responses"
-SAMPLES_TOPIC: Final = "samples"
-ACCEPTED_TOPIC: Final = "accepted"
-DEAD_LETTER_TOPIC: Final = "dead-letter"
-CONTROL_TOPIC: Final = "control"
-BUDGET_STATE_TOPIC: Final = "budget-state"
-# Compacted: the paid response per exact request (``<dataset>:<sample_id>|<request hash>``),
-# so a prompt seen again is answered from here instead of being paid for twice.
-RESPONSE_STORE_TOPIC: Final = "response-store"
+# Logical topic names, declared in schemas.topology (a configured prefix is prepended by
+# services.common.config).
+PROMPTS_TOPIC_PREFIX: Final = _topology.PROMPTS_PREFIX
+REQUESTS_TOPIC: Final = _topology.REQUESTS
+RESPONSES_TOPIC: Final = _topology.RESPONSES
+SAMPLES_TOPIC: Final = _topology.SAMPLES
+ACCEPTED_TOPIC: Final = _topology.ACCEPTED
+DEAD_LETTER_TOPIC: Final = _topology.DEAD_LETTER
+CONTROL_TOPIC: Final = _topology.CONTROL
+BUDGET_STATE_TOPIC: Final = _topology.BUDGET_STATE
+RESPONSE_STORE_TOPIC: Final = _topology.RESPONSE_STORE
 GLOBAL_SCOPE: Final = "global"
 
 # Bounds that make absurd numbers a decode error instead of a silent corruption.
@@ -303,6 +305,16 @@ class BudgetSnapshot(Struct, kw_only=True):
     remaining_prompts: int | None = None
     projected_usd: float | None = None
     projected_completion_tokens: int | None = None
+
+
+class ReplayRecorded(Struct, kw_only=True):
+    """A dead letter was re-sent, on ``dlq-replayed`` keyed by its ``<partition>:<offset>``."""
+
+    topic: str
+    key: str = ""
+    replay_count: NonNegInt = 1
+    replayed_at_ms: int = 0
+    schema_version: Version = SCHEMA_VERSION
 
 
 class DeadLetterHeaders:

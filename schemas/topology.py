@@ -78,6 +78,8 @@ PROMPTS_PREFIX: Final = "prompts."
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
 
 SAMPLE_KEY: Final = "<dataset>:<sample_id>"
+DEAD_LETTER_MESSAGE: Final = "DeadLetter"
+"""A dead letter's value is the failed record's value, byte for byte: any event above."""
 
 _topics = (
     Topic(
@@ -117,7 +119,7 @@ _topics = (
     ),
     Topic(
         DEAD_LETTER,
-        ("DeadLetter",),
+        (DEAD_LETTER_MESSAGE,),
         "the failed record's own key (usually <dataset>:<sample_id>)",
         False,
         "Failed records, value byte for byte, with draftstream.errors.* headers saying why and where from.",
@@ -281,6 +283,27 @@ def prompts_topic(dataset: str) -> str:
     return f"{PROMPTS_PREFIX}{dataset}"
 
 
+def topic_for(name: str) -> Topic:
+    """The declared topic of a logical name; ``prompts.<dataset>`` resolves to ``prompts.*``.
+
+    Raises:
+        KeyError: the name is no topic of the topology (the message names it).
+    """
+    if name in TOPICS:
+        return TOPICS[name]
+    for topic in _topics:
+        if topic.is_pattern and name.startswith(topic.prefix) and len(name) > len(topic.prefix):
+            return topic
+    raise KeyError(f"{name!r} is not a topic of the topology (known: {', '.join(TOPICS)})")
+
+
+def belongs_to(physical: str, logical: str, topic_prefix: str = "") -> bool:
+    """Whether a physical topic name is (one of) the logical topic's under a deployment prefix."""
+    declared = TOPICS[logical]
+    wanted = f"{topic_prefix}{declared.prefix}"
+    return physical.startswith(wanted) and len(physical) > len(wanted) if declared.is_pattern else physical == wanted
+
+
 def fixed_topics() -> tuple[str, ...]:
     """Logical names of the topics every deployment has (not ``prompts.*``, not the replay ledger)."""
     return _FIXED
@@ -310,6 +333,7 @@ __all__ = [
     "BUDGET_STATE",
     "CONTROL",
     "DEAD_LETTER",
+    "DEAD_LETTER_MESSAGE",
     "DLQ_REPLAYED",
     "GROUPS",
     "INFERENCE_GROUP",
@@ -329,8 +353,11 @@ __all__ = [
     "TOPICS",
     "Role",
     "Topic",
+    "belongs_to",
     "fixed_topics",
+    "prompts_topic",
     "group_inputs",
     "readers_of",
+    "topic_for",
     "writers_of",
 ]

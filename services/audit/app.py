@@ -22,6 +22,7 @@ from schemas import (
     SchemaError,
     decode,
     encode,
+    topology,
 )
 from services.audit.core import AuditProfile, audit_batch, failure_message
 from services.common.config import AuditThresholds, Settings
@@ -32,7 +33,7 @@ from services.common.stage import Result, StageRunner
 log = logging.getLogger(__name__)
 
 STAGE = "audit"
-GROUP_ID = "draftstream-audit"
+GROUP_ID = topology.GROUPS[STAGE]
 
 ProfileLoader = Callable[[str], AuditProfile]
 
@@ -86,7 +87,7 @@ class AuditService:
             settings=settings,
             stage=STAGE,
             topics=[settings.kafka.topic(SAMPLES_TOPIC)],
-            group_id=settings.kafka.topic(GROUP_ID),
+            group_id=settings.kafka.group(GROUP_ID),
             handler=self.handle,
             producer=producer,
         )

@@ -68,7 +68,8 @@ def audit_file(
         out.mkdir(parents=True, exist_ok=True)
         with (out / "verdicts.jsonl").open("w", encoding="utf-8") as sink:
             for line, key, passed, reasons, message in report.verdicts:
-                row = {"line": line, "key": key, "verdict": "accepted" if passed else "dead_lettered",
+                verdict = "accepted" if passed else "dead_lettered"  # topology: not a topic
+                row = {"line": line, "key": key, "verdict": verdict,
                        "reasons": reasons, "message": message}
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
     console = Console()

@@ -68,6 +68,10 @@ from services.control import control_state_from, read_budget_snapshots, read_com
 log = logging.getLogger(__name__)
 
 STAGE = "budget"
+# What the service consumes (schemas.topology's budget role), in the order a batch is applied:
+# requests before responses, so an answer in the same batch closes its request.
+CONSUMED = (CONTROL_TOPIC, REQUESTS_TOPIC, RESPONSES_TOPIC, DEAD_LETTER_TOPIC)
+_ORDER = {topic: i for i, topic in enumerate(CONSUMED)}
 _STATE_CODE = {"running": 0, "soft-limit": 1, "halted": 2}
 
 
@@ -115,9 +119,7 @@ class BudgetService:
         self._stopping = asyncio.Event()
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
-        self._logical = {
-            settings.kafka.topic(n): n for n in (REQUESTS_TOPIC, RESPONSES_TOPIC, CONTROL_TOPIC, DEAD_LETTER_TOPIC)
-        }
+        self._logical = {settings.kafka.topic(n): n for n in CONSUMED}
         self._published_prompts: dict[str, int] = {}
         self._last_checkpoint = 0.0
         self._last_prompts_refresh = 0.0
@@ -169,9 +171,7 @@ class BudgetService:
         while not self._stopping.is_set():
             batches = await consumer.getmany(timeout_ms=200, max_records=500)
             records = [r for part in batches.values() for r in part]
-            # Requests before responses, so an answer in the same batch closes its request.
-            order = {CONTROL_TOPIC: 0, REQUESTS_TOPIC: 1, RESPONSES_TOPIC: 2, DEAD_LETTER_TOPIC: 3}
-            records.sort(key=lambda r: order[self._logical[r.topic]])
+            records.sort(key=lambda r: _ORDER[self._logical[r.topic]])
             decisions: list[Halt | Resume] = []
             dead: list[Outgoing] = []
             for record in records:

@@ -21,18 +21,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from schemas import (
-    ACCEPTED_TOPIC,
-    BUDGET_STATE_TOPIC,
-    CONTROL_TOPIC,
-    DEAD_LETTER_TOPIC,
-    GLOBAL_SCOPE,
-    PROMPTS_TOPIC_PREFIX,
-    REQUESTS_TOPIC,
-    RESPONSE_STORE_TOPIC,
-    RESPONSES_TOPIC,
-    SAMPLES_TOPIC,
-)
+from schemas import GLOBAL_SCOPE, topology
 
 DEFAULT_CONFIG_FILE = "draftstream.toml"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -66,29 +55,21 @@ class KafkaSettings(BaseModel):
     replication_factor: int = Field(default=1, gt=0)
 
     def topic(self, name: str) -> str:
-        """The physical name of a logical topic."""
+        """The physical name of a logical topic (see schemas.topology)."""
+        return f"{self.topic_prefix}{name}"
+
+    def group(self, name: str) -> str:
+        """The physical id of a logical consumer group: the prefix namespaces a deployment's groups too."""
         return f"{self.topic_prefix}{name}"
 
     def prompts_topic(self, dataset: str) -> str:
         """The physical topic of one dataset's prompts."""
-        return self.topic(f"{PROMPTS_TOPIC_PREFIX}{dataset}")
+        return self.topic(topology.prompts_topic(dataset))
 
     @property
     def topics(self) -> dict[str, str]:
         """Logical to physical names of the fixed topics."""
-        return {
-            n: self.topic(n)
-            for n in (
-                REQUESTS_TOPIC,
-                RESPONSES_TOPIC,
-                SAMPLES_TOPIC,
-                ACCEPTED_TOPIC,
-                DEAD_LETTER_TOPIC,
-                CONTROL_TOPIC,
-                BUDGET_STATE_TOPIC,
-                RESPONSE_STORE_TOPIC,
-            )
-        }
+        return {n: self.topic(n) for n in topology.fixed_topics()}
 
 
 class ProviderSettings(BaseModel):

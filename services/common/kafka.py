@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from schemas import BUDGET_STATE_TOPIC, CONTROL_TOPIC, DLQ_HEADERS, RESPONSE_STORE_TOPIC
+from schemas import DLQ_HEADERS, topology
 from services.common.config import KafkaSettings
 from services.common.records import DeadLetter, Headers, Outgoing
 
@@ -83,13 +83,24 @@ def make_admin(kafka: KafkaSettings) -> AIOKafkaAdminClient:
 
 
 def topic_configs(kafka: KafkaSettings, logical: str) -> dict[str, str]:
-    """Per-topic configuration: large messages everywhere, compaction for state topics."""
+    """Per-topic configuration: large messages everywhere, compaction where the topology says."""
     configs = {"max.message.bytes": str(kafka.max_message_bytes + 1024 * 1024)}
-    if logical in (CONTROL_TOPIC, BUDGET_STATE_TOPIC, RESPONSE_STORE_TOPIC):
+    if topology.topic_for(logical).compacted:
         configs["cleanup.policy"] = "compact"
         configs["min.cleanable.dirty.ratio"] = "0.1"
         configs["segment.ms"] = "3600000"
     return configs
+
+
+def new_topic(kafka: KafkaSettings, logical: str) -> NewTopic:
+    """The creation request of a logical topic: partitions and configs from the topology."""
+    declared = topology.topic_for(logical)
+    return NewTopic(
+        name=kafka.topic(logical),
+        num_partitions=declared.partitions or kafka.partitions,
+        replication_factor=kafka.replication_factor,
+        topic_configs=topic_configs(kafka, logical),
+    )
 
 
 async def ensure_topics(kafka: KafkaSettings, datasets: Iterable[str] = ()) -> list[str]:
@@ -97,23 +108,17 @@ async def ensure_topics(kafka: KafkaSettings, datasets: Iterable[str] = ()) -> l
 
     Returns the physical names that were newly created.
     """
-    wanted: dict[str, str] = dict(kafka.topics)  # logical -> physical
-    for dataset in datasets:
-        wanted[f"prompts.{dataset}"] = kafka.prompts_topic(dataset)
+    wanted: list[str] = [*topology.fixed_topics(), *(topology.prompts_topic(d) for d in datasets)]
+    return await create_topics(kafka, wanted)
+
+
+async def create_topics(kafka: KafkaSettings, logical_names: Iterable[str]) -> list[str]:
+    """Create the logical topics that do not exist yet; returns the physical names created."""
     admin = make_admin(kafka)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        new = [
-            NewTopic(
-                name=physical,
-                num_partitions=1 if logical in (CONTROL_TOPIC, BUDGET_STATE_TOPIC) else kafka.partitions,
-                replication_factor=kafka.replication_factor,
-                topic_configs=topic_configs(kafka, logical),
-            )
-            for logical, physical in wanted.items()
-            if physical not in existing
-        ]
+        new = [new_topic(kafka, name) for name in logical_names if kafka.topic(name) not in existing]
         created: list[str] = []
         for topic in new:
             try:
@@ -237,12 +242,14 @@ __all__ = [
     "Headers",
     "Outgoing",
     "client_kwargs",
+    "create_topics",
     "dead_letter",
     "ensure_topics",
     "header",
     "make_admin",
     "make_consumer",
     "make_producer",
+    "new_topic",
     "publish_all",
     "report_lag",
     "topic_configs",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.errors import KafkaError
 
+from schemas import DEAD_LETTER_TOPIC
 from services.common.config import Settings
 from services.common.kafka import (
     DeadLetter,
@@ -135,7 +136,7 @@ class StageRunner:
 
     def _dead_letter(self, record: ConsumerRecord[bytes, bytes], verdict: DeadLetter) -> Outgoing:
         return dead_letter(
-            dlq_topic=self.settings.kafka.topic("dead-letter"),
+            dlq_topic=self.settings.kafka.topic(DEAD_LETTER_TOPIC),
             stage=self.stage,
             verdict=verdict,
             value=record.value,

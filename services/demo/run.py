@@ -232,7 +232,7 @@ def summary(settings: Settings, out_dir: Path, published: dict[str, int]) -> tup
     view = asyncio.run(read_dead_letters(settings))
     dead_only = view.keys() - set(accepted)
     table = Table(title="draftstream demo: where every prompt ended")
-    for col in ("dataset", "published", "accepted", "dead-lettered", "accounted"):
+    for col in ("dataset", "published", "accepted", "dead-lettered", "accounted"):  # topology: not a topic
         table.add_column(col, justify="right" if col != "dataset" else "left")
     for name, n in published.items():
         acc = sum(1 for k in accepted if k.startswith(f"{name}:"))

@@ -11,19 +11,16 @@ command twice never does.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiokafka import ConsumerRecord
-from aiokafka.admin import NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 
-from schemas import DEAD_LETTER_TOPIC
+from schemas import DEAD_LETTER_TOPIC, ReplayRecorded, encode
 from services.common.config import KafkaSettings, Settings
 from services.common.errors import CommandError
-from services.common.kafka import Outgoing, make_admin, make_producer, publish_all
+from services.common.kafka import Outgoing, create_topics, make_admin, make_producer, publish_all
 from services.common.metrics import REPLAYS
 from services.common.reading import read_to_end, topic_partitions
 from services.dlq.core import (
@@ -86,27 +83,7 @@ async def read_replayed(kafka: KafkaSettings) -> set[str]:
 
 async def ensure_ledger(kafka: KafkaSettings) -> None:
     """Create the compacted replay ledger topic if it does not exist."""
-    admin = make_admin(kafka)
-    await admin.start()
-    try:
-        name = kafka.topic(REPLAYED_TOPIC)
-        if name in set(await admin.list_topics()):
-            return
-        try:
-            await admin.create_topics(
-                [
-                    NewTopic(
-                        name=name,
-                        num_partitions=1,
-                        replication_factor=kafka.replication_factor,
-                        topic_configs={"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1"},
-                    )
-                ]
-            )
-        except TopicAlreadyExistsError:
-            pass
-    finally:
-        await admin.close()
+    await create_topics(kafka, [REPLAYED_TOPIC])
 
 
 async def list_topics(kafka: KafkaSettings) -> set[str]:
@@ -191,14 +168,14 @@ async def replay(
                 Outgoing(
                     topic=ledger_topic,
                     key=p.record.id.encode(),
-                    value=json.dumps(
-                        {
-                            "topic": p.topic,
-                            "key": p.record.key_text,
-                            "replay_count": p.record.replay_count + 1,
-                            "replayed_at_ms": at,
-                        }
-                    ).encode(),
+                    value=encode(
+                        ReplayRecorded(
+                            topic=p.topic,
+                            key=p.record.key_text,
+                            replay_count=p.record.replay_count + 1,
+                            replayed_at_ms=at,
+                        )
+                    ),
                 )
                 for p in plan.send
             ),

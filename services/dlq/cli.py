@@ -80,6 +80,7 @@ def dlq_list(
     from rich.console import Console
     from rich.table import Table
 
+    from schemas import DEAD_LETTER_TOPIC
     from services.cli import settings_from
     from services.dlq.app import read_dead_letters
     from services.dlq.core import group_by_reason
@@ -88,7 +89,7 @@ def dlq_list(
     filters = _filters_or_fail(stage, reason, dataset, since, until, key)
     records = asyncio.run(read_dead_letters(settings, filters))
     groups = group_by_reason(records)
-    table = Table(title=f"dead letters on {settings.kafka.topic('dead-letter')}: {len(records)}")
+    table = Table(title=f"dead letters on {settings.kafka.topic(DEAD_LETTER_TOPIC)}: {len(records)}")
     table.add_column("stage")
     table.add_column("reason")
     table.add_column("count", justify="right")

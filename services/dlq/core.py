@@ -19,10 +19,7 @@ from datetime import UTC, datetime
 from typing import Final
 
 from schemas import (
-    ACCEPTED_TOPIC,
     DLQ_HEADERS,
-    RESPONSES_TOPIC,
-    SAMPLES_TOPIC,
     PromptPublished,
     ResponseReceived,
     SampleAudited,
@@ -30,20 +27,17 @@ from schemas import (
     SchemaError,
     decode,
     encode,
+    topology,
 )
 from services.common.config import KafkaSettings
 
 Headers = list[tuple[str, bytes]]
 
-REPLAYED_TOPIC: Final = "dlq-replayed"
+REPLAYED_TOPIC: Final = topology.DLQ_REPLAYED
 ERROR_HEADER_PREFIX: Final = "draftstream.errors."
 DEFAULT_MAX_REPLAYS: Final = 3
-STAGES: Final[tuple[str, ...]] = ("inference", "reconstruct", "audit", "sink")
-_STAGE_INPUT: Final[Mapping[str, str]] = {
-    "reconstruct": RESPONSES_TOPIC,
-    "audit": SAMPLES_TOPIC,
-    "sink": ACCEPTED_TOPIC,
-}
+# The stages a dead letter can be replayed to: those that read a topic.
+STAGES: Final[tuple[str, ...]] = tuple(s for s in topology.STAGES if s in topology.STAGE_INPUT)
 
 
 class FilterError(ValueError):
@@ -242,11 +236,11 @@ def target_topic(record: DeadLetterRecord, kafka: KafkaSettings, to: str | None 
     """Where a replay goes: ``to``'s input topic when given, else the original topic."""
     if to is None:
         return record.original_topic
-    if to == "inference":
-        return kafka.prompts_topic(record.dataset) if record.dataset else None
-    if to not in _STAGE_INPUT:
+    if to not in STAGES:
         raise FilterError(f"unknown stage {to!r} for --to; use one of: {', '.join(STAGES)}")
-    return kafka.topic(_STAGE_INPUT[to])
+    if topology.STAGE_INPUT[to] == topology.PROMPTS:
+        return kafka.prompts_topic(record.dataset) if record.dataset else None
+    return kafka.topic(topology.STAGE_INPUT[to])
 
 
 Event = PromptPublished | ResponseReceived | SampleReconstructed | SampleAudited

@@ -156,7 +156,7 @@ class InferenceWorker:
         self.repay = repay
         self._prompts_prefix = self._kafka.topic(PROMPTS_TOPIC_PREFIX)
         # The topic prefix namespaces a deployment, so it namespaces the group too.
-        self.group_id = self._kafka.topic(GROUP_ID)
+        self.group_id = self._kafka.group(GROUP_ID)
         self._topics = {
             name: self._kafka.topic(name)
             for name in (REQUESTS_TOPIC, RESPONSES_TOPIC, DEAD_LETTER_TOPIC, CONTROL_TOPIC)

@@ -28,11 +28,12 @@ from schemas import (
     Usage,
     decode,
     sample_key,
+    topology,
 )
 from services.common.kafka import DeadLetter
 
 STAGE = "inference"
-GROUP_ID = "draftstream-inference"
+GROUP_ID = topology.GROUPS[STAGE]
 PREFLIGHT_ACTOR = "preflight"
 """The ``by`` of halts (and resumes) from the checks made before the first paid request."""
 OUTAGE_ACTOR = "outage-probe"

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from aiokafka import ConsumerRecord
 
-from schemas import RESPONSES_TOPIC, SAMPLES_TOPIC, ResponseReceived, SchemaError, decode, encode, sample_key
+from schemas import RESPONSES_TOPIC, SAMPLES_TOPIC, ResponseReceived, SchemaError, decode, encode, sample_key, topology
 from services.common.config import Settings
 from services.common.kafka import DeadLetter, Outgoing
 from services.common.metrics import RECONSTRUCTED
@@ -20,7 +20,7 @@ from services.reconstruct.core import reconstruct_batch
 log = logging.getLogger(__name__)
 
 STAGE = "reconstruct"
-GROUP_ID = "draftstream-reconstruct"
+GROUP_ID = topology.GROUPS[STAGE]
 
 
 class ProfileCache:
@@ -112,7 +112,7 @@ class ReconstructService:
             settings=settings,
             stage=STAGE,
             topics=[settings.kafka.topic(RESPONSES_TOPIC)],
-            group_id=settings.kafka.topic(GROUP_ID),
+            group_id=settings.kafka.group(GROUP_ID),
             handler=self._handle,
         )
 

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord
 
-from schemas import ACCEPTED_TOPIC, SampleAudited, SchemaError, decode
+from schemas import ACCEPTED_TOPIC, SampleAudited, SchemaError, decode, topology
 from services.common.config import Settings
 from services.common.errors import DirectoryLocked
 from services.common.kafka import DeadLetter
@@ -40,7 +40,7 @@ from services.sink.core import parse_line, part_name, part_number, row_line, tor
 log = logging.getLogger(__name__)
 
 STAGE = "sink"
-GROUP_ID = "draftstream-sink"
+GROUP_ID = topology.GROUPS[STAGE]
 
 
 @dataclass
@@ -294,7 +294,7 @@ class SinkService:
             settings=settings,
             stage=STAGE,
             topics=[settings.kafka.topic(ACCEPTED_TOPIC)],
-            group_id=settings.kafka.topic(GROUP_ID),
+            group_id=settings.kafka.group(GROUP_ID),
             handler=self.handle,
             producer=producer,
         )

@@ -22,17 +22,13 @@ from schemas import (
     Halt,
     SchemaError,
     decode,
+    topology,
 )
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
 from services.control import read_control_state
 from services.dlq.app import read_to_end, topic_partitions
 from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot
-
-
-def _matches(physical: str, prefix: str, logical: str) -> bool:
-    wanted = f"{prefix}{logical}"
-    return physical.startswith(wanted) if logical.endswith(".") else physical == wanted
 
 
 async def _committed(admin: Any, group: str) -> dict[TopicPartition, int]:
@@ -69,7 +65,7 @@ async def collect(
         logical_topics = {logical for _, logical in STAGE_TOPICS} | {
             t for inputs in groups.values() for t in inputs
         }
-        ours = sorted(t for t in existing if any(_matches(t, prefix, lg) for lg in logical_topics))
+        ours = sorted(t for t in existing if any(topology.belongs_to(t, lg, prefix) for lg in logical_topics))
         partitions = await topic_partitions(admin, ours)
         tps = [TopicPartition(topic, p) for topic in ours for p in partitions.get(topic, [])]
         end: dict[TopicPartition, int] = await consumer.end_offsets(tps) if tps else {}
@@ -78,9 +74,9 @@ async def collect(
             snapshot.topic_records[tp.topic] = snapshot.topic_records.get(tp.topic, 0) + offset
 
         for group, inputs in groups.items():
-            committed = await _committed(admin, kafka.topic(group))
+            committed = await _committed(admin, kafka.group(group))
             for tp in tps:
-                if not any(_matches(tp.topic, prefix, logical) for logical in inputs):
+                if not any(topology.belongs_to(tp.topic, logical, prefix) for logical in inputs):
                     continue
                 snapshot.lags.append(
                     GroupLag(

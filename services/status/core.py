@@ -17,29 +17,14 @@ from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
-from schemas import (
-    ACCEPTED_TOPIC,
-    DEAD_LETTER_TOPIC,
-    PROMPTS_TOPIC_PREFIX,
-    RESPONSES_TOPIC,
-    SAMPLES_TOPIC,
-    BudgetSnapshot,
-    Halt,
-)
+from schemas import BudgetSnapshot, Halt, topology
 
-# Consumer groups of the stream stages and the logical topics they read.
-GROUP_INPUTS: Final[dict[str, tuple[str, ...]]] = {
-    "draftstream-inference": (PROMPTS_TOPIC_PREFIX,),
-    "draftstream-reconstruct": (RESPONSES_TOPIC,),
-    "draftstream-audit": (SAMPLES_TOPIC,),
-    "draftstream-sink": (ACCEPTED_TOPIC,),
-}
+# Consumer groups of the stream stages and the logical topics they read (schemas.topology).
+GROUP_INPUTS: Final[dict[str, tuple[str, ...]]] = topology.group_inputs()
+# Each stage's main output topic in pipeline order, then the dead letters.
 STAGE_TOPICS: Final[tuple[tuple[str, str], ...]] = (
-    ("publish", PROMPTS_TOPIC_PREFIX),
-    ("inference", RESPONSES_TOPIC),
-    ("reconstruct", SAMPLES_TOPIC),
-    ("audit", ACCEPTED_TOPIC),
-    ("failed", DEAD_LETTER_TOPIC),
+    *((stage, topology.STAGE_OUTPUT[stage]) for stage in topology.STAGES if stage in topology.STAGE_OUTPUT),
+    ("failed", topology.DEAD_LETTER),
 )
 
 
@@ -75,11 +60,8 @@ class StatusSnapshot:
     groups: tuple[str, ...] = tuple(GROUP_INPUTS)
 
     def stage_records(self, logical: str) -> int:
-        """Records written to a logical topic (all ``prompts.*`` for the prompts prefix)."""
-        physical = f"{self.topic_prefix}{logical}"
-        if logical.endswith("."):
-            return sum(n for t, n in self.topic_records.items() if t.startswith(physical))
-        return self.topic_records.get(physical, 0)
+        """Records written to a logical topic (summed over every dataset for ``prompts.*``)."""
+        return sum(n for t, n in self.topic_records.items() if topology.belongs_to(t, logical, self.topic_prefix))
 
 
 def _money(value: float | None) -> str:
@@ -93,7 +75,8 @@ def _tokens(value: int | None) -> str:
 def budget_table(snapshot: StatusSnapshot) -> Table:
     """One row per budget scope: state, tokens and dollars against their caps."""
     table = Table(title="budget", title_justify="left")
-    for name in ("scope", "state", "completion tokens", "cap", "spent", "cap $", "requests", "updated"):
+    columns = ("scope", "state", "completion tokens", "cap", "spent", "cap $")
+    for name in (*columns, "requests", "updated"):  # topology: not a topic
         table.add_column(name, justify="left" if name in ("scope", "state", "updated") else "right")
     for b in sorted(snapshot.budgets, key=lambda s: (s.scope != "global", s.scope)):
         style = {"halted": "bold red", "soft-limit": "yellow"}.get(b.state, "green")
@@ -139,8 +122,7 @@ def throughput_table(snapshot: StatusSnapshot, previous: StatusSnapshot | None =
         rate = "-"
         if previous is not None and elapsed > 0:
             rate = f"{(count - previous.stage_records(logical)) / elapsed:,.1f}/s"
-        shown = f"{logical}*" if logical.endswith(".") else logical
-        table.add_row(stage, shown, f"{count:,}", rate)
+        table.add_row(stage, logical, f"{count:,}", rate)
     return table
 
 

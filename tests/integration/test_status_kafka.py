@@ -9,7 +9,7 @@ import pytest
 from aiokafka import TopicPartition
 from typer.testing import CliRunner
 
-from schemas import BudgetSnapshot, encode
+from schemas import BudgetSnapshot, encode, topology
 from services.common.kafka import (
     DeadLetter,
     dead_letter,
@@ -90,12 +90,12 @@ async def test_collect_counts_lag_budget_and_dead_letters(settings_factory) -> N
     prompts = settings.kafka.prompts_topic("math")
     group = f"{prefix}inference-test"
     # the group has processed everything on partition 0 and nothing elsewhere
-    before = await collect(settings, groups={group: ("prompts.",)})
+    before = await collect(settings, groups={group: (topology.PROMPTS,)})
     p0 = next(lag for lag in before.lags if lag.partition == 0)
     await commit(settings, group, prompts, {0: p0.end})
 
-    snap = await collect(settings, groups={group: ("prompts.",), "idle": ("samples",)})
-    assert snap.stage_records("prompts.") == 4
+    snap = await collect(settings, groups={group: (topology.PROMPTS,), "idle": ("samples",)})
+    assert snap.stage_records(topology.PROMPTS) == 4
     assert snap.topic_records[prompts] == 4
     assert snap.stage_records("dead-letter") == 2
     lag = sum(x.lag for x in snap.lags if x.group == group)

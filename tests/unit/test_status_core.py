@@ -6,7 +6,7 @@ from collections import Counter
 
 from rich.console import Console
 
-from schemas import BudgetSnapshot
+from schemas import BudgetSnapshot, topology
 from services.status.core import GroupLag, StatusSnapshot, render
 
 
@@ -44,7 +44,7 @@ def snapshot(taken_at: float, prompts: int, responses: int) -> StatusSnapshot:
 def test_lag_uses_committed_offset_or_the_log_start() -> None:
     snap = snapshot(100.0, 60, 0)
     assert [lag.lag for lag in snap.lags] == [30, 6]
-    assert snap.stage_records("prompts.") == 60 and snap.stage_records("responses") == 0
+    assert snap.stage_records(topology.PROMPTS) == 60 and snap.stage_records("responses") == 0
 
 
 def test_render_shows_every_panel_and_rates() -> None:
