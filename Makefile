@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help setup system-deps demo test test-unit conformance lint bench bench-quick chaos kafka-up kafka-down schemas clean
+.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-unit conformance lint bench bench-quick chaos kafka-up kafka-down schemas clean
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -23,13 +23,20 @@ $(TOKENIZERS): deploy/tokenizers/fetch.sh | $(VENV)/.installed
 
 setup: $(VENV)/.installed $(TOKENIZERS) ## Create .venv with pinned dependencies; fetch the R1/V3 tokenizer
 
-system-deps: ## Install Debian packages the tests use (prometheus, kcat) when missing
+system-deps: ## Install Debian packages the tests use (prometheus, kcat, node, npm) when missing
 	@bash deploy/system-deps.sh
+
+# npm ci writes node_modules/.package-lock.json: reinstalled when the lock file changes.
+ASYNCAPI_PARSER := deploy/asyncapi/node_modules/.package-lock.json
+$(ASYNCAPI_PARSER): deploy/asyncapi/package-lock.json
+	cd deploy/asyncapi && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
+
+asyncapi-deps: $(ASYNCAPI_PARSER) ## Install the pinned @asyncapi/parser (npm ci in deploy/asyncapi)
 
 demo: setup ## Run the whole pipeline on embedded defaults: broker, simulator, every service
 	$(BIN)/draftstream demo
 
-test: setup system-deps ## Every test tier against a real Kafka 4.4 broker started here
+test: setup system-deps asyncapi-deps ## Every test tier against a real Kafka 4.4 broker started here
 	@bash deploy/run-tests.sh
 
 test-unit: setup ## Unit tests only (no broker)
@@ -58,8 +65,11 @@ kafka-up: ## Start the local Kafka broker
 kafka-down: ## Stop the local Kafka broker
 	@bash deploy/kafka/kafka.sh stop
 
-schemas: setup ## Regenerate schemas/generated from the Structs
+schemas: setup ## Regenerate schemas/generated (JSON Schema, AsyncAPI) from the Structs and the topology
 	$(BIN)/draftstream schemas export
+
+asyncapi: schemas asyncapi-deps ## Validate schemas/generated/asyncapi.yaml with @asyncapi/parser
+	node deploy/asyncapi/validate.mjs schemas/generated/asyncapi.yaml
 
 clean: ## Remove the virtualenv and run state
 	rm -rf $(VENV) .run

@@ -1,4 +1,4 @@
-"""Generates the JSON Schema of every event from the msgspec Structs (never by hand)."""
+"""Generates the JSON Schema of every event and the AsyncAPI document from the Structs (never by hand)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 import schemas as s
+from schemas import asyncapi
 
 EVENTS: dict[str, Any] = {
     "prompt_published": s.PromptPublished,
@@ -27,6 +28,7 @@ def render() -> dict[str, str]:
     for name, type_ in EVENTS.items():
         schema = msgspec.json.schema(type_)
         out[f"{name}.schema.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    out["asyncapi.yaml"] = asyncapi.render()
     return out
 
 

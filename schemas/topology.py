@@ -78,6 +78,8 @@ PROMPTS_PREFIX: Final = "prompts."
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
 
 SAMPLE_KEY: Final = "<dataset>:<sample_id>"
+REPAY_HEADER: Final = "draftstream.inference.repay"
+"""A prompt record with this header set to ``1`` is sent to the provider again even if already paid for."""
 DEAD_LETTER_MESSAGE: Final = "DeadLetter"
 """A dead letter's value is the failed record's value, byte for byte: any event above."""
 
@@ -340,6 +342,7 @@ __all__ = [
     "PROMPTS",
     "PROMPTS_PREFIX",
     "RECONSTRUCT_GROUP",
+    "REPAY_HEADER",
     "REQUESTS",
     "RESPONSES",
     "RESPONSE_STORE",

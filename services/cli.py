@@ -203,7 +203,7 @@ def topics_create(
 def schemas_export(
     out: Annotated[Path, typer.Option(help="Output folder")] = Path("schemas/generated"),
 ) -> None:
-    """Write the JSON Schema of every event under schemas/generated/."""
+    """Write the JSON Schema of every event and the AsyncAPI document under schemas/generated/."""
     from schemas.export import export
 
     written = export(out)

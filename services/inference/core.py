@@ -38,7 +38,7 @@ PREFLIGHT_ACTOR = "preflight"
 """The ``by`` of halts (and resumes) from the checks made before the first paid request."""
 OUTAGE_ACTOR = "outage-probe"
 """The ``by`` of outage halts and of the resumes the provider probe publishes."""
-REPAY_HEADER = "draftstream.inference.repay"
+REPAY_HEADER = topology.REPAY_HEADER
 """A prompt record carrying this header (value ``1``) is sent again even if already paid for."""
 
 # Failures that say "the provider (or the way to it) is down", not "this request is bad":
