@@ -50,7 +50,7 @@ async def group_members(config: Path) -> tuple[str, int, int]:
     admin = make_admin(settings.kafka)
     await admin.start()
     try:
-        (response,) = await admin.describe_consumer_groups([settings.kafka.topic(GROUP_ID)])
+        (response,) = await admin.describe_consumer_groups([settings.kafka.group(GROUP_ID)])
         group = response.groups[0]
         state, members = str(group[2]), list(group[5])
         # member_assignment (last field) is empty bytes until the member holds partitions.

@@ -88,7 +88,7 @@ async def committed_everything(settings: Settings) -> bool:
     await admin.start()
     await probe.start()
     try:
-        committed = await admin.list_consumer_group_offsets(settings.kafka.topic(GROUP_ID))
+        committed = await admin.list_consumer_group_offsets(settings.kafka.group(GROUP_ID))
         parts = range(settings.kafka.partitions)  # ensure_topics created them so
         ends = await probe.end_offsets([TopicPartition(topic, p) for p in parts])
         return bool(ends) and all(
