@@ -74,7 +74,7 @@ BUDGET_STATE: Final = "budget-state"
 RESPONSE_STORE: Final = "response-store"
 DLQ_REPLAYED: Final = "dlq-replayed"
 
-PROMPTS_PREFIX: Final = "prompts."
+PROMPTS_PREFIX: Final = PROMPTS.removesuffix("*")
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
 
 SAMPLE_KEY: Final = "<dataset>:<sample_id>"
@@ -180,7 +180,6 @@ RECONSTRUCT_GROUP: Final = "draftstream-reconstruct"
 AUDIT_GROUP: Final = "draftstream-audit"
 SINK_GROUP: Final = "draftstream-sink"
 
-_STAGE_TOPICS = (PROMPTS, REQUESTS, RESPONSES, SAMPLES, ACCEPTED, DEAD_LETTER)
 _FIXED = tuple(t.name for t in _topics if not t.is_pattern and t.name != DLQ_REPLAYED)
 _ALL_CREATED = (*_FIXED, PROMPTS)  # what ensure_topics creates
 
@@ -247,7 +246,7 @@ _roles = (
         reads=(BUDGET_STATE, DEAD_LETTER, CONTROL),
         writes=(),
         description="The status screen: end offsets, group lag, budget, halts, dead letters; commits nothing.",
-        describes=_STAGE_TOPICS,
+        describes=(PROMPTS, RESPONSES, SAMPLES, ACCEPTED, DEAD_LETTER),
         describes_groups=(INFERENCE_GROUP, RECONSTRUCT_GROUP, AUDIT_GROUP, SINK_GROUP),
     ),
     Role(

@@ -131,4 +131,7 @@ def test_services_take_their_topics_and_groups_from_the_topology(settings_factor
         logical = topology.prompts_topic("math") if topic.is_pattern else name
         assert (topic_configs(kafka, logical).get("cleanup.policy") == "compact") is topic.compacted
     assert GROUP_INPUTS["draftstream-inference"] == (topology.PROMPTS,)
+    status = topology.ROLES["status"]
+    shown = {logical for _, logical in STAGE_TOPICS} | {t for inputs in GROUP_INPUTS.values() for t in inputs}
+    assert shown <= set(status.describes) and set(GROUP_INPUTS) <= set(status.describes_groups)
     assert [stage for stage, _ in STAGE_TOPICS] == ["publish", "inference", "reconstruct", "audit", "failed"]
