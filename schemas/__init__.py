@@ -330,6 +330,9 @@ class DeadLetterHeaders:
     REPLAY_COUNT: Final = "draftstream.errors.replay.count"
     FIRST_FAILURE: Final = "draftstream.errors.first.failure.ms"
     FAILED_AT: Final = "draftstream.errors.failed.at.ms"
+    # "true" when the failed record had no value (a tombstone): the dead letter's value is null
+    # too, and a replay sends a tombstone again rather than an empty string.
+    VALUE_NULL: Final = "draftstream.errors.value.null"
 
 
 DLQ_HEADERS: Final = DeadLetterHeaders

@@ -138,10 +138,10 @@ async def partitions_of(settings: Settings, *physical: str) -> list[TopicPartiti
 
 @dataclass(frozen=True)
 class DeadLetterRecord:
-    """One dead letter, with its headers parsed."""
+    """One dead letter, with its headers parsed; ``value`` None when the failed record was a tombstone."""
 
     key: str
-    value: bytes
+    value: bytes | None
     stage: str
     reason: str
     reasons: str
@@ -160,7 +160,7 @@ async def dead_letters(settings: Settings) -> list[DeadLetterRecord]:
         out.append(
             DeadLetterRecord(
                 key=(r.key or b"").decode("utf-8", "replace"),
-                value=r.value or b"",
+                value=r.value,
                 stage=header(hs, DLQ_HEADERS.STAGE) or "?",
                 reason=header(hs, DLQ_HEADERS.REASON) or "?",
                 reasons=header(hs, DLQ_HEADERS.REASONS) or "",
