@@ -187,6 +187,24 @@ class Pipeline:
         self.tasks[name] = asyncio.create_task(service.run(), name=name)
         return service
 
+    async def start_stages(self, settings: Settings, *names: str) -> None:
+        """Start the named stages (inference, reconstruct, audit, sink, budget), in that order."""
+        from services.audit.app import create_app as audit_app
+        from services.budget.app import create_app as budget_app
+        from services.inference.app import create_app as inference_app
+        from services.reconstruct.app import create_app as reconstruct_app
+        from services.sink.app import create_app as sink_app
+
+        apps: dict[str, Callable[[Settings], Any]] = {
+            "inference": inference_app,
+            "reconstruct": reconstruct_app,
+            "audit": audit_app,
+            "sink": sink_app,
+            "budget": budget_app,
+        }
+        for name in names:
+            await self.start(name, apps[name](settings))
+
     def check_alive(self) -> None:
         """Raise if a service's run() ended (a crash) before it was asked to stop."""
         for name, task in self.tasks.items():

@@ -16,14 +16,9 @@ from typing import Any
 import pytest
 
 from schemas import DLQ_HEADERS
-from services.audit.app import create_app as audit_app
-from services.budget.app import create_app as budget_app
 from services.common.kafka import ensure_topics, header
 from services.dlq.app import replay
-from services.inference.app import create_app as inference_app
-from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import SimulatorOptions, start_simulator
-from services.sink.app import create_app as sink_app
 from tests.e2e.harness import Pipeline, dead_letters, produce, read_all
 
 pytestmark = pytest.mark.e2e
@@ -54,11 +49,7 @@ async def test_tombstones_stay_null_through_dead_letters_and_replay(settings_fac
     topics = {logical: _physical(settings, logical) for logical in READERS}
     pipeline = Pipeline()
     try:
-        await pipeline.start("inference", inference_app(settings))
-        await pipeline.start("reconstruct", reconstruct_app(settings))
-        await pipeline.start("audit", audit_app(settings))
-        await pipeline.start("sink", sink_app(settings))
-        await pipeline.start("budget", budget_app(settings))
+        await pipeline.start_stages(settings, "inference", "reconstruct", "audit", "sink", "budget")
         for logical, topic in topics.items():
             await produce(settings, topic, [(f"{DATASET}:tomb-{logical}".encode(), None)])
         first_count = sum(len(stages) for stages in READERS.values())
