@@ -352,9 +352,19 @@ def test_null_content_only_on_an_assistant_tool_call_turn(turn: bytes, accepted:
 
 
 def test_duplicate_member_names_are_not_i_json_and_the_decoder_keeps_the_last() -> None:
-    data = PROMPT % b',"max_tokens":5,"max_tokens":6'
-    assert not schema_accepts(Case("dup", s.PromptPublished, data))
-    assert s.decode(data, s.PromptPublished).max_tokens == 6
+    for doubled, last in ((b',"max_tokens":5,"max_tokens":6', 6), (b',"max_tokens":"x","max_tokens":6', 6)):
+        data = PROMPT % doubled
+        assert not schema_accepts(Case("dup", s.PromptPublished, data))
+        assert s.decode(data, s.PromptPublished).max_tokens == last
+    with pytest.raises(s.SchemaError, match="max_tokens"):
+        s.decode(PROMPT % b',"max_tokens":6,"max_tokens":"x"', s.PromptPublished)
+
+
+def test_an_out_of_range_number_in_an_unknown_field_is_skipped_unless_the_second_pass_runs() -> None:
+    lenient = Case("unread", s.PromptPublished, PROMPT % b',"added_later":1e400', b"1e400", unread=True)
+    assert documented_leniency(lenient) and decoder_accepts(lenient) and not schema_accepts(lenient)
+    both = Case("both", s.PromptPublished, PROMPT % b',"added_later":1e400,"max_tokens":300.0')
+    assert not decoder_accepts(both) and not schema_accepts(both)
 
 
 def test_a_newer_nested_event_is_refused_by_both() -> None:
