@@ -11,9 +11,11 @@ Keys on every topic are ``<dataset>:<sample_id>`` (see :func:`sample_key`), exce
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
+import msgspec.inspect
 from msgspec import Meta, Struct
 
 from schemas import topology as _topology
@@ -77,7 +79,9 @@ _MAX_TOKENS = 50_000_000
 NonNegInt = Annotated[int, Meta(ge=0, le=_MAX_TOKENS)]
 TokenId = Annotated[int, Meta(ge=0, le=10_000_000)]
 NonNegFloat = Annotated[float, Meta(ge=0.0, le=1e9)]
-Version = Annotated[int, Meta(ge=1)]
+# A record newer than this build (``schema_version`` above ``SCHEMA_VERSION``) is refused,
+# at every level (a response's prompt too), rather than half-understood.
+Version = Annotated[int, Meta(ge=1, le=SCHEMA_VERSION)]
 Name = Annotated[str, Meta(min_length=1, max_length=200)]
 
 
@@ -97,7 +101,11 @@ class ToolCall(Struct, kw_only=True, omit_defaults=True):
 
 
 class Message(Struct, kw_only=True, omit_defaults=True):
-    """One chat turn of a prompt (OpenAI ``messages`` shape)."""
+    """One chat turn of a prompt (OpenAI ``messages`` shape).
+
+    On the wire an assistant turn with tool calls may carry ``"content": null`` (as OpenAI
+    writes it); it decodes to ``""``, what the publisher makes of the same turn.
+    """
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
@@ -334,6 +342,9 @@ class DeadLetterHeaders:
     REPLAY_COUNT: Final = "draftstream.errors.replay.count"
     FIRST_FAILURE: Final = "draftstream.errors.first.failure.ms"
     FAILED_AT: Final = "draftstream.errors.failed.at.ms"
+    # "true" when the failed record had no value (a tombstone): the dead letter's value is null
+    # too, and a replay sends a tombstone again rather than an empty string.
+    VALUE_NULL: Final = "draftstream.errors.value.null"
 
 
 DLQ_HEADERS: Final = DeadLetterHeaders
@@ -351,19 +362,18 @@ class SchemaError(ValueError):
 T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
-_decoders: dict[Any, msgspec.json.Decoder[Any]] = {
-    t: msgspec.json.Decoder(t)
-    for t in (
-        PromptPublished,
-        RequestStarted,
-        ResponseReceived,
-        SampleReconstructed,
-        SampleAudited,
-        BudgetSnapshot,
-    )
-}
-_control_decoder: msgspec.json.Decoder[Halt | Resume] = msgspec.json.Decoder(Halt | Resume)
-_version_probe = msgspec.json.Decoder(dict[str, Any])
+_EVENTS: Final[tuple[Any, ...]] = (
+    PromptPublished,
+    RequestStarted,
+    ResponseReceived,
+    SampleReconstructed,
+    SampleAudited,
+    BudgetSnapshot,
+    Halt | Resume,
+)
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {t: msgspec.json.Decoder(t) for t in _EVENTS}
+_type_infos: dict[Any, msgspec.inspect.Type] = {t: msgspec.inspect.type_info(t) for t in _EVENTS}
+_any_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
 
 
 def encode(event: Struct) -> bytes:
@@ -371,25 +381,121 @@ def encode(event: Struct) -> bytes:
     return _encoder.encode(event)
 
 
-def _classify(exc: msgspec.DecodeError | msgspec.ValidationError, data: bytes) -> SchemaError:
+# The wire contract is the published JSON Schema (schemas/export.py renders it from these
+# Structs); a test runs edge-case records through both and requires the same verdict.
+# JSON Schema allows two things msgspec's strict decoding refuses, so records the strict
+# pass refuses get a second pass that accepts exactly those:
+# - a whole number written with a fraction or an exponent (``300.0``, ``1e2``, ``-0.0``) in an
+#   integer field: draft 2020-12 counts any number with a zero fractional part as an integer,
+#   and no schema keyword can tell ``1.0`` from ``1`` once a validator has parsed it;
+# - ``"content": null`` on an assistant turn with tool calls, OpenAI's shape, read as ``""``.
+# Values inside a field these Structs do not know are never read, only checked for JSON
+# syntax and UTF-8 (docs/contracts.md lists what that leaves unchecked).
+
+
+def _null_content_allowed(message: dict[str, Any]) -> bool:
+    calls = message.get("tool_calls")
+    return (
+        "content" in message
+        and message["content"] is None
+        and message.get("role") == "assistant"
+        and isinstance(calls, list)
+        and len(calls) > 0
+    )
+
+
+def _union_member(value: Any, union: msgspec.inspect.UnionType) -> msgspec.inspect.Type | None:
+    """The member of a union that a generic JSON value would decode as, if it matters."""
+    if isinstance(value, float):
+        if any(isinstance(m, msgspec.inspect.FloatType) for m in union.types):
+            return None
+        return next((m for m in union.types if isinstance(m, msgspec.inspect.IntType)), None)
+    if isinstance(value, list):
+        return next((m for m in union.types if isinstance(m, msgspec.inspect.ListType)), None)
+    if isinstance(value, dict):
+        for member in union.types:
+            if isinstance(member, msgspec.inspect.DictType):
+                return member
+            if isinstance(member, msgspec.inspect.StructType) and (
+                member.tag_field is None or value.get(member.tag_field) == member.tag
+            ):
+                return member
+    return None
+
+
+def _wire_form(value: Any, info: msgspec.inspect.Type) -> Any:
+    """A generic JSON value with whole numbers made ints and null contents made ``""``, where the
+    type says so; everything else (``Any`` fields such as ``metadata`` included) untouched.
+    """
+    if isinstance(info, msgspec.inspect.UnionType):
+        member = _union_member(value, info)
+        if member is None:
+            return value
+        info = member
+    if isinstance(value, float):
+        return int(value) if isinstance(info, msgspec.inspect.IntType) and value.is_integer() else value
+    if isinstance(value, list) and isinstance(info, msgspec.inspect.ListType):
+        return [_wire_form(item, info.item_type) for item in value]
+    if isinstance(value, dict) and isinstance(info, msgspec.inspect.DictType):
+        return {k: _wire_form(v, info.value_type) for k, v in value.items()}
+    if isinstance(value, dict) and isinstance(info, msgspec.inspect.StructType):
+        fields = {f.encode_name: f.type for f in info.fields}
+        out = {k: _wire_form(v, fields[k]) if k in fields else v for k, v in value.items()}
+        if info.cls is Message and _null_content_allowed(out):
+            out["content"] = ""
+        return out
+    return value
+
+
+_NEWER_VERSION = re.compile(r"^Expected `int` <= \d+ - at `(\$[^`]*\.schema_version)`$")
+_PATH_STEP = re.compile(r"\.([^.\[`]+)|\[(\d+)\]")
+
+
+def _value_at(data: bytes, path: str) -> Any:
+    """The value at a msgspec error path (``$.prompt.schema_version``), or None."""
+    try:
+        value: Any = _any_decoder.decode(data)
+        for name, index in _PATH_STEP.findall(path[1:]):
+            value = value[int(index)] if index else value[name]
+    except (msgspec.DecodeError, LookupError, TypeError, ValueError):
+        return None
+    return value
+
+
+def _classify(exc: msgspec.DecodeError, data: bytes) -> SchemaError:
     text = str(exc)
     if isinstance(exc, msgspec.ValidationError):
+        newer = _NEWER_VERSION.match(text)
+        if newer:
+            return SchemaError(
+                "unsupported_schema_version",
+                f"schema_version {_value_at(data, newer.group(1))} at `{newer.group(1)}` is newer "
+                f"than this build understands ({SCHEMA_VERSION})",
+            )
         reason = "missing_field" if "missing required field" in text.lower() else "invalid_field"
         return SchemaError(reason, text)
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return SchemaError("invalid_utf8", f"not UTF-8: {text}")
     return SchemaError("invalid_json", text)
 
 
-def _check_version(obj: Any) -> None:
-    version = getattr(obj, "schema_version", SCHEMA_VERSION)
-    if version > SCHEMA_VERSION:
-        raise SchemaError(
-            "unsupported_schema_version",
-            f"schema_version {version} is newer than this build understands ({SCHEMA_VERSION})",
-        )
+def _decode_wire(data: bytes, type_: Any) -> Any:
+    """Decode against the wire contract; raises :class:`SchemaError`."""
+    if not data.isascii():
+        # msgspec skips unknown fields without checking their UTF-8; the contract checks all.
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SchemaError("invalid_utf8", f"not UTF-8: {exc}") from None
+    try:
+        return _decoders[type_].decode(data)
+    except msgspec.ValidationError:
+        pass  # maybe what JSON Schema allows and strict msgspec does not: the second pass
+    except msgspec.DecodeError as exc:
+        raise _classify(exc, data) from None
+    try:
+        relaxed = _wire_form(_any_decoder.decode(data), _type_infos[type_])
+        return msgspec.convert(relaxed, type_)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise _classify(exc, data) from None
 
 
 def decode(data: bytes | None, type_: type[T]) -> T:
@@ -398,13 +504,7 @@ def decode(data: bytes | None, type_: type[T]) -> T:
         raise SchemaError("empty_record", "record has no value (tombstone)")
     if not data.strip():
         raise SchemaError("empty_record", "record value is empty")
-    try:
-        obj: T = _decoders[type_].decode(data)
-    except UnicodeDecodeError as exc:  # msgspec raises this (not DecodeError) for bad UTF-8 in a string
-        raise SchemaError("invalid_utf8", f"not UTF-8: {exc}") from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise _classify(exc, data) from None
-    _check_version(obj)
+    obj: T = _decode_wire(data, type_)
     return obj
 
 
@@ -413,15 +513,11 @@ def decode_control(data: bytes | None) -> Halt | Resume:
     if data is None or not data.strip():
         raise SchemaError("empty_record", "control record has no value")
     try:
-        obj = _control_decoder.decode(data)
-    except UnicodeDecodeError as exc:
-        raise SchemaError("invalid_utf8", f"not UTF-8: {exc}") from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        text = str(exc)
-        if "Invalid value" in text and "action" in text:
-            raise SchemaError("unknown_action", text) from None
-        raise _classify(exc, data) from None
-    _check_version(obj)
+        obj: Halt | Resume = _decode_wire(data, Halt | Resume)
+    except SchemaError as exc:
+        if exc.reason == "invalid_field" and "Invalid value" in exc.message and "action" in exc.message:
+            raise SchemaError("unknown_action", exc.message) from None
+        raise
     return obj
 
 

@@ -22,6 +22,7 @@ import yaml
 
 import schemas as s
 from schemas import topology
+from schemas.wire_rules import apply_wire_rules
 
 ASYNCAPI_VERSION: Final = "3.0.0"
 KAFKA_BINDING_VERSION: Final = "0.5.0"
@@ -42,8 +43,10 @@ DLQ_HEADER_DOCS: Final[dict[str, str]] = {
     "REPLAY_COUNT": "How often the record was replayed from the dead-letter topic before this failure.",
     "FIRST_FAILURE": "Epoch milliseconds of the record's first failure (kept across replays).",
     "FAILED_AT": "Epoch milliseconds of this failure.",
+    "VALUE_NULL": "\"true\" when the failed record was a tombstone (null value): the dead letter's value "
+    "is null too and a replay sends a tombstone again. Absent otherwise.",
 }
-_OPTIONAL_DLQ_HEADERS: Final = frozenset({"HTTP_STATUS"})
+_OPTIONAL_DLQ_HEADERS: Final = frozenset({"HTTP_STATUS", "VALUE_NULL"})
 # A replayed record carries these two on the topic it is re-sent to (services.dlq.core).
 _REPLAY_HEADERS: Final = ("REPLAY_COUNT", "FIRST_FAILURE")
 
@@ -106,6 +109,7 @@ def _message(topic: topology.Topic, name: str, replayable: bool) -> dict[str, An
             "anyOf": [
                 *({"$ref": f"#/components/schemas/{n}"} for n in dict.fromkeys(events)),
                 {"type": "string", "description": "A value that is no event (kept as it was)."},
+                {"type": "null", "description": "A tombstone (see the value.null header)."},
             ],
         }
         attrs = tuple(dlq_header_names())
@@ -180,6 +184,7 @@ def build() -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
         [types[n] for n in sorted(types)], ref_template="#/components/schemas/{name}"
     )
+    apply_wire_rules(components, components)
     return {
         "asyncapi": ASYNCAPI_VERSION,
         "info": {

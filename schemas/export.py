@@ -10,6 +10,7 @@ import msgspec
 
 import schemas as s
 from schemas import asyncapi
+from schemas.wire_rules import CONTRACT, DRAFT, apply_wire_rules
 
 EVENTS: dict[str, Any] = {
     "prompt_published": s.PromptPublished,
@@ -22,12 +23,19 @@ EVENTS: dict[str, Any] = {
 }
 
 
+def schema_of(type_: Any) -> dict[str, Any]:
+    """The JSON Schema of one event type: msgspec's, plus the wire rules it cannot know."""
+    schema: dict[str, Any] = {"$schema": DRAFT, "$comment": CONTRACT, **msgspec.json.schema(type_)}
+    apply_wire_rules(schema, schema.get("$defs", {}))
+    return schema
+
+
 def render() -> dict[str, str]:
     """File name to JSON text for every event schema."""
-    out = {}
-    for name, type_ in EVENTS.items():
-        schema = msgspec.json.schema(type_)
-        out[f"{name}.schema.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    out = {
+        f"{name}.schema.json": json.dumps(schema_of(type_), indent=2, sort_keys=True) + "\n"
+        for name, type_ in EVENTS.items()
+    }
     out["asyncapi.yaml"] = asyncapi.render()
     return out
 

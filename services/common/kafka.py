@@ -165,6 +165,9 @@ def dead_letter(
 ) -> Outgoing:
     """The dead letter for a failed record: its value byte for byte plus error headers.
 
+    A record without a value (a tombstone) gives a dead letter without a value and the header
+    ``DLQ_HEADERS.VALUE_NULL``, so a replay sends a tombstone again, not an empty string.
+
     Replay and first-failure headers carried by a replayed record are kept, so a record
     that fails again still shows how often it was replayed and when it first failed.
     Every dead letter is logged at WARNING with its key, stage and reason (what Kafka
@@ -196,6 +199,8 @@ def dead_letter(
     ]
     if verdict.http_status is not None:
         out.append((DLQ_HEADERS.HTTP_STATUS, str(verdict.http_status).encode()))
+    if value is None:
+        out.append((DLQ_HEADERS.VALUE_NULL, b"true"))
     log.warning(
         "dead letter: stage=%s key=%s reason=%s%s (from %s:%d@%d, attempt %d): %s",
         stage,
@@ -208,7 +213,7 @@ def dead_letter(
         verdict.attempt,
         message[:300],
     )
-    return Outgoing(topic=dlq_topic, value=value or b"", key=key, headers=out)
+    return Outgoing(topic=dlq_topic, value=value, key=key, headers=out)
 
 
 async def report_lag(consumer: AIOKafkaConsumer, group_id: str) -> dict[str, int]:

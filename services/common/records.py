@@ -25,9 +25,9 @@ class DeadLetter:
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One record to publish."""
+    """One record to publish; ``value`` None is a tombstone."""
 
     topic: str
-    value: bytes
+    value: bytes | None
     key: bytes | None = None
     headers: Headers = field(default_factory=list)

@@ -1,7 +1,8 @@
 """Dead-letter records: filtering, grouping and replay planning (pure: no Kafka, no clock).
 
-A dead letter keeps the failed record's value byte for byte and says in its headers
-(:class:`schemas.DeadLetterHeaders`) which stage failed it, why, and where it came from.
+A dead letter keeps the failed record's value byte for byte (a tombstone's null too, marked
+by the ``VALUE_NULL`` header) and says in its headers (:class:`schemas.DeadLetterHeaders`)
+which stage failed it, why, and where it came from.
 Replay re-sends the value to that topic (or to a named stage's input topic) with the
 replay count incremented and the first-failure time kept, so if it fails again the new
 dead letter still shows its history. A record is identified by ``<partition>:<offset>``
@@ -113,6 +114,11 @@ class DeadLetterRecord:
             return named
         key = self.key_text
         return key.partition(":")[0] if ":" in key else ""
+
+    @property
+    def value_null(self) -> bool:
+        """True when the failed record was a tombstone (its value null, not empty)."""
+        return self.header(DLQ_HEADERS.VALUE_NULL) == "true"
 
     @property
     def original_topic(self) -> str | None:
@@ -306,9 +312,13 @@ class PlannedReplay:
     value: bytes | None = None
 
     @property
-    def payload(self) -> bytes:
-        """The bytes to send: a converted value, else the dead letter's own."""
-        return self.value if self.value is not None else (self.record.value or b"")
+    def payload(self) -> bytes | None:
+        """The bytes to send: a converted value, else the dead letter's own; None for a tombstone."""
+        if self.value is not None:
+            return self.value
+        if self.record.value_null:
+            return None
+        return self.record.value or b""
 
 
 @dataclass

@@ -138,10 +138,10 @@ async def partitions_of(settings: Settings, *physical: str) -> list[TopicPartiti
 
 @dataclass(frozen=True)
 class DeadLetterRecord:
-    """One dead letter, with its headers parsed."""
+    """One dead letter, with its headers parsed; ``value`` None when the failed record was a tombstone."""
 
     key: str
-    value: bytes
+    value: bytes | None
     stage: str
     reason: str
     reasons: str
@@ -160,7 +160,7 @@ async def dead_letters(settings: Settings) -> list[DeadLetterRecord]:
         out.append(
             DeadLetterRecord(
                 key=(r.key or b"").decode("utf-8", "replace"),
-                value=r.value or b"",
+                value=r.value,
                 stage=header(hs, DLQ_HEADERS.STAGE) or "?",
                 reason=header(hs, DLQ_HEADERS.REASON) or "?",
                 reasons=header(hs, DLQ_HEADERS.REASONS) or "",
@@ -186,6 +186,24 @@ class Pipeline:
         self.services[name] = service
         self.tasks[name] = asyncio.create_task(service.run(), name=name)
         return service
+
+    async def start_stages(self, settings: Settings, *names: str) -> None:
+        """Start the named stages (inference, reconstruct, audit, sink, budget), in that order."""
+        from services.audit.app import create_app as audit_app
+        from services.budget.app import create_app as budget_app
+        from services.inference.app import create_app as inference_app
+        from services.reconstruct.app import create_app as reconstruct_app
+        from services.sink.app import create_app as sink_app
+
+        apps: dict[str, Callable[[Settings], Any]] = {
+            "inference": inference_app,
+            "reconstruct": reconstruct_app,
+            "audit": audit_app,
+            "sink": sink_app,
+            "budget": budget_app,
+        }
+        for name in names:
+            await self.start(name, apps[name](settings))
 
     def check_alive(self) -> None:
         """Raise if a service's run() ended (a crash) before it was asked to stop."""

@@ -114,8 +114,8 @@ def test_every_topic_message_header_and_group_is_named() -> None:
     # every dead-letter header, named as services.common.kafka.dead_letter writes it
     headers = channels["dead-letter"]["messages"]["DeadLetter"]["headers"]
     names = {v for k, v in vars(s.DeadLetterHeaders).items() if k.isupper()}
-    assert set(headers["properties"]) == names and len(names) == 14
-    assert set(headers["required"]) == names - {s.DLQ_HEADERS.HTTP_STATUS}
+    assert set(headers["properties"]) == names and len(names) == 15
+    assert set(headers["required"]) == names - {s.DLQ_HEADERS.HTTP_STATUS, s.DLQ_HEADERS.VALUE_NULL}
     assert topology.REPAY_HEADER in channels["prompts"]["messages"]["PromptPublished"]["headers"]["properties"]
     # every consumer group, on the operation that reads its stage's input
     groups = {
