@@ -50,11 +50,11 @@ lint: setup ## ruff, mypy strict on schemas/ and services/, dashboard linter
 	$(BIN)/mypy
 	@bash deploy/lint-dashboards.sh
 
-bench: setup ## All benchmarks at full size; writes bench/results.json
-	$(PY) -m bench.run
+bench: setup ## All benchmarks at full size against a broker started here (unless KAFKA_BOOTSTRAP_SERVERS); writes bench/results.json
+	@bash deploy/run-bench.sh
 
-bench-quick: setup ## Benchmarks at tiny sizes (part of make test)
-	$(PY) -m bench.run --quick
+bench-quick: setup ## Benchmarks at tiny sizes, same broker handling (part of make test)
+	@bash deploy/run-bench.sh --quick
 
 chaos: setup ## The longer crash soak
 	$(PY) -m pytest tests/e2e -m chaos -q

@@ -241,6 +241,8 @@ def simulator_proc(
             "simulate-provider",
             "--port",
             str(port),
+            "--metrics-port",
+            "0",
             "--latency",
             str(latency),
             "--jitter",

@@ -7,16 +7,9 @@ started_at=$(date +%s)
 export PATH="$PWD/.venv/bin:$PATH"
 export CI="${CI:-false}"
 
-own_broker=0
-if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
-  export KAFKA_PORT="${KAFKA_PORT:-19092}"
-  export KAFKA_CONTROLLER_PORT="${KAFKA_CONTROLLER_PORT:-19093}"
-  bash deploy/kafka/kafka.sh start || { echo "could not start the local Kafka broker"; exit 1; }
-  own_broker=1
-  export KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:${KAFKA_PORT}"
-fi
-cleanup() { [ "$own_broker" = 1 ] && bash deploy/kafka/kafka.sh stop >/dev/null 2>&1; }
-trap cleanup EXIT
+# shellcheck source=deploy/own-broker.sh
+source deploy/own-broker.sh
+own_broker_start || exit 1
 
 status=0
 echo "== pytest (unit, integration, e2e) against ${KAFKA_BOOTSTRAP_SERVERS}"

@@ -290,6 +290,8 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
             "simulator",
             cli(
                 "simulate-provider",
+                "--config",
+                str(config),
                 "--port",
                 str(sim_port),
                 "--fault-rate",

@@ -87,7 +87,10 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 "instead of the profile's"
             ),
         ] = None,
-        metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics on this port (0: off)")] = 0,
+        metrics_port: Annotated[
+            int | None,
+            typer.Option(help="Serve Prometheus metrics on this port (0: off) [default: metrics.simulator_port]"),
+        ] = None,
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (custom profiles)")] = None,
         log_level: LogLevelOption = None,
     ) -> None:
@@ -135,9 +138,11 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         except Exception as exc:  # ProfileError and tokenizer load failures: one clear line
             fail(f"cannot load profile {profile!r}: {exc}")
         service = create_app(settings, options=options, host=host, port=port, profile=loaded)
+        # Like every other service, the port comes from [metrics] unless the option names one.
+        served_on = settings.metrics.simulator_port if metrics_port is None else metrics_port
         try:
             asyncio.run(
-                run_service(service, name="simulator", metrics_port=metrics_port, metrics_host=settings.metrics.host)
+                run_service(service, name="simulator", metrics_port=served_on, metrics_host=settings.metrics.host)
             )
         except OSError as exc:
             fail(f"cannot listen on {host}:{port}: {exc}")

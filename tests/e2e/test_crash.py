@@ -150,7 +150,7 @@ async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int
         sup.start(
             "simulator",
             cli(
-                "simulate-provider", "--port", str(sim_port), "--seed", str(seed),
+                "simulate-provider", "--port", str(sim_port), "--metrics-port", "0", "--seed", str(seed),
                 "--reasoning-tokens", "8-40", "--content-tokens", "8-30", "--latency", "0.05", "--jitter", "0.2",
                 "--fault-rate", "429=0.08", "--fault-rate", "5xx=0.03", "--fault-rate", "drop=0.01",
                 "--fault-rate", "truncate=0.02", "--fault-rate", "bad_usage=0.02",

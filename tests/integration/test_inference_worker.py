@@ -446,6 +446,7 @@ async def test_holds_a_thousand_requests_in_flight_and_no_more(
     # event loop would starve the worker being measured.
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "simulate-provider", "--port", str(unused_tcp_port),
+        "--metrics-port", "0",
         "--latency", "2", "--reasoning-tokens", "4-12", "--content-tokens", "4-12",
         cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )

@@ -403,6 +403,8 @@ async def test_cli_serves_until_sigint(tmp_path: Any) -> None:
             "simulate-provider",
             "--port",
             str(port),
+            "--metrics-port",
+            "0",
             "--parser",
             "sglang-legacy",
             "--chat-template-file",
