@@ -187,6 +187,18 @@ class Pipeline:
         self.tasks[name] = asyncio.create_task(service.run(), name=name)
         return service
 
+    async def start_stages(self, settings: Settings) -> None:
+        """Start inference, reconstruct, audit and sink, all on ``settings``."""
+        from services.audit.app import create_app as audit_app
+        from services.inference.app import create_app as inference_app
+        from services.reconstruct.app import create_app as reconstruct_app
+        from services.sink.app import create_app as sink_app
+
+        await self.start("inference", inference_app(settings))
+        await self.start("reconstruct", reconstruct_app(settings))
+        await self.start("audit", audit_app(settings))
+        await self.start("sink", sink_app(settings))
+
     def check_alive(self) -> None:
         """Raise if a service's run() ended (a crash) before it was asked to stop."""
         for name, task in self.tasks.items():
