@@ -226,6 +226,7 @@ _CONTRIBUTORS = (
     "services.publish.cli",
     "services.estimate.cli",
     "services.dlq.cli",
+    "services.export.cli",
     "services.status.cli",
     "services.demo.cli",
 )

@@ -25,7 +25,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord
 
@@ -35,7 +35,17 @@ from services.common.errors import DirectoryLocked
 from services.common.kafka import DeadLetter
 from services.common.metrics import SINK_BYTES, SINK_DUPLICATES, SINK_FILES, SINK_ROWS
 from services.common.stage import Result, StageRunner
-from services.sink.core import parse_line, part_name, part_number, row_line, torn_tail, training_row
+from services.sink.core import (
+    TrainingRow,
+    parse_line,
+    part_name,
+    part_number,
+    row_arrow_schema,
+    row_builtins,
+    row_line,
+    torn_tail,
+    training_row,
+)
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +193,12 @@ class ShardWriter:
         SINK_FILES.labels(dataset=dataset).inc()
         return ds_dir / part_name(number, self.fmt)
 
-    def write(self, rows: Sequence[tuple[str, str, dict[str, Any]]]) -> int:
+    def write(self, rows: Sequence[tuple[str, str, TrainingRow]]) -> int:
         """Write (dataset, key, row) rows not yet written, durably; returns how many were new.
 
         Returns only after every touched file (and new directory entry) is fsynced.
         """
-        fresh: list[tuple[str, str, dict[str, Any]]] = []
+        fresh: list[tuple[str, str, TrainingRow]] = []
         seen: set[str] = set()
         for dataset, key, row in rows:
             if key in self.keys or key in seen:
@@ -205,7 +215,7 @@ class ShardWriter:
             SINK_ROWS.labels(dataset=dataset).inc()
         return len(fresh)
 
-    def _write_jsonl(self, rows: list[tuple[str, str, dict[str, Any]]]) -> None:
+    def _write_jsonl(self, rows: list[tuple[str, str, TrainingRow]]) -> None:
         touched: dict[str, IO[bytes]] = {}
         new_dirs: set[Path] = set()
         for dataset, _, row in rows:
@@ -234,17 +244,18 @@ class ShardWriter:
         for d in new_dirs:
             _fsync_dir(d)
 
-    def _write_parquet(self, rows: list[tuple[str, str, dict[str, Any]]]) -> None:
+    def _write_parquet(self, rows: list[tuple[str, str, TrainingRow]]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        by_dataset: dict[str, list[dict[str, Any]]] = {}
+        schema = row_arrow_schema()  # every part gets the identical schema
+        by_dataset: dict[str, list[TrainingRow]] = {}
         for dataset, _, row in rows:
             by_dataset.setdefault(dataset, []).append(row)
         for dataset, batch in by_dataset.items():
             path = self._new_part(dataset)
             tmp = path.with_name(path.name + ".tmp")
-            table = pa.Table.from_pylist([_parquet_row(r) for r in batch])
+            table = pa.Table.from_pylist([row_builtins(r) for r in batch], schema=schema)
             pq.write_table(table, tmp)
             with tmp.open("rb") as f:
                 os.fsync(f.fileno())
@@ -259,16 +270,6 @@ class ShardWriter:
             os.fsync(f.fileno())
             f.close()
         self._open.clear()
-
-
-def _parquet_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Nested free-form fields (tools, metadata, conversations) as JSON text in Parquet."""
-    import json
-
-    out = dict(row)
-    for name in ("conversations", "tools", "metadata"):
-        out[name] = json.dumps(row[name], ensure_ascii=False)
-    return out
 
 
 class SinkService:
@@ -302,7 +303,7 @@ class SinkService:
     async def handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
         """Write the batch's rows durably; dead-letter what is not an accepted sample."""
         results: list[Result] = []
-        rows: list[tuple[str, str, dict[str, Any]]] = []
+        rows: list[tuple[str, str, TrainingRow]] = []
         for record in records:
             try:
                 audited = decode(record.value, SampleAudited)
@@ -314,7 +315,7 @@ class SinkService:
                                           reasons=tuple(audited.reasons)))
                 continue
             row = training_row(audited)
-            rows.append((audited.dataset, row["id"], row))
+            rows.append((audited.dataset, row.id, row))
             results.append([])
         try:
             self.writer.write(rows)

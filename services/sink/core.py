@@ -1,91 +1,211 @@
 """Training rows from accepted samples, and the pure parts of the shard bookkeeping.
 
-A row is what SpecForge and vLLM's speculators read: ``id``, ``dataset``, ``input_ids``,
-``loss_mask``, ``prompt_ids``, ``output_ids``, ``conversations`` (role, content,
-reasoning_content, tool_calls: the prompt turns as the model saw them plus the generated
-assistant turn), ``tools`` (when the request sent them) and ``metadata``. No file I/O here: the shell writes the bytes.
+A row has ONE fixed schema in every part of every dataset, JSONL or Parquet, so a whole
+output folder loads as one table (``datasets.load_dataset("json", data_files=...)`` takes
+its column types from the first rows it reads and casts every later file to them: a
+column that is null, an empty list or a dict keyed by data in one file and something
+else in another breaks the load). Hence:
+
+- no nulls and no data-dependent keys: an absent string is ``""``, an unreported count
+  is ``-1``;
+- free-form JSON (the request's ``tools`` and a turn's ``tool_calls``, whose argument
+  schemas differ per tool) is carried as JSON text, ``"[]"`` when there is none;
+- audit results are a list of ``{code, passed, message}``.
+
+:class:`TrainingRow` declares the schema once; the Parquet (Arrow) schema is derived from
+it (:func:`row_arrow_schema`). No file I/O here: the shell writes the bytes.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import msgspec.inspect as mi
 
 from schemas import Message, SampleAudited, ToolCall, sample_key
 
-PART_RE = re.compile(r"^part-(\d{5,})\.(jsonl|parquet)$")
+if TYPE_CHECKING:
+    import pyarrow as pa
 
-_row_encoder = msgspec.json.Encoder()
+PART_RE = re.compile(r"^part-(\d{5,})\.(jsonl|parquet)$")
+NOT_REPORTED = -1  # a usage count the provider did not report
+NO_JSON_LIST = "[]"  # tools / tool_calls when there are none
+
+
+class TurnRow(msgspec.Struct, kw_only=True):
+    """One conversation turn: every key always present (``""`` / ``"[]"`` when absent)."""
+
+    role: str
+    content: str
+    reasoning_content: str = ""
+    tool_calls: str = NO_JSON_LIST  # JSON text: [{"id", "type", "function": {"name", "arguments"}}]
+    tool_call_id: str = ""
+    name: str = ""
+
+
+class UsageRow(msgspec.Struct, kw_only=True):
+    """The provider's usage report; ``-1`` where it reported nothing."""
+
+    prompt_tokens: int = NOT_REPORTED
+    completion_tokens: int = NOT_REPORTED
+    reasoning_tokens: int = NOT_REPORTED
+    cost: float = float(NOT_REPORTED)
+
+
+class CheckRow(msgspec.Struct, kw_only=True):
+    """One audit check's verdict."""
+
+    code: str
+    passed: bool
+    message: str = ""
+
+
+class AuditRow(msgspec.Struct, kw_only=True):
+    """The audit's verdict and every check it ran."""
+
+    passed: bool
+    checks: list[CheckRow]
+
+
+class RowMetadata(msgspec.Struct, kw_only=True):
+    """Where a row came from: provider, model, profile, usage, reconstruction, audit."""
+
+    provider: str
+    upstream_provider: str
+    model: str
+    profile: str
+    usage: UsageRow
+    finish_reason: str
+    reconstruction_method: str
+    audit: AuditRow
+
+
+class TrainingRow(msgspec.Struct, kw_only=True):
+    """One training row: the token-exact sequence, its loss mask and what produced it."""
+
+    id: str
+    dataset: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    conversations: list[TurnRow]
+    tools: str  # JSON text of the tools the request sent, "[]" when it sent none
+    metadata: RowMetadata
+
+
+_json_encoder = msgspec.json.Encoder()
+_row_decoder = msgspec.json.Decoder(TrainingRow)
 _line_decoder = msgspec.json.Decoder(dict[str, Any])
 
 
-def _tool_calls(calls: list[ToolCall] | None) -> list[dict[str, Any]] | None:
-    if not calls:
-        return None
-    return [
+def _json_text(value: Any) -> str:
+    return _json_encoder.encode(value).decode("utf-8") if value else NO_JSON_LIST
+
+
+def _tool_calls(calls: list[ToolCall] | None) -> str:
+    return _json_text([
         {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
-        for c in calls
-    ]
+        for c in calls or ()
+    ])
 
 
-def _turn(m: Message) -> dict[str, Any]:
+def _turn(m: Message) -> TurnRow:
     # The request never carries earlier turns' reasoning (schemas.wire_messages): the model did
     # not see it, so the row does not claim it did (a re-render would add ids input_ids lack).
-    turn: dict[str, Any] = {
-        "role": m.role,
-        "content": m.content,
-        "reasoning_content": None,
-        "tool_calls": _tool_calls(m.tool_calls),
-    }
-    if m.tool_call_id is not None:
-        turn["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        turn["name"] = m.name
-    return turn
+    return TurnRow(
+        role=m.role,
+        content=m.content,
+        tool_calls=_tool_calls(m.tool_calls),
+        tool_call_id=m.tool_call_id or "",
+        name=m.name or "",
+    )
 
 
-def training_row(audited: SampleAudited) -> dict[str, Any]:
+def _reported(value: int | None) -> int:
+    return NOT_REPORTED if value is None else value
+
+
+def training_row(audited: SampleAudited) -> TrainingRow:
     """The training row of one accepted sample."""
     s = audited.sample
     r = s.response
     conversations = [_turn(m) for m in r.prompt.messages]
-    conversations.append({
-        "role": "assistant",
-        "content": r.content,
-        "reasoning_content": r.reasoning or None,
-        "tool_calls": _tool_calls(r.tool_calls),
-    })
-    return {
-        "id": sample_key(s.dataset, s.sample_id),
-        "dataset": s.dataset,
-        "input_ids": [*s.prompt_ids, *s.output_ids],
-        "loss_mask": list(s.loss_mask),
-        "prompt_ids": list(s.prompt_ids),
-        "output_ids": list(s.output_ids),
-        "conversations": conversations,
-        "tools": r.prompt.tools if r.tools_sent else None,  # only what the model saw
-        "metadata": {
-            "provider": r.provider,
-            "upstream_provider": r.upstream_provider,
-            "model": r.model,
-            "profile": s.profile,
-            "usage": msgspec.to_builtins(r.usage),
-            "finish_reason": r.finish_reason,
-            "reconstruction_method": s.method,
-            "audit": {
-                "passed": audited.passed,
-                "checks": {c.code: c.passed for c in audited.results},
-                "notes": {c.code: c.message for c in audited.results if c.message},
-            },
-        },
-    }
+    generated = TurnRow(
+        role="assistant", content=r.content, reasoning_content=r.reasoning, tool_calls=_tool_calls(r.tool_calls)
+    )
+    conversations.append(generated)
+    u = r.usage
+    return TrainingRow(
+        id=sample_key(s.dataset, s.sample_id),
+        dataset=s.dataset,
+        input_ids=[*s.prompt_ids, *s.output_ids],
+        loss_mask=list(s.loss_mask),
+        prompt_ids=list(s.prompt_ids),
+        output_ids=list(s.output_ids),
+        conversations=conversations,
+        tools=_json_text(r.prompt.tools) if r.tools_sent else NO_JSON_LIST,  # only what the model saw
+        metadata=RowMetadata(
+            provider=r.provider,
+            upstream_provider=r.upstream_provider or "",
+            model=r.model,
+            profile=s.profile,
+            usage=UsageRow(
+                prompt_tokens=_reported(u.prompt_tokens),
+                completion_tokens=_reported(u.completion_tokens),
+                reasoning_tokens=_reported(u.reasoning_tokens),
+                cost=float(NOT_REPORTED) if u.cost is None else float(u.cost),
+            ),
+            finish_reason=r.finish_reason or "",
+            reconstruction_method=s.method,
+            audit=AuditRow(
+                passed=audited.passed,
+                checks=[CheckRow(code=c.code, passed=c.passed, message=c.message) for c in audited.results],
+            ),
+        ),
+    )
 
 
-def row_line(row: dict[str, Any]) -> bytes:
+def _arrow_type(info: mi.Type) -> pa.DataType:
+    import pyarrow as pa
+
+    simple: dict[type[mi.Type], pa.DataType] = {
+        mi.StrType: pa.string(), mi.IntType: pa.int64(), mi.FloatType: pa.float64(), mi.BoolType: pa.bool_(),
+    }  # fmt: skip
+    if type(info) in simple:
+        return simple[type(info)]
+    if isinstance(info, mi.ListType):
+        # "element": the list item name Parquet writes (a read-back schema then equals this one).
+        return pa.list_(pa.field("element", _arrow_type(info.item_type), nullable=False))
+    if isinstance(info, mi.StructType):
+        return pa.struct([pa.field(f.encode_name, _arrow_type(f.type), nullable=False) for f in info.fields])
+    raise TypeError(f"no Arrow type for {info!r} in the training row schema")
+
+
+def row_arrow_schema() -> pa.Schema:
+    """The Arrow schema of :class:`TrainingRow` (every Parquet part is written with it)."""
+    import pyarrow as pa
+
+    struct = _arrow_type(mi.type_info(TrainingRow))
+    return pa.schema([struct.field(i) for i in range(struct.num_fields)])
+
+
+def row_line(row: TrainingRow) -> bytes:
     """One JSONL line (newline included) for a row."""
-    return _row_encoder.encode(row) + b"\n"
+    return _json_encoder.encode(row) + b"\n"
+
+
+def row_builtins(row: TrainingRow) -> dict[str, Any]:
+    """A row as plain Python values (what a Parquet table is built from)."""
+    out: dict[str, Any] = msgspec.to_builtins(row)
+    return out
+
+
+def decode_row(line: bytes) -> TrainingRow:
+    """A stored JSONL line as a row; ``msgspec.ValidationError`` / ``DecodeError`` name what is wrong."""
+    return _row_decoder.decode(line)
 
 
 def parse_line(line: bytes) -> str | None:
@@ -116,4 +236,22 @@ def torn_tail(data: bytes) -> int:
     return len(data) - (data.rfind(b"\n") + 1)
 
 
-__all__ = ["parse_line", "part_name", "part_number", "row_line", "torn_tail", "training_row"]
+__all__ = [
+    "NOT_REPORTED",
+    "NO_JSON_LIST",
+    "AuditRow",
+    "CheckRow",
+    "RowMetadata",
+    "TrainingRow",
+    "TurnRow",
+    "UsageRow",
+    "decode_row",
+    "parse_line",
+    "part_name",
+    "part_number",
+    "row_arrow_schema",
+    "row_builtins",
+    "row_line",
+    "torn_tail",
+    "training_row",
+]

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import msgspec
-import pytest
 
 from schemas import SampleAudited, decode
 from services.sink.app import ShardWriter
-from services.sink.core import parse_line, part_number, torn_tail, training_row
+from services.sink.core import TrainingRow, parse_line, part_number, row_line, torn_tail, training_row
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "payloads" / "v1_audited.json"
 
@@ -23,11 +21,11 @@ def audited(sample_id: str = "a1", dataset: str = "math") -> SampleAudited:
     return msgspec.structs.replace(base, sample=sample, sample_id=sample_id, dataset=dataset)
 
 
-def rows(*ids: str, dataset: str = "math") -> list[tuple[str, str, dict[str, Any]]]:
+def rows(*ids: str, dataset: str = "math") -> list[tuple[str, str, TrainingRow]]:
     out = []
     for i in ids:
         row = training_row(audited(i, dataset))
-        out.append((dataset, row["id"], row))
+        out.append((dataset, row.id, row))
     return out
 
 
@@ -42,7 +40,7 @@ def read_ids(out: Path, dataset: str = "math") -> list[str]:
 
 
 def test_training_row_has_specforge_and_speculators_fields() -> None:
-    row = training_row(audited())
+    row = json.loads(row_line(training_row(audited())))
     assert row["id"] == "math:a1"
     assert row["input_ids"] == [5, 6, 7, 8]
     assert row["prompt_ids"] == [5, 6] and row["output_ids"] == [7, 8]
@@ -50,14 +48,13 @@ def test_training_row_has_specforge_and_speculators_fields() -> None:
     assert [t["role"] for t in row["conversations"]] == ["system", "user", "assistant"]
     last = row["conversations"][-1]
     assert last["content"] == "4" and last["reasoning_content"] == "think"
-    assert last["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a":2}'}
-    assert row["tools"] is None  # the v1 payload's request did not send them (tools_sent false)
+    assert json.loads(last["tool_calls"])[0]["function"] == {"name": "add", "arguments": '{"a":2}'}
+    assert row["tools"] == "[]"  # the v1 payload's request did not send them (tools_sent false)
     meta = row["metadata"]
     assert meta["provider"] == "openrouter" and meta["model"] == "deepseek/deepseek-v3"
     assert meta["usage"]["completion_tokens"] == 3
     assert meta["finish_reason"] == "stop" and meta["reconstruction_method"] == "native"
-    assert meta["audit"]["checks"] == {"ends_with_end_of_turn": True}
-    json.dumps(row)  # plain JSON all the way down
+    assert meta["audit"]["checks"] == [{"code": "ends_with_end_of_turn", "passed": True, "message": ""}]
 
 
 def test_training_row_holds_only_what_the_model_saw() -> None:
@@ -70,9 +67,9 @@ def test_training_row_holds_only_what_the_model_saw() -> None:
         response = msgspec.structs.replace(base.sample.response, prompt=prompt, tools_sent=sent)
         sample = msgspec.structs.replace(base.sample, response=response)
         row = training_row(msgspec.structs.replace(base, sample=sample))
-        assert (row["tools"] is not None) == sent
-        assert all(t["reasoning_content"] is None for t in row["conversations"][:-1])
-        assert row["conversations"][-1]["reasoning_content"] == "think"
+        assert (json.loads(row.tools) == base.sample.response.prompt.tools) == sent
+        assert all(t.reasoning_content == "" for t in row.conversations[:-1])
+        assert row.conversations[-1].reasoning_content == "think"
 
 
 def test_pure_helpers() -> None:
@@ -85,7 +82,7 @@ def test_pure_helpers() -> None:
 
 
 def test_writes_rotates_and_skips_duplicates(tmp_path: Path) -> None:
-    one_row = len(json.dumps(training_row(audited())))
+    one_row = len(row_line(training_row(audited())))
     writer = ShardWriter(tmp_path, rotate_bytes=one_row * 2 + 10)
     writer.scan()
     assert writer.write(rows("a", "b", "c")) == 3
@@ -127,7 +124,8 @@ def test_datasets_get_their_own_folders(tmp_path: Path) -> None:
 
 
 def test_parquet_parts_and_index(tmp_path: Path) -> None:
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow.parquet as pq
+
     writer = ShardWriter(tmp_path, fmt="parquet")
     writer.scan()
     assert writer.write(rows("a", "b")) == 2
@@ -140,4 +138,4 @@ def test_parquet_parts_and_index(tmp_path: Path) -> None:
     assert restarted.write(rows("b", "c")) == 1
     table = pq.read_table(tmp_path / "math" / "part-00004.parquet")
     assert table.column("id").to_pylist() == ["math:c"]
-    assert json.loads(table.column("metadata").to_pylist()[0])["provider"] == "openrouter"
+    assert table.column("metadata").to_pylist()[0]["provider"] == "openrouter"

@@ -1,0 +1,301 @@
+"""``draftstream export``: a sink folder → a folder a trainer loads as it is.
+
+Reads every ``<dataset>/part-NNNNN.{jsonl,parquet}`` of a sink folder (the current row
+schema, or the sink's earlier layout, upgraded), converts each row with
+:mod:`services.export.core` and writes ``OUT/<dataset>/part-NNNNN.<ext>``, one output
+part per input part, plus a ``README.md`` saying how to load the folder. A row that
+cannot be exported (unreadable, ids and mask disagreeing, or for SpecForge a text that
+does not re-encode to its ids) is never written: it is listed in the report, and the
+command exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from services.common.config import Settings
+from services.common.errors import CommandError
+from services.export.core import (
+    SPECFORGE_TEMPLATES,
+    TARGETS,
+    RowError,
+    Target,
+    hf_row,
+    row_from_builtins,
+    row_from_line,
+    specforge_loss_mask,
+    specforge_row,
+    speculators_row,
+)
+from services.sink.core import TrainingRow, part_number, row_arrow_schema, row_builtins, row_line
+
+FORMATS = ("jsonl", "parquet")
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass
+class ExportReport:
+    """What an export read, wrote and refused."""
+
+    target: str
+    out_dir: Path
+    parts_read: int = 0
+    rows_read: int = 0
+    rows_written: int = 0
+    refused: list[str] = field(default_factory=list)  # one line per refused row: where and why
+    per_dataset: Counter[str] = field(default_factory=Counter)
+    # specforge: rows whose loss mask SpecForge's template rule reproduces, per (profile, template, last-turn-only)
+    mask_matches: Counter[tuple[str, str, bool]] = field(default_factory=Counter)
+    mask_rows: Counter[str] = field(default_factory=Counter)
+    profiles: set[str] = field(default_factory=set)
+    files: list[Path] = field(default_factory=list)
+
+
+def sink_parts(sink_dir: Path) -> list[Path]:
+    """Every part file of a sink folder, in dataset then part order; a clear error when there is none."""
+    if not sink_dir.is_dir():
+        raise CommandError(f"--from {sink_dir}: not a folder (give the sink's output folder, [sink] out_dir)")
+    parts = sorted(
+        p for d in sink_dir.iterdir() if d.is_dir() for p in d.iterdir() if part_number(p.name) is not None
+    )
+    if not parts:
+        raise CommandError(f"--from {sink_dir}: no <dataset>/part-NNNNN.jsonl or .parquet files in it")
+    return parts
+
+
+def count_rows(part: Path) -> int:
+    """Rows in one part (complete lines of a JSONL part; the footer's count of a Parquet part)."""
+    if part.suffix == ".jsonl":
+        with part.open("rb") as f:
+            return sum(1 for line in f if line.strip() and line.endswith(b"\n"))
+    import pyarrow.parquet as pq
+
+    try:
+        return int(pq.read_metadata(part).num_rows)
+    except Exception:  # noqa: BLE001 - an unreadable part is reported when it is read
+        return 0
+
+
+def read_part(part: Path, report: ExportReport) -> Iterator[TrainingRow]:
+    """The rows of one part; unreadable rows are added to ``report.refused``."""
+    if part.suffix == ".jsonl":
+        with part.open("rb") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{part}:{n}"
+                if not line.endswith(b"\n"):  # a write in progress (or torn): never half a row
+                    report.refused.append(f"{where}: incomplete last line (the sink may still be writing it)")
+                    continue
+                try:
+                    yield row_from_line(line, where)
+                except RowError as exc:
+                    report.refused.append(str(exc))
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        records = pq.read_table(part).to_pylist()
+    except Exception as exc:  # noqa: BLE001 - an unreadable file is reported with its reason
+        report.refused.append(f"{part}: unreadable Parquet part: {exc}")
+        return
+    for n, record in enumerate(records, start=1):
+        try:
+            yield row_from_builtins(record, f"{part}: row {n}")
+        except RowError as exc:
+            report.refused.append(str(exc))
+
+
+def _check_out_dir(out_dir: Path, sink_dir: Path) -> None:
+    if out_dir.resolve() == sink_dir.resolve() or sink_dir.resolve() in out_dir.resolve().parents:
+        raise CommandError(f"OUT_DIR {out_dir} is inside the sink folder {sink_dir}: choose a folder outside it")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CommandError(f"OUT_DIR {out_dir} exists and is not empty: give a new or empty folder")
+
+
+@dataclass
+class SpecforgeTokenizers:
+    """Per profile: decode ids to text, and encode text the way SpecForge's tokenizer call does."""
+
+    settings: Settings | None
+    loaded: dict[str, Any] = field(default_factory=dict)
+
+    def profile(self, name: str) -> Any:
+        """The verified profile ``name`` (loaded once)."""
+        if name not in self.loaded:
+            from services.profiles import ProfileError, load_profile
+
+            try:
+                self.loaded[name] = load_profile(name, self.settings)
+            except ProfileError as exc:
+                raise CommandError(
+                    f"rows of profile {name!r} need its tokenizer to be checked, and it cannot be loaded "
+                    f"({exc.reason}): {exc.message}"
+                ) from None
+        return self.loaded[name]
+
+
+class _PartWriter:
+    """One output part, written to ``<name>.tmp`` and renamed when complete."""
+
+    def __init__(self, path: Path, fmt: str) -> None:
+        self.path = path
+        self.fmt = fmt
+        self.rows: list[Any] = []
+
+    def add(self, row: Any) -> None:
+        self.rows.append(row)
+
+    def close(self) -> bool:
+        """Write the part (False, and no file, when it holds no row)."""
+        if not self.rows:
+            return False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        if self.fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            if isinstance(self.rows[0], TrainingRow):
+                table = pa.Table.from_pylist([row_builtins(r) for r in self.rows], schema=row_arrow_schema())
+            else:
+                table = pa.Table.from_pylist(self.rows)
+            pq.write_table(table, tmp)
+        else:
+            with tmp.open("wb") as f:
+                for r in self.rows:
+                    f.write(row_line(r) if isinstance(r, TrainingRow) else _encoder.encode(r) + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+        tmp.rename(self.path)
+        return True
+
+
+def _specforge_convert(
+    rows: list[TrainingRow], tokenizers: SpecforgeTokenizers, report: ExportReport, writer: _PartWriter
+) -> None:
+    by_profile: dict[str, list[TrainingRow]] = {}
+    for row in rows:
+        by_profile.setdefault(row.metadata.profile, []).append(row)
+    for name, group in by_profile.items():
+        report.profiles.add(name)
+        profile = tokenizers.profile(name)
+        texts: list[str] = profile.decode_batch([r.input_ids for r in group])
+        encoded: list[list[int]] = profile.encode_prompt_batch(texts)
+        template = SPECFORGE_TEMPLATES.get(name)
+        for row, text, ids in zip(group, texts, encoded, strict=True):
+            try:
+                writer.add(specforge_row(row, text, ids))
+            except RowError as exc:
+                report.refused.append(str(exc))
+                continue
+            report.rows_written += 1
+            report.per_dataset[row.dataset] += 1
+            if template is None:
+                continue
+            report.mask_rows[name] += 1
+            for last_only in (False, True):
+                mask = specforge_loss_mask(text, profile.encode_prompt, template, last_turn_only=last_only)
+                report.mask_matches[(name, template.name, last_only)] += mask == row.loss_mask
+
+
+def export(
+    target: Target,
+    sink_dir: Path,
+    out_dir: Path,
+    *,
+    fmt: str = "jsonl",
+    settings: Settings | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ExportReport:
+    """Export every row of ``sink_dir`` to ``out_dir`` for ``target``; see the module docstring.
+
+    ``progress(n)`` is called after every part with the rows it held.
+    """
+    if target not in TARGETS:
+        raise CommandError(f"--to {target!r}: choose one of {', '.join(TARGETS)}")
+    if fmt not in FORMATS:
+        raise CommandError(f"--format {fmt!r}: choose jsonl or parquet")
+    if fmt == "parquet" and target != "hf":
+        raise CommandError(f"--format parquet is for --to hf; {target} reads JSONL")
+    parts = sink_parts(sink_dir)
+    _check_out_dir(out_dir, sink_dir)
+    report = ExportReport(target=target, out_dir=out_dir)
+    tokenizers = SpecforgeTokenizers(settings)
+    for part in parts:
+        refused_before = len(report.refused)
+        rows = list(read_part(part, report))
+        report.parts_read += 1
+        report.rows_read += len(rows) + len(report.refused) - refused_before
+        writer = _PartWriter(out_dir / part.parent.name / part.with_suffix(f".{fmt}").name, fmt)
+        if target == "specforge":
+            _specforge_convert(rows, tokenizers, report, writer)
+        else:
+            convert = hf_row if target == "hf" else speculators_row
+            for row in rows:
+                try:
+                    writer.add(convert(row))
+                except RowError as exc:
+                    report.refused.append(str(exc))
+                    continue
+                report.rows_written += 1
+                report.per_dataset[row.dataset] += 1
+        if writer.close():
+            report.files.append(writer.path)
+        if progress is not None:
+            progress(len(rows))
+    if report.files:
+        (out_dir / "README.md").write_text(readme(report, fmt), encoding="utf-8")
+    return report
+
+
+def readme(report: ExportReport, fmt: str) -> str:
+    """The README.md written beside the exported parts: what they are and how to load them."""
+    pattern = f"*/part-*.{fmt}"
+    head = (
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        f'    path: "{pattern}"\n---\n\n'
+    )
+    if report.target == "hf":
+        builder = "parquet" if fmt == "parquet" else "json"
+        return head + (
+            "# draftstream training rows\n\nEvery part has the same row schema (see draftstream's docs/audit.md, "
+            f"\"The sink\").\n\n```python\nimport datasets\nds = datasets.load_dataset(\"{builder}\", "
+            f"data_files=\"{pattern}\", split=\"train\")\n```\n"
+        )
+    if report.target == "speculators":
+        return head + (
+            "# draftstream rows for vLLM speculators\n\nPre-tokenized rows (`input_ids`, `loss_mask`): speculators "
+            "passes them through without re-rendering. Give this folder as the training data path (its directory "
+            "input loads every `*.jsonl` under it).\n"
+        )
+    lines = [
+        "# draftstream rows for SpecForge\n",
+        "`text` is the decode of the sample's exact token ids; every row was checked to re-encode to those ids "
+        "with the model's tokenizer (no special tokens added). Train with SpecForge's preformatted input "
+        "(`--is-preformatted`, `build_eagle3_dataset(..., is_preformatted=True)`) and the chat template below "
+        "(`--chat-template`), which locates the supervised spans; add `--train-only-last-turn` when only that "
+        "column reproduces every row's loss mask (prompts holding earlier assistant turns).\n",
+        "| profile | SpecForge chat template | loss mask reproduced | with train_only_last_turn |",
+        "|---|---|---|---|",
+    ]
+    for profile, total in sorted(report.mask_rows.items()):
+        template = SPECFORGE_TEMPLATES[profile].name
+        all_turns = report.mask_matches[(profile, template, False)]
+        last = report.mask_matches[(profile, template, True)]
+        lines.append(f"| {profile} | {template} | {all_turns}/{total} | {last}/{total} |")
+    unmapped = sorted({p for p in report.profiles if p not in SPECFORGE_TEMPLATES})
+    if unmapped:
+        lines.append(
+            f"\nNo registered SpecForge template ends its assistant header where the prompts of {', '.join(unmapped)} "
+            "end: register one whose `assistant_header` is the end of the generation prompt, or the loss mask will "
+            "differ from `loss_mask`."
+        )
+    return head + "\n".join(lines) + "\n"

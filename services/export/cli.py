@@ -1,0 +1,60 @@
+"""``draftstream export --to hf|speculators|specforge --from SINK_DIR OUT_DIR``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+_MAX_LISTED = 20
+
+
+def export_command(
+    out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder for the exported parts")],
+    to: Annotated[str, typer.Option("--to", help="hf, speculators or specforge")],
+    source: Annotated[Path, typer.Option("--from", help="The sink's output folder (its out_dir)")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="jsonl or parquet (parquet: --to hf only)")] = "jsonl",
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (user profiles)")] = None,
+) -> None:
+    """Write SINK_DIR's rows as OUT_DIR/<dataset>/part-NNNNN.* for a trainer; exit 1 when a row is refused."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from services.cli import settings_from
+    from services.export.app import count_rows, export, sink_parts
+
+    settings = settings_from(config)
+    console = Console(stderr=True)
+    total = sum(count_rows(p) for p in sink_parts(source))
+    with Progress(
+        TextColumn(f"[bold]export --to {escape(to)}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:  # fmt: skip
+        task = progress.add_task("rows", total=total)
+        report = export(
+            to,  # type: ignore[arg-type]  # checked by export()
+            source, out_dir, fmt=fmt, settings=settings,
+            progress=lambda n: progress.advance(task, n),
+        )  # fmt: skip
+    for line in report.refused[:_MAX_LISTED]:
+        console.print(f"[red]refused[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if len(report.refused) > _MAX_LISTED:
+        console.print(f"[red]... and {len(report.refused) - _MAX_LISTED} more refused row(s)[/]")
+    per_dataset = ", ".join(f"{d} {n}" for d, n in sorted(report.per_dataset.items())) or "-"
+    print(
+        f"exported {report.rows_written} of {report.rows_read} row(s) from {report.parts_read} part(s) to "
+        f"{out_dir} ({per_dataset}); refused {len(report.refused)}"
+    )
+    for (profile, template, last_only), matched in sorted(report.mask_matches.items()):
+        rule = "last assistant turn only" if last_only else "every assistant turn"
+        print(f"SpecForge template {template} ({rule}) reproduces the loss mask of {matched}/"
+              f"{report.mask_rows[profile]} {profile} row(s)")
+    if report.refused:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
+    """Add ``export`` to the root CLI."""
+    app.command("export")(export_command)
