@@ -41,7 +41,7 @@ import msgspec
 import stamina
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 
 from schemas import (
     CONTROL_TOPIC,
@@ -938,13 +938,19 @@ class InferenceWorker:
 
 
 async def topic_partitions(kafka: KafkaSettings, topic: str, timeout_s: float = 60.0) -> list[int]:
-    """The partition numbers of ``topic``, waiting (bounded) until each has a leader."""
+    """The partition numbers of ``topic``, waiting (bounded) until each has a leader.
+
+    Raises ``TopicAuthorizationFailedError`` at once when the ACLs hide the topic: a
+    group-less consumer assigned to it would otherwise just see nothing.
+    """
     admin = make_admin(kafka)
     await admin.start()
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             (described,) = await admin.describe_topics([topic])
+            if described.get("error_code") == TopicAuthorizationFailedError.errno:
+                raise TopicAuthorizationFailedError(topic)
             found = described.get("partitions") or []
             if described.get("error_code") == 0 and found and all(p.get("leader", -1) >= 0 for p in found):
                 return sorted(int(p["partition"]) for p in found)
