@@ -33,6 +33,7 @@ from aiokafka import TopicPartition
 from schemas.topology import ROLES
 from services.audit.app import create_app as audit_app
 from services.budget.app import create_app as budget_app
+from services.common import broker
 from services.common.acls import ADMIN_ROLE, AclBinding
 from services.common.acls_apply import acl_tool, apply_acls
 from services.common.config import Settings, load_settings
@@ -89,17 +90,26 @@ def _ports(n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def acl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
     """A private broker enforcing ACLs, with a SCRAM user per role (and the intruder)."""
-    port, controller, sasl = _ports(3)
-    instance = LocalBroker(
-        run_dir=tmp_path_factory.mktemp("kafka-acls"),
-        port=port,
-        controller_port=controller,
-        sasl_ssl_port=sasl,
-        sasl_password=f"admin-{uuid.uuid4().hex[:16]}",
-        authorizer=True,
-        sasl_users={name: f"pw-{uuid.uuid4().hex[:16]}" for name in [*SERVICE_ROLES, INTRUDER]},
-    )
-    status = instance.start()
+    users = {name: f"pw-{uuid.uuid4().hex[:16]}" for name in [*SERVICE_ROLES, INTRUDER]}
+    for attempt in range(3):
+        port, controller, sasl = _ports(3)
+        instance = LocalBroker(
+            run_dir=tmp_path_factory.mktemp("kafka-acls"),
+            port=port,
+            controller_port=controller,
+            sasl_ssl_port=sasl,
+            sasl_password=f"admin-{uuid.uuid4().hex[:16]}",
+            authorizer=True,
+            sasl_users=users,
+        )
+        try:
+            status = instance.start()
+            break
+        except broker.BrokerError as exc:
+            # The range overlaps the kernel's ephemeral ports: a client socket elsewhere may
+            # take a port between the check and the broker's bind. Other ports, once more.
+            if "already in use" not in str(exc) and "exited during startup" not in str(exc) or attempt == 2:
+                raise
     try:
         assert status.sasl_ssl_port == sasl and status.cafile, status
         yield instance
