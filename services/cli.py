@@ -88,6 +88,8 @@ schemas_app = typer.Typer(help="The wire contracts.", no_args_is_help=True)
 app.add_typer(schemas_app, name="schemas")
 config_app = typer.Typer(help="Configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+acls_app = typer.Typer(help="Least-privilege Kafka ACLs, one SASL user per service.", no_args_is_help=True)
+app.add_typer(acls_app, name="acls")
 
 err = Console(stderr=True)
 
@@ -197,6 +199,58 @@ def topics_create(
         fail(str(exc))
     created = asyncio.run(ensure_topics(settings.kafka, names))
     print(f"created {len(created)} topic(s): {', '.join(created) or '-'} (others already existed)")
+
+
+PrefixOption = Annotated[
+    str | None, typer.Option("--prefix", help="Topic prefix of the deployment (default: [kafka] topic_prefix)")
+]
+UserPrefixOption = Annotated[
+    str, typer.Option("--user-prefix", help="Prefix of the SASL user names: principal User:<prefix><service>")
+]
+ACL_FORMATS = ("kafka-acls", "json")
+
+
+@acls_app.command("print")
+def acls_print(
+    config: ConfigOption = None,
+    prefix: PrefixOption = None,
+    user_prefix: UserPrefixOption = "",
+    fmt: Annotated[str, typer.Option("--format", help="kafka-acls (command lines) or json")] = "kafka-acls",
+) -> None:
+    """Print the ACL set derived from the topology: each service only its topics and group."""
+    from services.common.acls import acl_bindings, format_json, format_kafka_acls
+
+    if fmt not in ACL_FORMATS:
+        fail(f"--format {fmt!r}: use one of {', '.join(ACL_FORMATS)}")
+    topic_prefix = settings_from(config).kafka.topic_prefix if prefix is None else prefix
+    bindings = acl_bindings(topic_prefix=topic_prefix, user_prefix=user_prefix)
+    text = format_json(bindings) if fmt == "json" else format_kafka_acls(bindings, topic_prefix=topic_prefix)
+    sys.stdout.write(text)
+
+
+@acls_app.command("apply")
+def acls_apply(
+    config: ConfigOption = None,
+    prefix: PrefixOption = None,
+    user_prefix: UserPrefixOption = "",
+    kafka_acls: Annotated[
+        Path | None, typer.Option("--kafka-acls", help="kafka-acls.sh to run (default: on PATH, else the jars)")
+    ] = None,
+    kafka_libs: Annotated[
+        Path | None, typer.Option("--kafka-libs", help="Kafka jars to run kafka-acls from (default .run/kafka/libs)")
+    ] = None,
+) -> None:
+    """Add the ACL set to the cluster, as the admin user of the configuration (idempotent)."""
+    from services.common.acls import acl_bindings
+    from services.common.acls_apply import acl_tool, apply_acls
+
+    settings = settings_from(config)
+    topic_prefix = settings.kafka.topic_prefix if prefix is None else prefix
+    bindings = acl_bindings(topic_prefix=topic_prefix, user_prefix=user_prefix)
+    runs = apply_acls(bindings, settings.kafka, tool=acl_tool(kafka_acls, kafka_libs))
+    principals = sorted({b.principal for b in bindings})
+    print(f"applied {len(bindings)} ACL(s) for {len(principals)} principal(s) in {runs} kafka-acls run(s) "
+          f"as User:{settings.kafka.sasl_username or 'ANONYMOUS'}: {', '.join(principals)}")
 
 
 @schemas_app.command("export")

@@ -40,7 +40,7 @@ async def publish_control(settings: Settings, event: Halt | Resume) -> None:
     """
     if not event.at:
         event = msgspec.structs.replace(event, at=time.time())
-    await ensure_topics(settings.kafka)
+    await ensure_topics(settings.kafka, needed=(CONTROL_TOPIC,))
     producer = make_producer(settings.kafka)
     await producer.start()
     try:

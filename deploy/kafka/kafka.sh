@@ -21,6 +21,13 @@
 #                          SCRAM-SHA-256/512, self-signed TLS under $KAFKA_RUN_DIR/tls)
 #   KAFKA_SASL_USER        SASL user (default: draftstream)
 #   KAFKA_SASL_PASSWORD    SASL password (default: draftstream-secret)
+#   KAFKA_SASL_USERS       more SASL users, "name:password name:password ..." (SCRAM
+#                          credentials written at format time, and PLAIN users)
+#   KAFKA_AUTHORIZER       "on": ACLs are enforced (StandardAuthorizer, nothing allowed
+#                          without an ACL); KAFKA_SASL_USER is the only super user, and
+#                          the broker reaches itself and its controller as that user
+#                          over SASL, so the PLAINTEXT listener's anonymous clients get
+#                          nothing. Needs KAFKA_SASL_SSL_PORT. Default: off
 #   KAFKA_START_TIMEOUT    seconds to wait for readiness (default: 60)
 #   KAFKA_HEAP_OPTS        JVM heap flags (default: -Xmx512m -Xms256m)
 #   KAFKA_JVM_OPTS         extra JVM flags, e.g. -XX:TieredStopAtLevel=1 (starts ~1 s
@@ -44,6 +51,8 @@ CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-9093}
 SASL_SSL_PORT=${KAFKA_SASL_SSL_PORT:-}
 SASL_USER=${KAFKA_SASL_USER:-draftstream}
 SASL_PASSWORD=${KAFKA_SASL_PASSWORD:-draftstream-secret}
+read -r -a SASL_USERS <<<"${KAFKA_SASL_USERS:-}"
+AUTHORIZER=${KAFKA_AUTHORIZER:-off}
 START_TIMEOUT=${KAFKA_START_TIMEOUT:-60}
 STOP_TIMEOUT=30
 read -r -a HEAP_OPTS <<<"${KAFKA_HEAP_OPTS:--Xmx512m -Xms256m}"
@@ -232,7 +241,7 @@ listener.name.sasl_ssl.sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
 sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
 # PLAIN users live in this JAAS config; SCRAM credentials were written into the cluster
 # metadata at format time (kafka-storage format --add-scram).
-listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$SASL_USER="$SASL_PASSWORD";
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required$(authorizer_jaas_self) user_$SASL_USER="$SASL_PASSWORD"$(plain_users);
 listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 listener.name.sasl_ssl.ssl.keystore.type=PKCS12
@@ -241,7 +250,61 @@ listener.name.sasl_ssl.ssl.keystore.password=$storepass
 listener.name.sasl_ssl.ssl.key.password=$storepass
 EOF
     fi
+    [[ $AUTHORIZER != on ]] || render_authorizer >>"$tmp"
     mv "$tmp" "$PROPS"
+}
+
+# --- ACLs (KAFKA_AUTHORIZER=on, KAFKA_SASL_USERS) ---------------------------------------
+
+# The extra SASL users as JAAS PLAIN entries: ' user_NAME="PASSWORD"' each.
+plain_users() {
+    local entry
+    for entry in ${SASL_USERS[@]+"${SASL_USERS[@]}"}; do
+        printf ' user_%s="%s"' "${entry%%:*}" "${entry#*:}"
+    done
+}
+
+# With the authorizer on, the broker logs in to its own SASL_SSL listener as the admin.
+authorizer_jaas_self() {
+    [[ $AUTHORIZER == on ]] || return 0
+    printf ' username="%s" password="%s"' "$SASL_USER" "$SASL_PASSWORD"
+}
+
+check_sasl_users() {
+    [[ $AUTHORIZER == on || $AUTHORIZER == off ]] || die "KAFKA_AUTHORIZER must be on or off, got '$AUTHORIZER'"
+    if [[ $AUTHORIZER == on && -z $SASL_SSL_PORT ]]; then
+        die "KAFKA_AUTHORIZER=on needs KAFKA_SASL_SSL_PORT (clients authenticate there)"
+    fi
+    local entry
+    for entry in ${SASL_USERS[@]+"${SASL_USERS[@]}"}; do
+        [[ $entry =~ ^[A-Za-z0-9._-]+:[A-Za-z0-9._~@%+:-]+$ ]] ||
+            die "KAFKA_SASL_USERS: '${entry%%:*}' is not name:password (name: A-Z a-z 0-9 . _ -;" \
+                "password: A-Z a-z 0-9 and . _ ~ @ % + : -)"
+    done
+}
+
+# Appended to server.properties: its keys override the template's (the last one wins).
+render_authorizer() {
+    local storepass
+    storepass=$(<"$TLS_DIR/storepass")
+    cat <<EOF
+
+# --- ACLs (added by kafka.sh because KAFKA_AUTHORIZER=on) ------------------------------
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+super.users=User:$SASL_USER
+allow.everyone.if.no.acl.found=false
+# The broker talks to its controller and to itself as User:$SASL_USER over SASL (PLAIN),
+# so the PLAINTEXT listener's clients are User:ANONYMOUS, with no ACL: refused.
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:SASL_PLAINTEXT,SASL_SSL:SASL_SSL
+inter.broker.listener.name=SASL_SSL
+sasl.mechanism.inter.broker.protocol=PLAIN
+sasl.mechanism.controller.protocol=PLAIN
+listener.name.controller.sasl.enabled.mechanisms=PLAIN
+listener.name.controller.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="$SASL_USER" password="$SASL_PASSWORD" user_$SASL_USER="$SASL_PASSWORD";
+listener.name.sasl_ssl.ssl.truststore.type=PKCS12
+listener.name.sasl_ssl.ssl.truststore.location=$TLS_DIR/broker.p12
+listener.name.sasl_ssl.ssl.truststore.password=$storepass
+EOF
 }
 
 # A local CA and a broker certificate it signs (CN=localhost, SAN DNS:localhost and
@@ -296,7 +359,7 @@ new_cluster_id() {
 ensure_formatted() {
     local want_controller="$HOST:$CONTROLLER_PORT" want_scram=""
     if [[ -n $SASL_SSL_PORT ]]; then
-        want_scram=$(printf '%s\n%s' "$SASL_USER" "$SASL_PASSWORD" | sha256sum | cut -d' ' -f1)
+        want_scram=$(printf '%s\n%s\n%s' "$SASL_USER" "$SASL_PASSWORD" "${SASL_USERS[*]-}" | sha256sum | cut -d' ' -f1)
     fi
     if [[ -f $DATA_DIR/meta.properties && -f $FORMAT_STAMP ]]; then
         local have_controller have_scram
@@ -323,6 +386,11 @@ ensure_formatted() {
     if [[ -n $SASL_SSL_PORT ]]; then
         args+=(--add-scram "SCRAM-SHA-256=[name=$SASL_USER,password=$SASL_PASSWORD]"
             --add-scram "SCRAM-SHA-512=[name=$SASL_USER,password=$SASL_PASSWORD]")
+        local entry
+        for entry in ${SASL_USERS[@]+"${SASL_USERS[@]}"}; do
+            args+=(--add-scram "SCRAM-SHA-256=[name=${entry%%:*},password=${entry#*:}]"
+                --add-scram "SCRAM-SHA-512=[name=${entry%%:*},password=${entry#*:}]")
+        done
     fi
     rm -f "$FORMAT_LOG"
     local fmt_opts=(-Xmx256m -XX:TieredStopAtLevel=1)
@@ -420,6 +488,7 @@ cmd_start() {
         [[ $SASL_PASSWORD =~ ^[A-Za-z0-9._~@%+:-]+$ ]] ||
             die "KAFKA_SASL_PASSWORD may only use A-Z a-z 0-9 and . _ ~ @ % + : -"
     fi
+    check_sasl_users
     local p
     for p in "$PORT" "$CONTROLLER_PORT" $SASL_SSL_PORT; do
         ! port_open "$HOST" "$p" || die "port $HOST:$p is already in use by another process"

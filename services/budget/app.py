@@ -37,6 +37,7 @@ from schemas import (
     encode,
 )
 from services.budget.core import Caps, Counted, Ledger
+from services.common.acls import used_topics
 from services.common.config import Settings
 from services.common.kafka import (
     DeadLetter,
@@ -130,7 +131,7 @@ class BudgetService:
     async def start(self) -> None:
         """Create topics, rebuild the ledger from checkpoints and control, seek, resume."""
         kafka = self.settings.kafka
-        await ensure_topics(kafka, self.settings.datasets)
+        await ensure_topics(kafka, self.settings.datasets, needed=used_topics(STAGE))
         self._producer = make_producer(kafka)
         await self._producer.start()
         control_values, control_ends = await read_compacted(self.settings, CONTROL_TOPIC)

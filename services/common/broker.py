@@ -51,6 +51,8 @@ def start(
     jvm_opts: str | None = None,
     cds: str | None = None,
     timeout: float = 300.0,
+    authorizer: bool = False,
+    sasl_users: Mapping[str, str] | None = None,
 ) -> BrokerStatus:
     """Start the broker unless it already runs, wait until it serves metadata, return its status.
 
@@ -58,6 +60,8 @@ def start(
     no SASL_SSL listener, run dir ``.run/kafka``) or to the caller's ``KAFKA_*``
     environment. ``jvm_opts`` adds JVM flags; ``cds`` ("on", "reuse", "off") governs the
     class-data sharing archive that makes later starts faster (see kafka.sh).
+    ``authorizer`` enforces ACLs (needs ``sasl_ssl_port``); ``sasl_users`` (name to
+    password) are SASL users besides the admin (KAFKA_AUTHORIZER, KAFKA_SASL_USERS).
     ``timeout`` bounds the whole call, which on the very first run includes resolving
     the jars with Maven. If the broker already runs, it is left as it is, even on other
     ports: see the returned status.
@@ -73,6 +77,8 @@ def start(
         "KAFKA_RUN_DIR": run_dir,
         "KAFKA_JVM_OPTS": jvm_opts,
         "KAFKA_CDS": cds,
+        "KAFKA_AUTHORIZER": "on" if authorizer else None,
+        "KAFKA_SASL_USERS": " ".join(f"{n}:{p}" for n, p in sasl_users.items()) if sasl_users else None,
     }
     output = _run("start", overrides, timeout)
     found = _parse_status(output)

@@ -19,4 +19,8 @@ class DirectoryLocked(CommandError):
     """Another running process holds the lock on a directory this one must own."""
 
 
-__all__ = ["BrokerUnreachable", "CommandError", "DirectoryLocked", "PortInUse"]
+class AccessDenied(CommandError):
+    """Kafka's authorizer refused this principal an operation on a topic, a group or the cluster."""
+
+
+__all__ = ["AccessDenied", "BrokerUnreachable", "CommandError", "DirectoryLocked", "PortInUse"]

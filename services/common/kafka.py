@@ -10,15 +10,22 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+)
 
 from schemas import DLQ_HEADERS, topology
 from services.common.config import KafkaSettings
+from services.common.errors import AccessDenied
 from services.common.records import DeadLetter, Headers, Outgoing
 
 log = logging.getLogger(__name__)
@@ -103,22 +110,86 @@ def new_topic(kafka: KafkaSettings, logical: str) -> NewTopic:
     )
 
 
-async def ensure_topics(kafka: KafkaSettings, datasets: Iterable[str] = ()) -> list[str]:
+AUTHORIZATION_ERRORS = (TopicAuthorizationFailedError, GroupAuthorizationFailedError, ClusterAuthorizationFailedError)
+"""What aiokafka raises when the broker's authorizer refuses a request."""
+
+
+def principal(kafka: KafkaSettings) -> str:
+    """The principal the broker sees for these settings (what its ACLs name)."""
+    if kafka.security_protocol.startswith("SASL") and kafka.sasl_username:
+        return f"User:{kafka.sasl_username}"
+    if kafka.security_protocol == "SSL" and kafka.ssl_certfile:
+        return f"the principal of the client certificate {kafka.ssl_certfile}"
+    return "User:ANONYMOUS"
+
+
+def access_denied(exc: Exception, kafka: KafkaSettings, operation: str) -> AccessDenied:
+    """One line for an authorization failure: who, which operation, on what, and the remedy.
+
+    aiokafka puts the topic (or the set of topics) or the group id in the error's arguments.
+    """
+    names = exc.args[0] if exc.args else None
+    if isinstance(names, set | frozenset | list | tuple):
+        names = ", ".join(sorted(str(n) for n in names))
+    if isinstance(exc, GroupAuthorizationFailedError):
+        resource = f"group {names or '?'}"
+    elif isinstance(exc, ClusterAuthorizationFailedError):
+        # InitProducerId: since Kafka 2.8 WRITE on any topic lets an idempotent producer start.
+        resource, operation = "the cluster", "IDEMPOTENT_WRITE (WRITE on no topic at all)"
+    else:
+        resource = f"topic {names or '?'}"
+    return AccessDenied(
+        f"Kafka refused {principal(kafka)} {operation} on {resource} ({type(exc).__name__}): "
+        "the ACLs do not allow it; check the service's SASL user (DRAFTSTREAM_KAFKA__SASL_USERNAME) "
+        "or grant the set with `draftstream acls apply`"
+    )
+
+
+@contextmanager
+def refused_as(kafka: KafkaSettings, operation: str) -> Iterator[None]:
+    """Turn an authorization failure inside the block into :class:`AccessDenied` (one line)."""
+    try:
+        yield
+    except AUTHORIZATION_ERRORS as exc:
+        raise access_denied(exc, kafka, operation) from exc
+
+
+def _needs(logical: str, needed: Iterable[str] | None) -> bool:
+    if needed is None:
+        return True
+    wanted = set(needed)
+    return logical in wanted or (logical.startswith(topology.PROMPTS_PREFIX) and topology.PROMPTS in wanted)
+
+
+async def ensure_topics(
+    kafka: KafkaSettings, datasets: Iterable[str] = (), *, needed: Iterable[str] | None = None
+) -> list[str]:
     """Create the fixed topics and ``prompts.<dataset>`` for each dataset; idempotent.
 
-    Returns the physical names that were newly created.
+    Returns the physical names that were newly created. Under ACLs only the admin may
+    create topics: a refused creation fails here (:class:`AccessDenied`) only for a topic
+    in ``needed`` (logical names, ``prompts.*`` for every prompts topic; None: all), the
+    ones this service uses; a topic it neither sees nor uses is none of its business.
     """
     wanted: list[str] = [*topology.fixed_topics(), *(topology.prompts_topic(d) for d in datasets)]
-    return await create_topics(kafka, wanted)
+    return await create_topics(kafka, wanted, needed=needed)
 
 
-async def create_topics(kafka: KafkaSettings, logical_names: Iterable[str]) -> list[str]:
-    """Create the logical topics that do not exist yet; returns the physical names created."""
+async def create_topics(
+    kafka: KafkaSettings, logical_names: Iterable[str], *, needed: Iterable[str] | None = None
+) -> list[str]:
+    """Create the logical topics that do not exist yet; returns the physical names created.
+
+    A refused creation raises :class:`AccessDenied` only for a topic in ``needed`` (see
+    :func:`ensure_topics`).
+    """
+    logical_of = {kafka.topic(name): name for name in logical_names}
+    needed = None if needed is None else tuple(needed)
     admin = make_admin(kafka)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        new = [new_topic(kafka, name) for name in logical_names if kafka.topic(name) not in existing]
+        new = [new_topic(kafka, name) for physical, name in logical_of.items() if physical not in existing]
         created: list[str] = []
         for topic in new:
             try:
@@ -128,6 +199,15 @@ async def create_topics(kafka: KafkaSettings, logical_names: Iterable[str]) -> l
             # The admin client reports per-topic errors in the response instead of raising.
             for name, code, *rest in getattr(response, "topic_errors", ()):
                 if code == TopicAlreadyExistsError.errno:
+                    continue
+                if code == TopicAuthorizationFailedError.errno:
+                    if _needs(logical_of[name], needed):
+                        raise AccessDenied(
+                            f"topic {name} does not exist or {principal(kafka)} may not see it, and it may not "
+                            "CREATE it: create the topics as the admin (`draftstream topics create`) and grant "
+                            "the ACLs (`draftstream acls apply`)"
+                        )
+                    log.debug("%s may not create %s, which it does not use", principal(kafka), name)
                     continue
                 if code:
                     raise RuntimeError(f"could not create topic {name}: error {code} {rest[0] if rest else ''}")
@@ -243,9 +323,12 @@ async def publish_all(producer: AIOKafkaProducer, records: Iterable[Outgoing]) -
 
 
 __all__ = [
+    "AUTHORIZATION_ERRORS",
+    "AccessDenied",
     "DeadLetter",
     "Headers",
     "Outgoing",
+    "access_denied",
     "client_kwargs",
     "create_topics",
     "dead_letter",
@@ -255,7 +338,9 @@ __all__ = [
     "make_consumer",
     "make_producer",
     "new_topic",
+    "principal",
     "publish_all",
+    "refused_as",
     "report_lag",
     "topic_configs",
 ]

@@ -10,7 +10,12 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Protocol, runtime_checkable
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+)
 
 from services.common.errors import PortInUse
 from services.common.metrics import serve
@@ -50,6 +55,10 @@ async def start_with_retry(
         try:
             await service.start()
             return service
+        except (TopicAuthorizationFailedError, GroupAuthorizationFailedError, ClusterAuthorizationFailedError):
+            with suppress(Exception):
+                await service.close()
+            raise  # the ACLs will not change by waiting
         except (KafkaError, OSError) as exc:
             with suppress(Exception):
                 await service.close()

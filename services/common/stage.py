@@ -30,6 +30,7 @@ from services.common.kafka import (
     make_consumer,
     make_producer,
     publish_all,
+    refused_as,
     report_lag,
 )
 from services.common.metrics import DEAD_LETTERS, STAGE_RECORDS
@@ -63,13 +64,15 @@ class StageRunner:
         kafka = self.settings.kafka
         if self.producer is None:
             self.producer = make_producer(kafka)
-            await self.producer.start()
+            with refused_as(kafka, "WRITE"):
+                await self.producer.start()
         self._consumer = make_consumer(kafka, group_id=self.group_id)
         if self.pattern:
             self._consumer.subscribe(pattern=self.pattern)
         else:
             self._consumer.subscribe(list(self.topics))
-        await self._consumer.start()
+        with refused_as(kafka, "READ"):
+            await self._consumer.start()
 
     def stop(self) -> None:
         """Ask the loop to finish its current batch and return."""
@@ -88,9 +91,12 @@ class StageRunner:
         consumer = self._consumer
         stage_cfg = self.settings.stage
         while not self._stopping.is_set():
-            batches = await consumer.getmany(
-                timeout_ms=stage_cfg.batch_timeout_ms or 100, max_records=stage_cfg.batch_max
-            )
+            # An authorization failure stops the stage with one line and commits nothing:
+            # a batch whose outputs were refused is read again once the ACLs allow them.
+            with refused_as(self.settings.kafka, "READ"):
+                batches = await consumer.getmany(
+                    timeout_ms=stage_cfg.batch_timeout_ms or 100, max_records=stage_cfg.batch_max
+                )
             records = [r for part in batches.values() for r in part]
             if not records:
                 await self._report_lag(consumer)
@@ -103,7 +109,8 @@ class StageRunner:
                     outgoing.append(self._dead_letter(record, result))
                 else:
                     outgoing.extend(result)
-            await publish_all(self.producer, outgoing)
+            with refused_as(self.settings.kafka, "WRITE"):
+                await publish_all(self.producer, outgoing)
             try:
                 await consumer.commit({tp: part[-1].offset + 1 for tp, part in batches.items() if part})
             except KafkaError as exc:

@@ -41,7 +41,7 @@ import msgspec
 import stamina
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 
 from schemas import (
     CONTROL_TOPIC,
@@ -59,14 +59,18 @@ from schemas import (
     encode,
     sample_key,
 )
+from services.common.acls import used_topics
 from services.common.config import DatasetSettings, KafkaSettings, Settings
 from services.common.kafka import (
+    AUTHORIZATION_ERRORS,
     DeadLetter,
+    access_denied,
     dead_letter,
     ensure_topics,
     make_admin,
     make_consumer,
     make_producer,
+    refused_as,
     report_lag,
 )
 from services.common.metrics import (
@@ -218,14 +222,16 @@ class InferenceWorker:
 
     async def start(self) -> None:
         """Create topics, load the standing halts, then join the prompts consumer group."""
-        await ensure_topics(self._kafka, self.settings.datasets)
+        await ensure_topics(self._kafka, self.settings.datasets, needed=used_topics(STAGE))
         if self._http is None:
             self._http = make_http_client(self.settings)
         if self._provider is None:
             self._provider = make_provider(self.settings, self._http)
         self._producer = make_producer(self._kafka)
-        await self._producer.start()
-        await self._load_control()
+        with refused_as(self._kafka, "WRITE"):
+            await self._producer.start()
+        with refused_as(self._kafka, "READ"):
+            await self._load_control()
         # The global halt gauge exists from the start (0 unless halted), so the "halt in
         # force" annotation and alert see a series on a run that never halts.
         HALTED.labels(scope=GLOBAL_SCOPE).set(1 if GLOBAL_SCOPE in self._halts.scopes() else 0)
@@ -235,14 +241,16 @@ class InferenceWorker:
         if self.settings.inference.reuse_responses:
             store = ResponseStore(self._kafka, self._producer)
             self._store = store
-            partitions = await topic_partitions(self._kafka, store.topic)
-            await store.start(partitions, self.settings.inference.store_load_timeout_s)
+            with refused_as(self._kafka, "READ"):
+                partitions = await topic_partitions(self._kafka, store.topic)
+                await store.start(partitions, self.settings.inference.store_load_timeout_s)
         self._probe_task = asyncio.create_task(self._probe_loop(), name="inference-probe")
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
         self._consumer = make_consumer(self._kafka, group_id=self.group_id, metadata_max_age_ms=10_000)
         pattern = "^" + re.escape(self._prompts_prefix) + r"[A-Za-z0-9._-]+$"
         self._consumer.subscribe(pattern=pattern, listener=_Rebalance(self))
-        await self._consumer.start()
+        with refused_as(self._kafka, "READ"):
+            await self._consumer.start()
         log.info(
             "inference worker %s started (halted: %s; %s)",
             self.worker_id,
@@ -306,7 +314,8 @@ class InferenceWorker:
                     continue
                 # Cheap insurance beside the rebalance listener: halted partitions stay paused.
                 self.apply_pauses()
-                batches = await consumer.getmany(timeout_ms=200, max_records=free)
+                with refused_as(self._kafka, "READ"):
+                    batches = await consumer.getmany(timeout_ms=200, max_records=free)
                 for tp, records in batches.items():
                     for record in records:
                         self._tracker.take(tp, record.offset)
@@ -617,6 +626,14 @@ class InferenceWorker:
             return  # left uncommitted: the next worker takes it
         except asyncio.CancelledError:
             raise
+        except AUTHORIZATION_ERRORS as exc:
+            # Per prompt the worker writes (its reads were allowed at start). The prompt stays
+            # uncommitted: once the ACLs allow the write, it is processed again.
+            log.error("inference stopped on %s:%d@%d", record.topic, record.partition, record.offset)
+            if self._failure is None:
+                self._failure = access_denied(exc, self._kafka, "WRITE")
+            self.stop()
+            return
         except Exception as exc:  # a Kafka failure: stop the worker, commit nothing more
             log.exception("inference failed on %s:%d@%d", record.topic, record.partition, record.offset)
             if self._failure is None:
@@ -921,13 +938,19 @@ class InferenceWorker:
 
 
 async def topic_partitions(kafka: KafkaSettings, topic: str, timeout_s: float = 60.0) -> list[int]:
-    """The partition numbers of ``topic``, waiting (bounded) until each has a leader."""
+    """The partition numbers of ``topic``, waiting (bounded) until each has a leader.
+
+    Raises ``TopicAuthorizationFailedError`` at once when the ACLs hide the topic: a
+    group-less consumer assigned to it would otherwise just see nothing.
+    """
     admin = make_admin(kafka)
     await admin.start()
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             (described,) = await admin.describe_topics([topic])
+            if described.get("error_code") == TopicAuthorizationFailedError.errno:
+                raise TopicAuthorizationFailedError(topic)
             found = described.get("partitions") or []
             if described.get("error_code") == 0 and found and all(p.get("leader", -1) >= 0 for p in found):
                 return sorted(int(p["partition"]) for p in found)

@@ -26,6 +26,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError
 
 from schemas import PromptPublished, encode, sample_key
+from services.common.acls import used_topics
 from services.common.config import ConfigError, Settings, check_dataset_name
 from services.common.kafka import ensure_topics, make_producer
 from services.common.metrics import PROMPTS_PUBLISHED, PROMPTS_REJECTED
@@ -266,7 +267,7 @@ async def publish(
             return report
         if report.to_send == 0:
             return report
-        await ensure_topics(settings.kafka, [dataset])
+        await ensure_topics(settings.kafka, [dataset], needed=used_topics("publish"))
         producer = make_producer(settings.kafka)
         try:
             await producer.start()

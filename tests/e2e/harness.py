@@ -251,6 +251,8 @@ class LocalBroker:
     controller_port: int = field(default_factory=free_port)
     sasl_ssl_port: int | None = None
     sasl_password: str | None = None
+    authorizer: bool = False
+    sasl_users: dict[str, str] = field(default_factory=dict)
     status: broker.BrokerStatus | None = None
 
     @property
@@ -282,6 +284,8 @@ class LocalBroker:
             run_dir=self.run_dir,
             jvm_opts=os.environ.get("KAFKA_JVM_OPTS", "-XX:TieredStopAtLevel=1"),
             cds="reuse",
+            authorizer=self.authorizer,
+            sasl_users=self.sasl_users,
         )
         return self.status
 
