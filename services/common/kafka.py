@@ -10,7 +10,9 @@ import asyncio
 import logging
 import ssl
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -92,10 +94,28 @@ def topic_configs(kafka: KafkaSettings, logical: str) -> dict[str, str]:
     return configs
 
 
+MAX_REPLICATION_FACTOR = 3
+"""Copies of each partition on a cluster: with ``min.insync.replicas=2``, one broker can be
+lost without losing an acknowledged write or stopping writes."""
+
+
+def replication_for(brokers: int) -> int:
+    """The replication factor a cluster of ``brokers`` live brokers affords (3 at most, 1 at least)."""
+    return max(1, min(MAX_REPLICATION_FACTOR, brokers))
+
+
+async def cluster_replication_factor(admin: AIOKafkaAdminClient) -> int:
+    """The replication factor for new topics, from the number of brokers the cluster reports."""
+    described = await admin.describe_cluster()
+    return replication_for(len(described.get("brokers") or ()))
+
+
 async def ensure_topics(kafka: KafkaSettings, datasets: Iterable[str] = ()) -> list[str]:
     """Create the fixed topics and ``prompts.<dataset>`` for each dataset; idempotent.
 
-    Returns the physical names that were newly created.
+    Their replication is ``kafka.replication_factor`` when the configuration sets it, else
+    what the cluster affords (:func:`cluster_replication_factor`). Returns the physical
+    names that were newly created.
     """
     wanted: dict[str, str] = dict(kafka.topics)  # logical -> physical
     for dataset in datasets:
@@ -104,15 +124,18 @@ async def ensure_topics(kafka: KafkaSettings, datasets: Iterable[str] = ()) -> l
     await admin.start()
     try:
         existing = set(await admin.list_topics())
+        missing = {logical: physical for logical, physical in wanted.items() if physical not in existing}
+        if not missing:
+            return []
+        replication = kafka.explicit_replication_factor or await cluster_replication_factor(admin)
         new = [
             NewTopic(
                 name=physical,
                 num_partitions=1 if logical in (CONTROL_TOPIC, BUDGET_STATE_TOPIC) else kafka.partitions,
-                replication_factor=kafka.replication_factor,
+                replication_factor=replication,
                 topic_configs=topic_configs(kafka, logical),
             )
-            for logical, physical in wanted.items()
-            if physical not in existing
+            for logical, physical in missing.items()
         ]
         created: list[str] = []
         for topic in new:
@@ -130,6 +153,72 @@ async def ensure_topics(kafka: KafkaSettings, datasets: Iterable[str] = ()) -> l
         return created
     finally:
         await admin.close()
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """Where one partition lives: its leader (-1 when it has none), replicas and in-sync replicas."""
+
+    topic: str
+    partition: int
+    leader: int
+    replicas: tuple[int, ...]
+    isr: tuple[int, ...]
+
+    @property
+    def under_replicated(self) -> bool:
+        """Fewer in-sync replicas than replicas: a broker is down or behind."""
+        return len(self.isr) < len(self.replicas)
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """The live brokers of a cluster and where the partitions of its topics are."""
+
+    brokers: tuple[int, ...]
+    partitions: tuple[PartitionState, ...]
+
+    def leaders_per_broker(self, topics: Iterable[str] | None = None) -> dict[int, int]:
+        """How many partitions (of ``topics``, default all) each broker leads; 0 for a live
+        broker that leads none; -1 counts the partitions without a leader."""
+        wanted = None if topics is None else set(topics)
+        counts = Counter(p.leader for p in self.partitions if wanted is None or p.topic in wanted)
+        return {broker: counts.get(broker, 0) for broker in self.brokers} | {
+            leader: n for leader, n in counts.items() if leader not in self.brokers
+        }
+
+    @property
+    def under_replicated(self) -> tuple[PartitionState, ...]:
+        """The partitions with fewer in-sync replicas than replicas."""
+        return tuple(p for p in self.partitions if p.under_replicated)
+
+
+async def describe_layout(kafka: KafkaSettings, topics: Iterable[str] | None = None) -> ClusterLayout:
+    """The live brokers and every partition of ``topics`` (default: every topic, internal ones too)."""
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        cluster = await admin.describe_cluster()
+        names = sorted(set(await admin.list_topics()) if topics is None else set(topics))
+        described = await admin.describe_topics(names) if names else []
+    finally:
+        await admin.close()
+    partitions = [
+        PartitionState(
+            topic=t["topic"],
+            partition=p["partition"],
+            leader=p["leader"],
+            replicas=tuple(p["replicas"]),
+            isr=tuple(p["isr"]),
+        )
+        for t in described
+        if not t.get("error_code")
+        for p in t["partitions"]
+    ]
+    return ClusterLayout(
+        brokers=tuple(sorted(b["node_id"] for b in cluster.get("brokers") or ())),
+        partitions=tuple(sorted(partitions, key=lambda p: (p.topic, p.partition))),
+    )
 
 
 def header(headers: Sequence[tuple[str, bytes]] | None, name: str) -> str | None:
@@ -233,17 +322,23 @@ async def publish_all(producer: AIOKafkaProducer, records: Iterable[Outgoing]) -
 
 
 __all__ = [
+    "MAX_REPLICATION_FACTOR",
+    "ClusterLayout",
     "DeadLetter",
     "Headers",
     "Outgoing",
+    "PartitionState",
     "client_kwargs",
+    "cluster_replication_factor",
     "dead_letter",
+    "describe_layout",
     "ensure_topics",
     "header",
     "make_admin",
     "make_consumer",
     "make_producer",
     "publish_all",
+    "replication_for",
     "report_lag",
     "topic_configs",
 ]
