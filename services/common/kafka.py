@@ -11,13 +11,15 @@ import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import stamina
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import KafkaConnectionError, NodeNotReadyError, RequestTimedOutError, TopicAlreadyExistsError
+from aiokafka.protocol.api import Request, Response
 
 from schemas import BUDGET_STATE_TOPIC, CONTROL_TOPIC, DLQ_HEADERS, RESPONSE_STORE_TOPIC
 from services.common.config import KafkaSettings
@@ -79,9 +81,40 @@ def make_consumer(kafka: KafkaSettings, *topics: str, group_id: str | None, **ex
     return AIOKafkaConsumer(*topics, **client_kwargs(kafka), **kwargs)
 
 
+# What a request to a broker that is down (or just lost) raises in the admin client.
+_BROKER_DOWN = (NodeNotReadyError, KafkaConnectionError, RequestTimedOutError, TimeoutError)
+
+
+class _FailoverAdmin(AIOKafkaAdminClient):  # type: ignore[misc]  # aiokafka ships no type stubs
+    """aiokafka's admin client sends each request to one broker of its cached metadata (a
+    random one, or the one named controller) and fails when that broker is down, which in
+    a cluster that just lost a node is one request in N. This one refreshes the metadata
+    and asks again, so that admin calls survive the loss of a broker as clients do.
+    """
+
+    async def _failover(self, send: Callable[[], Awaitable[Response]]) -> Response:
+        async for attempt in stamina.retry_context(
+            on=_BROKER_DOWN, attempts=8, timeout=90.0, wait_initial=0.2, wait_max=3.0
+        ):
+            with attempt:
+                if attempt.num > 1:
+                    await self._client.force_metadata_update()
+                return await send()
+        raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
+
+    async def _send_request(self, request: Request, node_id: int | None = None) -> Response:
+        if node_id is not None:  # a request for that very broker (a group coordinator, ...)
+            return await super()._send_request(request, node_id)
+        return await self._failover(lambda: super(_FailoverAdmin, self)._send_request(request))
+
+    async def _send_to_controller(self, request: Request) -> Response:
+        return await self._failover(lambda: super(_FailoverAdmin, self)._send_to_controller(request))
+
+
 def make_admin(kafka: KafkaSettings) -> AIOKafkaAdminClient:
-    """An admin client (not yet started)."""
-    return AIOKafkaAdminClient(**client_kwargs(kafka))
+    """An admin client (not yet started) that asks another broker when the one it picked is down."""
+    # 15 s per request rather than 40: a broker that does not answer is tried again sooner.
+    return _FailoverAdmin(**client_kwargs(kafka), request_timeout_ms=15_000)
 
 
 def topic_configs(kafka: KafkaSettings, logical: str) -> dict[str, str]:
