@@ -54,6 +54,7 @@ __all__ = [
     "budget_caught_up",
     "free_port",
     "free_port_block",
+    "pipeline_config",
     "produce",
     "prompt_value",
     "read_all",
@@ -114,6 +115,45 @@ def free_port_block(n: int) -> int:
         if all(_bindable(port) for port in range(base, base + n)):
             return base
     raise RuntimeError(f"no {n} consecutive free ports in {lo}-{hi}")
+
+
+def pipeline_config(
+    run_dir: Path, bootstrap: str, sim_port: int, datasets: Iterable[str], *, prefix: str, concurrency: int,
+    timeout_s: float,
+) -> str:
+    """The TOML of a whole-pipeline run against the simulator: fast retries, small stage
+    batches, no metrics ports, the usage count checked exactly for every dataset."""
+    sections = "\n".join(f"[datasets.{d}]\nmax_tokens = 512\naudit.usage_offset = 0\n" for d in datasets)
+    return f"""
+[kafka]
+bootstrap_servers = "{bootstrap}"
+topic_prefix = "{prefix}"
+
+[provider]
+kind = "simulator"
+base_url = "http://127.0.0.1:{sim_port}/api/v1"
+concurrency = {concurrency}
+max_attempts = 3
+backoff_initial_s = 0.05
+backoff_max_s = 0.3
+timeout_s = {timeout_s:g}
+
+[sink]
+out_dir = "{run_dir / "out"}"
+
+[stage]
+batch_max = 32
+batch_timeout_ms = 50
+
+[metrics]
+inference_port = 0
+reconstruct_port = 0
+audit_port = 0
+budget_port = 0
+sink_port = 0
+
+{sections}
+"""
 
 
 def small_prompt(dataset: str, i: int, **kw: Any) -> PromptPublished:

@@ -45,6 +45,7 @@ from tests.e2e.harness import (
     cli,
     dead_letters,
     free_port,
+    pipeline_config,
     produce,
     prompt_value,
     read_all,
@@ -62,40 +63,6 @@ PUBLISH_WINDOW_S = 70.0
 DOWN_S = 15.0  # how long a killed broker stays down
 QUIET_S = 3.0  # a halt has taken effect once no new provider request arrived for this long
 HALT_BOUND_S = 120.0  # generous: catches a halt that never stops the workers, nothing finer
-
-
-def _config(run_dir: Path, bootstrap: str, sim_port: int) -> str:
-    datasets = "\n".join(f"[datasets.{d}]\nmax_tokens = 512\naudit.usage_offset = 0\n" for d in DATASETS)
-    return f"""
-[kafka]
-bootstrap_servers = "{bootstrap}"
-topic_prefix = "loss."
-
-[provider]
-kind = "simulator"
-base_url = "http://127.0.0.1:{sim_port}/api/v1"
-concurrency = {CONCURRENCY}
-max_attempts = 3
-backoff_initial_s = 0.05
-backoff_max_s = 0.3
-timeout_s = 10
-
-[sink]
-out_dir = "{run_dir / "out"}"
-
-[stage]
-batch_max = 32
-batch_timeout_ms = 50
-
-[metrics]
-inference_port = 0
-reconstruct_port = 0
-audit_port = 0
-budget_port = 0
-sink_port = 0
-
-{datasets}
-"""
 
 
 async def _sim_stats(http: httpx.AsyncClient, sim_port: int) -> dict[str, Any]:
@@ -145,7 +112,8 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
     await asyncio.to_thread(cluster.start)
     sim_port = free_port()
     config = run_dir / "draftstream.toml"
-    config.write_text(_config(run_dir, cluster.bootstrap, sim_port), encoding="utf-8")
+    config.write_text(pipeline_config(run_dir, cluster.bootstrap, sim_port, DATASETS, prefix="loss.",
+                                      concurrency=CONCURRENCY, timeout_s=10), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "DRAFTSTREAM_"))}
     env["PYTHONUNBUFFERED"] = "1"
     settings = load_settings(config, kafka={"bootstrap_servers": cluster.bootstrap})
@@ -223,15 +191,15 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
         halt_acked_s = time.time() - halt_issued
         note(f"halt acknowledged after {halt_acked_s:.1f}s")
 
-        async def workers_stopped() -> float | None:
+        async def workers_stopped() -> tuple[float] | None:
             stats = await _sim_stats(http, sim_port)
             last = max(halt_issued, float(stats["last_request_at"] or 0.0))
             # The workers cancel what is in flight at a halt: only new requests count.
             if time.time() - last > QUIET_S:
-                return last - halt_issued
+                return (last - halt_issued,)  # a tuple: 0.0 s (no request after the halt) is an answer
             return None
 
-        halt_s = await wait_until(workers_stopped, timeout=HALT_BOUND_S, interval=0.2,
+        (halt_s,) = await wait_until(workers_stopped, timeout=HALT_BOUND_S, interval=0.2,
                                   message="no provider request after the halt")
         note(f"every inference worker stopped {halt_s:.1f}s after the halt")
         stats = await _sim_stats(http, sim_port)

@@ -49,6 +49,7 @@ from tests.e2e.harness import (
     cli,
     dead_letters,
     free_port,
+    pipeline_config,
     produce,
     prompt_value,
     read_all,
@@ -59,40 +60,6 @@ from tests.e2e.harness import (
 DATASETS = ("alpha", "beta", "gamma")
 SERVICES = ("inference", "reconstruct", "audit", "budget", "sink")
 CONCURRENCY = 32
-
-
-def _config(run_dir: Path, bootstrap: str, sim_port: int) -> str:
-    datasets = "\n".join(f"[datasets.{d}]\nmax_tokens = 512\naudit.usage_offset = 0\n" for d in DATASETS)
-    return f"""
-[kafka]
-bootstrap_servers = "{bootstrap}"
-topic_prefix = "crash."
-
-[provider]
-kind = "simulator"
-base_url = "http://127.0.0.1:{sim_port}/api/v1"
-concurrency = {CONCURRENCY}
-max_attempts = 3
-backoff_initial_s = 0.05
-backoff_max_s = 0.3
-timeout_s = 5
-
-[sink]
-out_dir = "{run_dir / "out"}"
-
-[stage]
-batch_max = 32
-batch_timeout_ms = 50
-
-[metrics]
-inference_port = 0
-reconstruct_port = 0
-audit_port = 0
-budget_port = 0
-sink_port = 0
-
-{datasets}
-"""
 
 
 async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int, seed: int, rounds: int = 1) -> None:
@@ -106,7 +73,8 @@ async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int
     kafka.start()
     sim_port = free_port()
     config = run_dir / "draftstream.toml"
-    config.write_text(_config(run_dir, kafka.bootstrap, sim_port), encoding="utf-8")
+    config.write_text(pipeline_config(run_dir, kafka.bootstrap, sim_port, DATASETS, prefix="crash.",
+                                      concurrency=CONCURRENCY, timeout_s=5), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "DRAFTSTREAM_"))}
     env["PYTHONUNBUFFERED"] = "1"
     settings = load_settings(config, kafka={"bootstrap_servers": kafka.bootstrap})
