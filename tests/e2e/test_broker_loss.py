@@ -164,9 +164,10 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
         await asyncio.to_thread(cluster.kill, victim)
         note(f"SIGKILL node {victim} (leads {leaders[victim]} of responses+accepted {leaders}; "
              f"{inflight_at_kills[-1]} requests in flight)")
+        await asyncio.sleep(DOWN_S / 2)  # past the broker session timeout (9 s): the node is fenced
         down = await describe_layout(settings.kafka, ours)
         note(f"{len(down.under_replicated)} of {len(down.partitions)} partitions under-replicated")
-        await asyncio.sleep(DOWN_S)
+        await asyncio.sleep(DOWN_S / 2)
         await asyncio.to_thread(cluster.start_node, victim)
         note(f"node {victim} back")
 
@@ -204,10 +205,14 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
         note(f"every inference worker stopped {halt_s:.1f}s after the halt")
         stats = await _sim_stats(http, sim_port)
         waiting = len(publisher.published - set(stats["keys"]))
+        requests_at_stop = int(stats["total_requests"])
         controller_still_down = not cluster.node_status().node(controller).running
         await asyncio.sleep(max(0.0, DOWN_S - (time.monotonic() - killed_at)))
         await asyncio.to_thread(cluster.start_node, controller)
         note(f"node {controller} back; new controller node {await asyncio.to_thread(cluster.quorum_leader)}")
+        # The halt holds once the cluster is whole again and the workers could fetch.
+        await asyncio.sleep(QUIET_S + 2.0)
+        requests_while_halted = int((await _sim_stats(http, sim_port))["total_requests"]) - requests_at_stop
         await asyncio.to_thread(
             run_cli, cli("resume", "--reason", "broker back", "--config", str(config)), env, "draftstream resume"
         )
@@ -248,6 +253,7 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
         halt_stop_s=f"{halt_s:.1f}",
         halt_ack_s=f"{halt_acked_s:.1f}",
         waiting_at_halt=waiting,
+        requests_while_halted=requests_while_halted,
         publish_retries=publisher.retries,
         unplanned_exits=len(sup.unplanned_exits),
         events="; ".join(events),
@@ -257,4 +263,5 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
     assert tally.paid_twice <= bound, f"more requests paid twice than were in flight at the kills and the halt: {line}"
     assert controller_still_down, f"the halt was measured after the controller came back: {line}"
     assert waiting > 0, f"no prompt was waiting when the halt took effect, so it proved nothing: {line}"
+    assert requests_while_halted == 0, f"a worker sent requests while halted: {line}"
     assert len(tally.keys) > len(expected) // 2, f"most prompts should pass the audit: {line}"
