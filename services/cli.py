@@ -140,18 +140,35 @@ def _root(
 def _describe(status: BrokerStatus) -> str:
     if not status.running:
         return "stopped"
+    if status.nodes:
+        return (
+            f"running: Kafka {status.version or '?'}, {len(status.running_nodes)} of {len(status.nodes)} nodes "
+            f"at {status.bootstrap}"
+        )
     return f"running: Kafka {status.version or '?'} at {status.bootstrap} (pid {status.pid})"
+
+
+NodeOption = Annotated[int | None, typer.Option("--node", help="Only this node of the local cluster (1..N)")]
 
 
 @broker_app.command("start")
 def broker_start(
     port: Annotated[int | None, typer.Option(help="Client port (default 9092 or $KAFKA_PORT)")] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(
+            help="Start a local cluster of this many nodes (node i on port+i-1; default 1, or the run dir's cluster)",
+            min=1,
+            max=9,
+        ),
+    ] = None,
+    node: NodeOption = None,
 ) -> None:
-    """Start the local single-node Kafka (KRaft) broker under .run/kafka."""
+    """Start the local Kafka (KRaft) broker under .run/kafka, or a local cluster with --nodes."""
     from services.common import broker
 
     try:
-        status = broker.start(port=port)
+        status = broker.start(port=port, nodes=nodes, node=node)
     except broker.BrokerError as exc:
         fail(str(exc), 1)
     print(_describe(status))
@@ -161,24 +178,67 @@ def broker_start(
 
 
 @broker_app.command("stop")
-def broker_stop() -> None:
-    """Stop the local broker."""
+def broker_stop(node: NodeOption = None) -> None:
+    """Stop the local broker, every node of the local cluster, or one --node."""
     from services.common import broker
 
     try:
-        print("stopped" if broker.stop() else "was not running")
+        print("stopped" if broker.stop(node=node) else "was not running")
     except broker.BrokerError as exc:
         fail(str(exc), 1)
 
 
 @broker_app.command("status")
 def broker_status() -> None:
-    """Say whether the local broker runs (exit 1 when it does not)."""
+    """Say whether the local broker runs (exit 1 when it does not); for a cluster, list the
+    nodes, the active controller, partition leaders per node and under-replicated partitions."""
     from services.common import broker
 
     status = broker.status()
     print(_describe(status))
+    if status.nodes:
+        for line in _cluster_lines(status):
+            print(line)
     raise typer.Exit(0 if status.running else 1)
+
+
+def _cluster_lines(status: BrokerStatus) -> list[str]:
+    """The nodes of a local cluster, and (when one runs) its quorum and partition layout."""
+    from services.common import broker
+    from services.common.config import KafkaSettings
+    from services.common.kafka import describe_layout
+
+    lines = [
+        f"  node {n.node_id}: {'running (pid ' + str(n.pid) + ')' if n.running else 'stopped'}, "
+        f"port {n.port}, controller port {n.controller_port}"
+        for n in status.nodes
+    ]
+    if not status.running or not status.bootstrap:
+        return lines
+    try:
+        quorum = broker.quorum()
+        lines.append(f"active controller: node {quorum.leader} (epoch {quorum.epoch}, voters {list(quorum.voters)})")
+    except broker.BrokerError as exc:
+        lines.append(f"active controller: unknown ({str(exc).splitlines()[-1]})")
+    try:
+        layout = asyncio.run(asyncio.wait_for(describe_layout(KafkaSettings(bootstrap_servers=status.bootstrap)), 30))
+    except TimeoutError:
+        return [*lines, f"partitions: unknown (no answer from {status.bootstrap} within 30 s)"]
+    leaders = layout.leaders_per_broker()
+    lines.append(
+        "partition leaders per node: "
+        + ", ".join(f"{'no leader' if b < 0 else f'node {b}'}: {n}" for b, n in sorted(leaders.items()))
+    )
+    under = layout.under_replicated
+    lines.append(f"under-replicated partitions: {len(under)} of {len(layout.partitions)}")
+    shown = 20
+    lines += [
+        f"  {p.topic}[{p.partition}] leader {p.leader} replicas {list(p.replicas)} isr {list(p.isr)}"
+        for p in under[:shown]
+    ]
+    if len(under) > shown:
+        lines.append(f"  ... and {len(under) - shown} more")
+    return lines
 
 
 @topics_app.command("create")

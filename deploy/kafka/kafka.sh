@@ -9,6 +9,21 @@
 #                                   archive, see KAFKA_CDS), then SIGKILL
 #   deploy/kafka/kafka.sh status    "running pid=.. port=.." (exit 0) or "stopped" (exit 1)
 #   deploy/kafka/kafka.sh restart
+#   deploy/kafka/kafka.sh config    print the server.properties a start would write
+#   deploy/kafka/kafka.sh quorum    the KRaft quorum: "quorum leader=ID epoch=N voters=1,2,3"
+#
+# A local cluster (KAFKA_NODES=3, or --nodes 3 after the command): N combined
+# broker+controller nodes on $KAFKA_HOST, a static quorum of N voters, replication
+# factor min(N,3) and min.insync.replicas 2 (1 below three nodes). Node i (1..N) listens
+# for clients on KAFKA_PORT+i-1 and for the quorum on KAFKA_CONTROLLER_PORT+i-1 (when
+# KAFKA_CONTROLLER_PORT is unset: KAFKA_PORT+N+i-1), keeps its files in
+# $KAFKA_RUN_DIR/node-i/ and its heap at KAFKA_HEAP_OPTS (default -Xmx384m -Xms128m).
+# The cluster's shape is remembered in $KAFKA_RUN_DIR/cluster.state, so later commands
+# on that run dir need no --nodes. One node at a time: --node I (start, stop, config).
+#
+#   deploy/kafka/kafka.sh start --nodes 3     start (or complete) a three-node cluster
+#   deploy/kafka/kafka.sh stop --node 2       stop node 2 only; start --node 2 brings it back
+#   deploy/kafka/kafka.sh status              one line per node, then the cluster line
 #
 # Environment (all optional):
 #   DRAFTSTREAM_HOME       root of the run state (default: the repository root)
@@ -28,8 +43,10 @@
 #                          the broker reaches itself and its controller as that user
 #                          over SASL, so the PLAINTEXT listener's anonymous clients get
 #                          nothing. Needs KAFKA_SASL_SSL_PORT. Default: off
-#   KAFKA_START_TIMEOUT    seconds to wait for readiness (default: 60)
-#   KAFKA_HEAP_OPTS        JVM heap flags (default: -Xmx512m -Xms256m)
+#   KAFKA_NODES            nodes of a local cluster (default: 1, or what cluster.state says)
+#   KAFKA_START_TIMEOUT    seconds to wait for readiness (default: 60; 180 for a cluster)
+#   KAFKA_HEAP_OPTS        JVM heap flags (default: -Xmx512m -Xms256m; per cluster node
+#                          -Xmx384m -Xms128m)
 #   KAFKA_JVM_OPTS         extra JVM flags, e.g. -XX:TieredStopAtLevel=1 (starts ~1 s
 #                          faster on 2 cores, runs slower: fine for tests, not for bench)
 #   KAFKA_CDS              class-data sharing archive of the Kafka classes, kept in
@@ -75,6 +92,7 @@ STATE_FILE=$RUN_DIR/kafka.state   # ports of the running broker, written at star
 LOG_FILE=$RUN_DIR/kafka.log
 FORMAT_LOG=$RUN_DIR/format.log
 FORMAT_STAMP=$DATA_DIR/.draftstream-format   # what the storage was formatted for
+NODE_RUN_DIR=$RUN_DIR   # where the broker runs: $RUN_DIR, or $RUN_DIR/node-I in a cluster
 LIBS_MARKER=.draftstream-complete            # in $LIBS_DIR: sha256 of the pom it came from
 
 log() { printf 'kafka.sh: %s\n' "$*" >&2; }
@@ -356,8 +374,10 @@ new_cluster_id() {
 # Format the storage (cluster id, a standalone KRaft quorum of one, SCRAM users) only when
 # it is not formatted yet, or was formatted for another controller endpoint (the quorum
 # remembers its voter's endpoint) or other SCRAM credentials; then the old data goes.
+# A cluster node (QUORUM_VOTERS set) is formatted for the static voters and the cluster's
+# CLUSTER_ID instead, and re-formatted when either differs.
 ensure_formatted() {
-    local want_controller="$HOST:$CONTROLLER_PORT" want_scram=""
+    local want_controller=${QUORUM_VOTERS:-$HOST:$CONTROLLER_PORT} want_scram=""
     if [[ -n $SASL_SSL_PORT ]]; then
         want_scram=$(printf '%s\n%s\n%s' "$SASL_USER" "$SASL_PASSWORD" "${SASL_USERS[*]-}" | sha256sum | cut -d' ' -f1)
     fi
@@ -365,24 +385,30 @@ ensure_formatted() {
         local have_controller have_scram
         have_controller=$(sed -n 's/^controller=//p' "$FORMAT_STAMP")
         have_scram=$(sed -n 's/^scram=//p' "$FORMAT_STAMP")
-        if [[ $have_controller == "$want_controller" && (-z $want_scram || $have_scram == "$want_scram") ]]; then
+        if [[ $have_controller == "$want_controller" && (-z $want_scram || $have_scram == "$want_scram") &&
+            (-z $CLUSTER_ID || $(sed -n 's/^cluster_id=//p' "$FORMAT_STAMP") == "$CLUSTER_ID") ]]; then
             return 0
         fi
         if [[ $have_controller != "$want_controller" ]]; then
             log "storage was formatted for controller $have_controller, not $want_controller;" \
                 "re-formatting $DATA_DIR (its topics are deleted)"
-        else
+        elif [[ -n $want_scram && $have_scram != "$want_scram" ]]; then
             log "storage lacks the SCRAM credentials of $SASL_USER;" \
                 "re-formatting $DATA_DIR (its topics are deleted)"
+        else
+            log "storage of $DATA_DIR belongs to another cluster; re-formatting it (its topics are deleted)"
         fi
     elif [[ -e $DATA_DIR ]]; then
         log "re-formatting $DATA_DIR (no complete format stamp)"
     fi
     rm -rf "$DATA_DIR"
     mkdir -p "$DATA_DIR"
-    local cluster_id args
-    cluster_id=$(new_cluster_id)
-    args=(format --standalone "--cluster-id=$cluster_id" --config "$PROPS")
+    local cluster_id=$CLUSTER_ID args
+    [[ -n $cluster_id ]] || cluster_id=$(new_cluster_id)
+    args=(format "--cluster-id=$cluster_id" --config "$PROPS")
+    # Static voters (controller.quorum.voters) need no quorum option; one node formats a
+    # dynamic quorum of itself.
+    [[ -n $QUORUM_VOTERS ]] || args+=(--standalone)
     if [[ -n $SASL_SSL_PORT ]]; then
         args+=(--add-scram "SCRAM-SHA-256=[name=$SASL_USER,password=$SASL_PASSWORD]"
             --add-scram "SCRAM-SHA-512=[name=$SASL_USER,password=$SASL_PASSWORD]")
@@ -393,18 +419,21 @@ ensure_formatted() {
         done
     fi
     rm -f "$FORMAT_LOG"
-    local fmt_opts=(-Xmx256m -XX:TieredStopAtLevel=1)
-    # The broker's class-data archive holds the format tool's classes too.
-    if [[ $CDS != off && $CDS != 0 && -n $JVM_ID && -s $(cds_archive) ]]; then
-        fmt_opts+=(-XX:SharedArchiveFile="$(cds_archive)" -Xlog:cds=off -Xlog:cds+dynamic=off)
-    fi
-    if ! "$JAVA" "${fmt_opts[@]}" -cp "$LIBS_DIR/*" \
-        -Dlog4j2.configurationFile="$LOG4J_CONFIG" \
-        kafka.tools.StorageTool "${args[@]}" 2>&1 | (umask 077 && cat >"$FORMAT_LOG"); then
+    if ! run_tool kafka.tools.StorageTool "${args[@]}" 2>&1 | (umask 077 && cat >"$FORMAT_LOG"); then
         cat "$FORMAT_LOG" >&2
         die "formatting the storage failed (see above)"
     fi
     printf 'controller=%s\nscram=%s\ncluster_id=%s\n' "$want_controller" "$want_scram" "$cluster_id" >"$FORMAT_STAMP"
+}
+
+# Run one of Kafka's command-line tools (a main class) in a small, quick JVM.
+run_tool() {
+    local opts=(-Xmx256m -XX:TieredStopAtLevel=1)
+    # The broker's class-data archive holds the tools' classes too.
+    if [[ $CDS != off && $CDS != 0 && -n $JVM_ID && -s $(cds_archive) ]]; then
+        opts+=(-XX:SharedArchiveFile="$(cds_archive)" -Xlog:cds=off -Xlog:cds+dynamic=off)
+    fi
+    "$JAVA" "${opts[@]}" -cp "$LIBS_DIR/*" -Dlog4j2.configurationFile="$LOG4J_CONFIG" "$@"
 }
 
 check_java() {
@@ -432,11 +461,329 @@ cds_opts() {
     if [[ -s $jsa ]]; then
         CDS_OPTS=(-XX:SharedArchiveFile="$jsa" -Xlog:cds=off -Xlog:cds+dynamic=off)
     elif [[ $CDS == on || $CDS == 1 ]] && mkdir -p "$dir" 2>/dev/null && [[ -w $dir ]]; then
-        # Unique per run: two brokers (two run dirs) may record at the same time.
-        CDS_PARTIAL=$jsa.$$.partial
+        # Unique per run and node: several brokers may record at the same time.
+        CDS_PARTIAL=$jsa.$$${NODE_ID:+.node$NODE_ID}.partial
         rm -f "$CDS_PARTIAL"
         CDS_OPTS=(-XX:ArchiveClassesAtExit="$CDS_PARTIAL" -Xlog:cds=off -Xlog:cds+dynamic=off)
     fi
+}
+
+# ---------------------------------------------------------------------------------------
+# a local cluster: several combined broker+controller nodes, each in $RUN_DIR/node-I
+# ---------------------------------------------------------------------------------------
+
+CLUSTER_FILE=$RUN_DIR/cluster.state   # nodes, host, ports, voters and cluster id
+OPT_NODES=""         # --nodes N
+ONLY_NODE=""         # --node I: one node of the cluster
+NODES=1              # nodes of the run dir (resolve_nodes); 1 is the single broker
+NODE_ID=""           # the node the per-broker variables point at (select_node)
+QUORUM_VOTERS=""     # controller.quorum.voters of the cluster
+CLUSTER_ID=""        # the cluster's id, shared by every node's storage
+BASE_PORT=""         # client port of node 1; node I has BASE_PORT+I-1
+BASE_CONTROLLER_PORT=""
+
+cluster_get() { sed -n "s/^$1=//p" "$CLUSTER_FILE" 2>/dev/null || true; }
+
+# NODES from --nodes, KAFKA_NODES or the run dir's cluster.state (else 1).
+resolve_nodes() {
+    local have want
+    have=$(cluster_get nodes)
+    want=${OPT_NODES:-${KAFKA_NODES:-${have:-1}}}
+    [[ $want =~ ^[1-9]$ ]] || die "the number of nodes must be 1..9, got '$want'"
+    NODES=$want
+    if ((NODES == 1)); then
+        [[ -z $have ]] || die "$RUN_DIR holds a $have-node cluster ($CLUSTER_FILE): use another" \
+            "KAFKA_RUN_DIR for a single broker, or stop the cluster and remove $RUN_DIR"
+        [[ -z $ONLY_NODE ]] || die "--node needs a cluster (--nodes N or KAFKA_NODES=N, N > 1)"
+        return 0
+    fi
+    if [[ -n $ONLY_NODE ]] && ! [[ $ONLY_NODE =~ ^[1-9]$ && $ONLY_NODE -le $NODES ]]; then
+        die "--node must be one of 1..$NODES, got '$ONLY_NODE'"
+    fi
+    [[ -n ${KAFKA_HEAP_OPTS:-} ]] || HEAP_OPTS=(-Xmx384m -Xms128m)
+    [[ -n ${KAFKA_START_TIMEOUT:-} ]] || START_TIMEOUT=180
+}
+
+# Host and ports of the cluster: "start" and "config" take KAFKA_HOST/KAFKA_PORT/
+# KAFKA_CONTROLLER_PORT when set; everything else, and whatever is unset, comes from
+# cluster.state, then from the defaults (controller ports right after the client ports).
+resolve_cluster_ports() {
+    local from_env=$1 state_port
+    state_port=$(cluster_get port)
+    if [[ $from_env == env && -n ${KAFKA_PORT:-} || -z $state_port ]]; then
+        BASE_PORT=$PORT
+    else
+        BASE_PORT=$state_port
+    fi
+    if [[ $from_env == env && -n ${KAFKA_CONTROLLER_PORT:-} ]]; then
+        BASE_CONTROLLER_PORT=$KAFKA_CONTROLLER_PORT
+    elif [[ $BASE_PORT == "$state_port" && $(cluster_get nodes) == "$NODES" ]]; then
+        BASE_CONTROLLER_PORT=$(cluster_get controller_port)
+    else
+        BASE_CONTROLLER_PORT=$((BASE_PORT + NODES))
+    fi
+    if [[ $from_env != env || -z ${KAFKA_HOST:-} ]]; then
+        HOST=$(cluster_get host)
+        HOST=${HOST:-${KAFKA_HOST:-127.0.0.1}}
+    fi
+    check_port KAFKA_PORT "$BASE_PORT"
+    check_port KAFKA_CONTROLLER_PORT "$BASE_CONTROLLER_PORT"
+    check_port "the last node's client port" $((BASE_PORT + NODES - 1))
+    check_port "the last node's controller port" $((BASE_CONTROLLER_PORT + NODES - 1))
+    if ((BASE_CONTROLLER_PORT < BASE_PORT + NODES && BASE_PORT < BASE_CONTROLLER_PORT + NODES)); then
+        die "client ports $BASE_PORT..$((BASE_PORT + NODES - 1)) and controller ports" \
+            "$BASE_CONTROLLER_PORT..$((BASE_CONTROLLER_PORT + NODES - 1)) overlap"
+    fi
+    local i voters=()
+    for ((i = 1; i <= NODES; i++)); do
+        voters+=("$i@$HOST:$((BASE_CONTROLLER_PORT + i - 1))")
+    done
+    QUORUM_VOTERS=$(IFS=,; printf '%s' "${voters[*]}")
+}
+
+# Point the per-broker variables (ports, files, storage) at node $1, so that
+# render_config, ensure_formatted, launch_broker and cmd_stop act on that node.
+select_node() {
+    NODE_ID=$1
+    NODE_RUN_DIR=$RUN_DIR/node-$1
+    PORT=$((BASE_PORT + $1 - 1))
+    CONTROLLER_PORT=$((BASE_CONTROLLER_PORT + $1 - 1))
+    DATA_DIR=$NODE_RUN_DIR/data
+    PROPS=$NODE_RUN_DIR/server.properties
+    PID_FILE=$NODE_RUN_DIR/kafka.pid
+    STATE_FILE=$NODE_RUN_DIR/kafka.state
+    LOG_FILE=$NODE_RUN_DIR/kafka.log
+    FORMAT_LOG=$NODE_RUN_DIR/format.log
+    FORMAT_STAMP=$DATA_DIR/.draftstream-format
+}
+
+# The node ids a command acts on: --node I, or all of them.
+node_ids() {
+    if [[ -n $ONLY_NODE ]]; then
+        printf '%s\n' "$ONLY_NODE"
+    else
+        seq 1 "$NODES"
+    fi
+}
+
+# What makes the rendered single-node template node $NODE_ID of the cluster (its own
+# ports and log dir are already in it): the node id, the static quorum of every node,
+# and replication that survives the loss of one node without losing an acknowledged
+# write (acks=all needs min.insync.replicas copies). "-KEY" removes KEY.
+cluster_props() {
+    local rf=$((NODES < 3 ? NODES : 3)) isr
+    isr=$((rf >= 3 ? 2 : 1))
+    printf '%s\n' \
+        "node.id=$NODE_ID" \
+        "-controller.quorum.bootstrap.servers" \
+        "controller.quorum.voters=$QUORUM_VOTERS" \
+        "default.replication.factor=$rf" \
+        "min.insync.replicas=$isr" \
+        "offsets.topic.replication.factor=$rf" \
+        "transaction.state.log.replication.factor=$rf" \
+        "transaction.state.log.min.isr=$isr" \
+        "share.coordinator.state.topic.replication.factor=$rf" \
+        "share.coordinator.state.topic.min.isr=$isr"
+}
+
+# Apply KEY=VALUE lines (replace KEY's line, or append) and -KEY lines (remove KEY) from
+# stdin (not empty) to the properties file $1; $2, when given, becomes its first line.
+edit_props() {
+    local file=$1 tmp
+    tmp=$(mktemp "$file.XXXXXX")
+    chmod 600 "$tmp"
+    awk -v header="${2:-}" 'FNR == 1 && NR != FNR && header != "" { print header }
+        NR == FNR {
+            if ($0 ~ /^-/) { drop[substr($0, 2)] = 1; next }
+            k = $0; sub(/=.*/, "", k); set[k] = $0; order[++n] = k; next
+        }
+        { k = $0; sub(/=.*/, "", k) }
+        /^[^#]/ && (k in drop) { next }
+        /^[^#]/ && (k in set) { print set[k]; done[k] = 1; next }
+        { print }
+        END {
+            for (i = 1; i <= n; i++) if (!(order[i] in done)) {
+                if (!added++) print "\n# --- cluster (added by kafka.sh for a local cluster) ---"
+                print set[order[i]]
+            }
+        }' - "$file" >"$tmp"
+    mv "$tmp" "$file"
+}
+
+render_node_config() {
+    render_config
+    cluster_props | edit_props "$PROPS" "# Node $NODE_ID of a local $NODES-node cluster: kafka.sh set node.id, the static quorum \
+and the replication settings below over the single-node template (cluster_props)."
+}
+
+# True when node $NODE_ID's storage was formatted for this cluster's voters and id $1.
+node_formatted_for() {
+    [[ -f $DATA_DIR/meta.properties && -f $FORMAT_STAMP ]] &&
+        [[ $(sed -n 's/^controller=//p' "$FORMAT_STAMP") == "$QUORUM_VOTERS" ]] &&
+        [[ $(sed -n 's/^cluster_id=//p' "$FORMAT_STAMP") == "$1" ]]
+}
+
+# Keep the cluster id when every node's storage belongs to this cluster; otherwise every
+# node is re-formatted under a new id (never while one runs: a voter must not lose its log).
+cluster_prepare() {
+    [[ -z $SASL_SSL_PORT ]] || die "KAFKA_SASL_SSL_PORT is for the single broker; the local cluster is PLAINTEXT only"
+    local single_pid
+    if single_pid=$(running_pid); then
+        die "a single broker (pid $single_pid) runs in $RUN_DIR: stop it first, or use another KAFKA_RUN_DIR"
+    fi
+    local stored_id i all_formatted=1 running=()
+    stored_id=$(cluster_get cluster_id)
+    for ((i = 1; i <= NODES; i++)); do
+        select_node "$i"
+        [[ -n $stored_id ]] && node_formatted_for "$stored_id" || all_formatted=0
+        ! running_pid >/dev/null || running+=("$i")
+    done
+    if ((all_formatted)); then
+        CLUSTER_ID=$stored_id
+    else
+        ((${#running[@]} == 0)) || die "node(s) ${running[*]} run with other cluster settings or storage:" \
+            "stop the cluster first (kafka.sh stop), then start re-formats every node"
+        CLUSTER_ID=$(new_cluster_id)
+        ((${#stored_id} == 0)) || log "re-formatting the storage of all $NODES nodes (a new cluster; old topics are deleted)"
+    fi
+    mkdir -p "$RUN_DIR"
+    printf 'nodes=%s\nhost=%s\nport=%s\ncontroller_port=%s\nvoters=%s\ncluster_id=%s\n' \
+        "$NODES" "$HOST" "$BASE_PORT" "$BASE_CONTROLLER_PORT" "$QUORUM_VOTERS" "$CLUSTER_ID" >"$CLUSTER_FILE"
+}
+
+cluster_bootstrap() {
+    local i out=()
+    for ((i = 1; i <= NODES; i++)); do out+=("$HOST:$((BASE_PORT + i - 1))"); done
+    (IFS=,; printf '%s' "${out[*]}")
+}
+
+cmd_cluster_start() {
+    [[ -z $ONLY_NODE || -f $CLUSTER_FILE ]] || die "no cluster in $RUN_DIR yet: start all of it first (start --nodes N)"
+    local started_ns i pid launched=()
+    started_ns=$(date +%s%N)
+    cmd_fetch
+    check_java
+    resolve_cluster_ports env
+    cluster_prepare
+    for i in $(node_ids); do
+        select_node "$i"
+        if pid=$(running_pid); then
+            log "node $i already running (pid $pid)"
+            continue
+        fi
+        local p
+        for p in "$PORT" "$CONTROLLER_PORT"; do
+            ! port_open "$HOST" "$p" || die "port $HOST:$p (node $i) is already in use by another process"
+        done
+        mkdir -p "$NODE_RUN_DIR"
+        render_node_config
+        ensure_formatted
+        launch_broker
+        launched+=("$i:$LAUNCHED_PID")
+    done
+    resolve_python # while the JVMs start
+    local deadline=$((SECONDS + START_TIMEOUT)) entry
+    # A node is ready once a quorum majority runs: all of them start before any is awaited.
+    for entry in ${launched[@]+"${launched[@]}"}; do
+        select_node "${entry%%:*}"
+        wait_ready "${entry#*:}" "$deadline"
+    done
+    local ms=$((($(date +%s%N) - started_ns) / 1000000))
+    log "Kafka $(kafka_version || echo '?'): node(s) $(node_ids | paste -sd, -) of $NODES ready on $HOST" \
+        "in $((ms / 1000)).$(printf '%03d' $((ms % 1000)))s (logs in $RUN_DIR/node-*/kafka.log)"
+    cmd_cluster_status
+}
+
+cmd_cluster_stop() {
+    if [[ ! -f $CLUSTER_FILE ]]; then
+        echo "stopped (was not running)"
+        return 0
+    fi
+    resolve_cluster_ports state
+    local i pids=() failed=0
+    # In parallel: each node's controlled shutdown may take seconds.
+    for i in $(node_ids); do
+        (select_node "$i" && printf 'node=%s %s\n' "$i" "$(cmd_stop)") &
+        pids+=($!)
+    done
+    for i in "${pids[@]}"; do wait "$i" || failed=1; done
+    ((failed == 0)) || die "a node did not stop cleanly (see above)"
+}
+
+cmd_cluster_status() {
+    if [[ ! -f $CLUSTER_FILE ]]; then
+        echo "stopped"
+        return 1
+    fi
+    resolve_cluster_ports state
+    local i pid running=0
+    for ((i = 1; i <= NODES; i++)); do
+        select_node "$i"
+        if pid=$(running_pid); then
+            running=$((running + 1))
+            printf 'node=%s running pid=%s bootstrap=%s:%s port=%s controller_port=%s version=%s\n' \
+                "$i" "$pid" "$HOST" "$PORT" "$PORT" "$CONTROLLER_PORT" "$(kafka_version || true)"
+        else
+            printf 'node=%s stopped port=%s controller_port=%s\n' "$i" "$PORT" "$CONTROLLER_PORT"
+        fi
+    done
+    printf 'cluster nodes=%s running=%s bootstrap=%s voters=%s\n' \
+        "$NODES" "$running" "$(cluster_bootstrap)" "$QUORUM_VOTERS"
+    ((running > 0))
+}
+
+# The server.properties a start would write, without starting (or writing) anything.
+cmd_config() {
+    local i tmp
+    tmp=$(mktemp -d)
+    # shellcheck disable=SC2064 # expand now: tmp is local
+    trap "rm -rf '$tmp'" RETURN
+    if ((NODES == 1)); then
+        PROPS=$tmp/server.properties
+        render_config
+        cat "$PROPS"
+        return 0
+    fi
+    resolve_cluster_ports env
+    for i in $(node_ids); do
+        select_node "$i"
+        printf '# ==> node-%s/server.properties <==\n' "$i"
+        PROPS=$tmp/node-$i.properties
+        render_node_config
+        cat "$PROPS"
+    done
+}
+
+# The KRaft quorum as its controllers report it (kafka-metadata-quorum describe --status).
+cmd_quorum() {
+    local endpoints=() i
+    if ((NODES == 1)); then
+        running_pid >/dev/null || die "the broker is not running"
+        endpoints=("$(state_get host):$(state_get controller_port)")
+    else
+        [[ -f $CLUSTER_FILE ]] || die "no cluster in $RUN_DIR"
+        resolve_cluster_ports state
+        for ((i = 1; i <= NODES; i++)); do
+            select_node "$i"
+            ! running_pid >/dev/null || endpoints+=("$HOST:$CONTROLLER_PORT")
+        done
+        ((${#endpoints[@]})) || die "no node of the cluster is running"
+    fi
+    check_java
+    local cfg out leader
+    cfg=$(mktemp)
+    # A quorum without a leader must fail the command, not hang it.
+    printf 'request.timeout.ms=10000\ndefault.api.timeout.ms=20000\n' >"$cfg"
+    out=$(run_tool org.apache.kafka.tools.MetadataQuorumCommand --command-config "$cfg" \
+        --bootstrap-controller "$(IFS=,; printf '%s' "${endpoints[*]}")" describe --status 2>&1) || {
+        rm -f "$cfg"
+        die "kafka-metadata-quorum failed: $(tail -n 5 <<<"$out")"
+    }
+    rm -f "$cfg"
+    leader=$(sed -n 's/^LeaderId: *//p' <<<"$out")
+    [[ $leader =~ ^[0-9]+$ ]] || die "no leader in the quorum's answer: $out"
+    printf 'quorum leader=%s epoch=%s voters=%s\n' "$leader" "$(sed -n 's/^LeaderEpoch: *//p' <<<"$out")" \
+        "$(sed -n 's/^CurrentVoters: *//p' <<<"$out" | grep -o '"id": *[0-9]*' | grep -o '[0-9]*$' | paste -sd, -)"
 }
 
 # ---------------------------------------------------------------------------------------
@@ -502,25 +849,47 @@ cmd_start() {
     render_config
     ensure_formatted
 
+    launch_broker
+    pid=$LAUNCHED_PID
+    resolve_python # while the JVM starts
+    local deadline=$((SECONDS + START_TIMEOUT))
+    wait_ready "$pid" "$deadline"
+    if [[ -n $SASL_SSL_PORT ]]; then
+        until port_open "$HOST" "$SASL_SSL_PORT"; do
+            ((SECONDS < deadline)) || die "the SASL_SSL listener on $SASL_SSL_PORT did not open"
+            sleep 0.1
+        done
+    fi
+    local ms=$((($(date +%s%N) - started_ns) / 1000000))
+    log "Kafka $(kafka_version || echo '?') ready on $HOST:$PORT in $((ms / 1000)).$(printf '%03d' $((ms % 1000)))s" \
+        "(pid $pid, log $LOG_FILE)"
+    print_running "$pid"
+}
+
+# Start kafka.Kafka on $PROPS in the background (pid in $LAUNCHED_PID and $PID_FILE).
+LAUNCHED_PID=""
+launch_broker() {
     cds_opts
     [[ -f $LOG_FILE ]] && mv -f "$LOG_FILE" "$LOG_FILE.1"
     # setsid: the broker must outlive this script and ignore the Ctrl-C of the terminal
     # (or pytest) that started it. 9>&-: do not inherit the lock below.
     (
-        cd "$RUN_DIR"
+        cd "$NODE_RUN_DIR"
         exec setsid "$JAVA" "${HEAP_OPTS[@]}" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
             -XX:+ExplicitGCInvokesConcurrent -Djava.awt.headless=true \
             ${CDS_OPTS[@]+"${CDS_OPTS[@]}"} ${EXTRA_JVM_OPTS[@]+"${EXTRA_JVM_OPTS[@]}"} \
-            -Dlog4j2.configurationFile="$LOG4J_CONFIG" -Dkafka.logs.dir="$RUN_DIR" \
+            -Dlog4j2.configurationFile="$LOG4J_CONFIG" -Dkafka.logs.dir="$NODE_RUN_DIR" \
             -cp "$LIBS_DIR/*" kafka.Kafka "$PROPS" </dev/null >"$LOG_FILE" 2>&1 9>&-
     ) &
-    pid=$!
-    printf '%s\n' "$pid" >"$PID_FILE"
+    LAUNCHED_PID=$!
+    printf '%s\n' "$LAUNCHED_PID" >"$PID_FILE"
     printf 'host=%s\nport=%s\ncontroller_port=%s\nsasl_ssl_port=%s\ncds_partial=%s\n' \
         "$HOST" "$PORT" "$CONTROLLER_PORT" "$SASL_SSL_PORT" "$CDS_PARTIAL" >"$STATE_FILE"
+}
 
-    resolve_python # while the JVM starts
-    local deadline=$((SECONDS + START_TIMEOUT))
+# Wait until broker $1 (just launched) serves metadata that lists it, or die at time $2.
+wait_ready() {
+    local pid=$1 deadline=$2
     until port_open "$HOST" "$PORT" && probe_ready "$HOST" "$PORT"; do
         if ! is_alive "$pid"; then
             rm -f "$PID_FILE" "$STATE_FILE"
@@ -534,16 +903,6 @@ cmd_start() {
         fi
         sleep 0.1
     done
-    if [[ -n $SASL_SSL_PORT ]]; then
-        until port_open "$HOST" "$SASL_SSL_PORT"; do
-            ((SECONDS < deadline)) || die "the SASL_SSL listener on $SASL_SSL_PORT did not open"
-            sleep 0.1
-        done
-    fi
-    local ms=$((($(date +%s%N) - started_ns) / 1000000))
-    log "Kafka $(kafka_version || echo '?') ready on $HOST:$PORT in $((ms / 1000)).$(printf '%03d' $((ms % 1000)))s" \
-        "(pid $pid, log $LOG_FILE)"
-    print_running "$pid"
 }
 
 cmd_stop() {
@@ -582,21 +941,58 @@ cmd_stop() {
     echo "stopped (pid $pid)"
 }
 
+# One command at a time per run dir (two test sessions starting at once).
+take_lock() {
+    mkdir -p "$RUN_DIR"
+    if command -v flock >/dev/null; then
+        exec 9>"$RUN_DIR/.lock"
+        flock -w 180 9 || die "another kafka.sh is still busy with $RUN_DIR"
+    fi
+}
+
 usage() {
     sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
 }
 
+# --nodes N and --node I, after the command.
+parse_options() {
+    while (($#)); do
+        case $1 in
+        --nodes | --node)
+            (($# >= 2)) || die "$1 needs a value"
+            if [[ $1 == --nodes ]]; then OPT_NODES=$2; else ONLY_NODE=$2; fi
+            shift 2
+            ;;
+        --nodes=*) OPT_NODES=${1#*=} && shift ;;
+        --node=*) ONLY_NODE=${1#*=} && shift ;;
+        *) die "unknown option '$1' (see kafka.sh help)" ;;
+        esac
+    done
+}
+
 main() {
     local cmd=${1:-}
+    (($# == 0)) || shift
+    parse_options "$@"
     case $cmd in
-    fetch | start | stop | restart)
-        mkdir -p "$RUN_DIR"
-        # One command at a time per run dir (two test sessions starting at once).
-        if command -v flock >/dev/null; then
-            exec 9>"$RUN_DIR/.lock"
-            flock -w 180 9 || die "another kafka.sh is still busy with $RUN_DIR"
-        fi
-        ;;
+    start | stop | status | restart | config | quorum) resolve_nodes ;;
+    esac
+    if ((NODES > 1)); then
+        case $cmd in
+        start | stop | restart) take_lock ;;
+        esac
+        case $cmd in
+        start) cmd_cluster_start ;;
+        stop) cmd_cluster_stop ;;
+        status) cmd_cluster_status ;;
+        restart) cmd_cluster_stop && cmd_cluster_start ;;
+        config) cmd_config ;;
+        quorum) cmd_quorum ;;
+        esac
+        return
+    fi
+    case $cmd in
+    fetch | start | stop | restart) take_lock ;;
     esac
     case $cmd in
     fetch) cmd_fetch && log "jars in $LIBS_DIR" ;;
@@ -605,6 +1001,8 @@ main() {
     stop) cmd_stop ;;
     status) cmd_status ;;
     restart) cmd_stop && cmd_start ;;
+    config) cmd_config ;;
+    quorum) cmd_quorum ;;
     -h | --help | help) usage ;;
     *)
         usage >&2

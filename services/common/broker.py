@@ -1,10 +1,10 @@
-"""A local single-node Kafka broker (KRaft, no Docker) for development and tests.
+"""A local Kafka broker, or a local cluster of several (KRaft, no Docker), for development and tests.
 
 A thin shell over ``deploy/kafka/kafka.sh``, which does the work: it fetches the jars
 with Maven once, formats the storage, starts ``kafka.Kafka`` in the background under
-``.run/kafka/`` and waits until a Metadata request succeeds. This module runs it and
-turns its answers into values and exceptions for ``draftstream broker start|stop|status``
-and the pytest fixture.
+``.run/kafka/`` (one node) or ``.run/kafka/node-<id>/`` (a cluster) and waits until a
+Metadata request succeeds. This module runs it and turns its answers into values and
+exceptions for ``draftstream broker start|stop|status`` and the pytest fixtures.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BrokerError", "BrokerStatus", "SCRIPT", "start", "status", "stop"]
+__all__ = ["BrokerError", "BrokerStatus", "NodeStatus", "QuorumStatus", "SCRIPT", "quorum", "start", "status", "stop"]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy/kafka/kafka.sh"
 """The script this module drives (from a source checkout; it is not packaged)."""
@@ -26,8 +26,33 @@ class BrokerError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class NodeStatus:
+    """One node of a local cluster, as ``kafka.sh status`` reports it."""
+
+    node_id: int
+    running: bool
+    port: int
+    controller_port: int
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class QuorumStatus:
+    """The KRaft quorum as its controllers report it (``kafka-metadata-quorum describe``)."""
+
+    leader: int
+    """Node id of the active controller."""
+    epoch: int | None
+    voters: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class BrokerStatus:
-    """What ``kafka.sh status`` reports. Everything but ``running`` is None when stopped."""
+    """What ``kafka.sh status`` reports. Everything but ``running`` is None when stopped.
+
+    For a cluster, ``running`` means at least one node runs, ``bootstrap`` lists every
+    node, and ``nodes`` holds one entry per node (it is empty for the single broker).
+    """
 
     running: bool
     pid: int | None = None
@@ -39,6 +64,23 @@ class BrokerStatus:
     """PEM certificate of the local CA, for clients of the SASL_SSL listener."""
     version: str | None = None
     """Kafka version from the broker log, e.g. ``"4.4.0"``."""
+    nodes: tuple[NodeStatus, ...] = ()
+
+    @property
+    def running_nodes(self) -> tuple[NodeStatus, ...]:
+        """The nodes of a cluster that run now."""
+        return tuple(node for node in self.nodes if node.running)
+
+    def node(self, node_id: int) -> NodeStatus:
+        """One node of a cluster, by id.
+
+        Raises:
+            BrokerError: no such node.
+        """
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return node
+        raise BrokerError(f"no node {node_id} in this cluster (nodes: {[n.node_id for n in self.nodes]})")
 
 
 def start(
@@ -50,6 +92,8 @@ def start(
     run_dir: Path | None = None,
     jvm_opts: str | None = None,
     cds: str | None = None,
+    nodes: int | None = None,
+    node: int | None = None,
     timeout: float = 300.0,
     authorizer: bool = False,
     sasl_users: Mapping[str, str] | None = None,
@@ -62,9 +106,10 @@ def start(
     class-data sharing archive that makes later starts faster (see kafka.sh).
     ``authorizer`` enforces ACLs (needs ``sasl_ssl_port``); ``sasl_users`` (name to
     password) are SASL users besides the admin (KAFKA_AUTHORIZER, KAFKA_SASL_USERS).
-    ``timeout`` bounds the whole call, which on the very first run includes resolving
-    the jars with Maven. If the broker already runs, it is left as it is, even on other
-    ports: see the returned status.
+    ``nodes`` > 1 starts a local cluster (node i on ``port + i - 1``); ``node`` starts one
+    node of the cluster the run dir holds. ``timeout`` bounds the whole call, which on
+    the very first run includes resolving the jars with Maven. If the broker already
+    runs, it is left as it is, even on other ports: see the returned status.
 
     Raises:
         BrokerError: the script is missing or failed (its output is in the message).
@@ -79,23 +124,35 @@ def start(
         "KAFKA_CDS": cds,
         "KAFKA_AUTHORIZER": "on" if authorizer else None,
         "KAFKA_SASL_USERS": " ".join(f"{n}:{p}" for n, p in sasl_users.items()) if sasl_users else None,
+        "KAFKA_NODES": nodes,
     }
-    output = _run("start", overrides, timeout)
+    output = _run("start", overrides, timeout, _node_args(node))
     found = _parse_status(output)
     if not found.running:
         raise BrokerError(f"kafka.sh start succeeded but reported no running broker:\n{output}")
     return found
 
 
-def stop(*, run_dir: Path | None = None, timeout: float = 120.0) -> bool:
-    """Stop the broker (SIGTERM, then SIGKILL after 30 s, or 90 s while it records its
-    class-data archive). Return whether one was running.
+def stop(*, run_dir: Path | None = None, node: int | None = None, timeout: float = 120.0) -> bool:
+    """Stop the broker, every node of a cluster, or one ``node`` (SIGTERM, then SIGKILL
+    after 30 s, or 90 s while it records its class-data archive). Return whether one was
+    running.
 
     Raises:
         BrokerError: the script is missing or failed.
     """
-    output = _run("stop", {"KAFKA_RUN_DIR": run_dir}, timeout)
-    return "was not running" not in output
+    output = _run("stop", {"KAFKA_RUN_DIR": run_dir}, timeout, _node_args(node))
+    return any(line.strip() and "was not running" not in line for line in output.splitlines())
+
+
+def quorum(*, run_dir: Path | None = None, timeout: float = 60.0) -> QuorumStatus:
+    """Ask the running controllers which node leads the KRaft quorum (costs a JVM start).
+
+    Raises:
+        BrokerError: nothing runs, or the quorum has no leader.
+    """
+    output = _run("quorum", {"KAFKA_RUN_DIR": run_dir}, timeout)
+    return _parse_quorum(output)
 
 
 def status(*, run_dir: Path | None = None) -> BrokerStatus:
@@ -110,14 +167,20 @@ def status(*, run_dir: Path | None = None) -> BrokerStatus:
     return _parse_status(completed.stdout)
 
 
-def _run(command: str, overrides: Mapping[str, object | None], timeout: float) -> str:
-    completed = _call(command, overrides, timeout)
+def _node_args(node: int | None) -> tuple[str, ...]:
+    return () if node is None else ("--node", str(node))
+
+
+def _run(command: str, overrides: Mapping[str, object | None], timeout: float, args: tuple[str, ...] = ()) -> str:
+    completed = _call(command, overrides, timeout, args)
     if completed.returncode != 0:
         raise BrokerError(_failure(command, completed))
     return completed.stdout
 
 
-def _call(command: str, overrides: Mapping[str, object | None], timeout: float) -> subprocess.CompletedProcess[str]:
+def _call(
+    command: str, overrides: Mapping[str, object | None], timeout: float, args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     if not SCRIPT.is_file():
         raise BrokerError(f"{SCRIPT} not found: the local broker needs a source checkout of draftstream")
     # The child gets the caller's environment (JAVA_HOME, PATH, KAFKA_* set by the user)
@@ -126,7 +189,7 @@ def _call(command: str, overrides: Mapping[str, object | None], timeout: float) 
     env.update({key: str(value) for key, value in overrides.items() if value is not None})
     try:
         return subprocess.run(  # noqa: S603 - a fixed script of this repository, constant arguments
-            [str(SCRIPT), command],
+            [str(SCRIPT), command, *args],
             env=env,
             capture_output=True,
             text=True,
@@ -144,15 +207,23 @@ def _failure(command: str, completed: subprocess.CompletedProcess[str]) -> str:
     return f"kafka.sh {command} failed with exit code {completed.returncode}:\n{details[-4000:]}"
 
 
+def _fields(words: list[str]) -> dict[str, str]:
+    return dict(word.split("=", 1) for word in words if "=" in word)
+
+
 def _parse_status(output: str) -> BrokerStatus:
-    """Parse the last ``running key=value ...`` or ``stopped`` line of the script's output."""
-    for line in reversed(output.splitlines()):
+    """Parse the script's status: a cluster's ``node=`` and ``cluster`` lines, or the last
+    ``running key=value ...`` or ``stopped`` line of a single broker."""
+    lines = output.splitlines()
+    if any(line.startswith("cluster ") for line in lines):
+        return _parse_cluster_status(lines)
+    for line in reversed(lines):
         words = line.split()
         if not words or words[0] not in ("running", "stopped"):
             continue
         if words[0] == "stopped":
             return BrokerStatus(running=False)
-        fields = dict(word.split("=", 1) for word in words[1:] if "=" in word)
+        fields = _fields(words[1:])
         return BrokerStatus(
             running=True,
             pid=_int(fields.get("pid")),
@@ -164,6 +235,45 @@ def _parse_status(output: str) -> BrokerStatus:
             version=fields.get("version") or None,
         )
     raise BrokerError(f"unexpected output from kafka.sh:\n{output}")
+
+
+def _parse_cluster_status(lines: list[str]) -> BrokerStatus:
+    nodes: list[NodeStatus] = []
+    versions: list[str] = []
+    cluster: dict[str, str] = {}
+    for line in lines:
+        words = line.split()
+        if line.startswith("cluster "):
+            cluster = _fields(words[1:])
+        elif words and words[0].startswith("node=") and len(words) > 1 and words[1] in ("running", "stopped"):
+            fields = _fields(words)
+            node_id, port, controller_port = (_int(fields.get(k)) for k in ("node", "port", "controller_port"))
+            if node_id is None or port is None or controller_port is None:
+                raise BrokerError(f"unexpected node line from kafka.sh: {line}")
+            nodes.append(NodeStatus(node_id, words[1] == "running", port, controller_port, _int(fields.get("pid"))))
+            versions += [fields["version"]] if fields.get("version") else []
+    running = [n for n in nodes if n.running]
+    return BrokerStatus(
+        running=bool(running),
+        pid=running[0].pid if running else None,
+        bootstrap=cluster.get("bootstrap") or None,
+        port=nodes[0].port if nodes else None,
+        controller_port=nodes[0].controller_port if nodes else None,
+        version=versions[0] if versions else None,
+        nodes=tuple(nodes),
+    )
+
+
+def _parse_quorum(output: str) -> QuorumStatus:
+    for line in reversed(output.splitlines()):
+        if line.startswith("quorum "):
+            fields = _fields(line.split()[1:])
+            leader = _int(fields.get("leader"))
+            if leader is None:
+                break
+            voters = tuple(int(v) for v in fields.get("voters", "").split(",") if v.isdigit())
+            return QuorumStatus(leader=leader, epoch=_int(fields.get("epoch")), voters=voters)
+    raise BrokerError(f"unexpected output from kafka.sh quorum:\n{output}")
 
 
 def _int(value: str | None) -> int | None:

@@ -52,7 +52,14 @@ class KafkaSettings(BaseModel):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     compression_type: Literal["gzip", "lz4", "zstd", "snappy"] | None = "gzip"
     partitions: int = Field(default=3, gt=0)
+    # Unset, topics are created with the replication the cluster affords (3 on three or more
+    # brokers, else one per broker; see cluster_replication_factor); set, it is an override.
     replication_factor: int = Field(default=1, gt=0)
+
+    @property
+    def explicit_replication_factor(self) -> int | None:
+        """``replication_factor`` when the configuration sets it, else None (ask the cluster)."""
+        return self.replication_factor if "replication_factor" in self.model_fields_set else None
 
     def topic(self, name: str) -> str:
         """The physical name of a logical topic (see schemas.topology)."""

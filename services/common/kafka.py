@@ -10,18 +10,25 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
+import stamina
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
+    KafkaConnectionError,
+    NodeNotReadyError,
+    RequestTimedOutError,
     TopicAlreadyExistsError,
     TopicAuthorizationFailedError,
 )
+from aiokafka.protocol.api import Request, Response
 
 from schemas import DLQ_HEADERS, topology
 from services.common.config import KafkaSettings
@@ -84,9 +91,40 @@ def make_consumer(kafka: KafkaSettings, *topics: str, group_id: str | None, **ex
     return AIOKafkaConsumer(*topics, **client_kwargs(kafka), **kwargs)
 
 
+# What a request to a broker that is down (or just lost) raises in the admin client.
+_BROKER_DOWN = (NodeNotReadyError, KafkaConnectionError, RequestTimedOutError, TimeoutError)
+
+
+class _FailoverAdmin(AIOKafkaAdminClient):  # type: ignore[misc]  # aiokafka ships no type stubs
+    """aiokafka's admin client sends each request to one broker of its cached metadata (a
+    random one, or the one named controller) and fails when that broker is down, which in
+    a cluster that just lost a node is one request in N. This one refreshes the metadata
+    and asks again, so that admin calls survive the loss of a broker as clients do.
+    """
+
+    async def _failover(self, send: Callable[[], Awaitable[Response]]) -> Response:
+        async for attempt in stamina.retry_context(
+            on=_BROKER_DOWN, attempts=8, timeout=90.0, wait_initial=0.2, wait_max=3.0
+        ):
+            with attempt:
+                if attempt.num > 1:
+                    await self._client.force_metadata_update()
+                return await send()
+        raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
+
+    async def _send_request(self, request: Request, node_id: int | None = None) -> Response:
+        if node_id is not None:  # a request for that very broker (a group coordinator, ...)
+            return await super()._send_request(request, node_id)
+        return await self._failover(lambda: super(_FailoverAdmin, self)._send_request(request))
+
+    async def _send_to_controller(self, request: Request) -> Response:
+        return await self._failover(lambda: super(_FailoverAdmin, self)._send_to_controller(request))
+
+
 def make_admin(kafka: KafkaSettings) -> AIOKafkaAdminClient:
-    """An admin client (not yet started)."""
-    return AIOKafkaAdminClient(**client_kwargs(kafka))
+    """An admin client (not yet started) that asks another broker when the one it picked is down."""
+    # 15 s per request rather than 40: a broker that does not answer is tried again sooner.
+    return _FailoverAdmin(**client_kwargs(kafka), request_timeout_ms=15_000)
 
 
 def topic_configs(kafka: KafkaSettings, logical: str) -> dict[str, str]:
@@ -99,13 +137,29 @@ def topic_configs(kafka: KafkaSettings, logical: str) -> dict[str, str]:
     return configs
 
 
-def new_topic(kafka: KafkaSettings, logical: str) -> NewTopic:
+MAX_REPLICATION_FACTOR = 3
+"""Copies of each partition on a cluster: with ``min.insync.replicas=2``, one broker can be
+lost without losing an acknowledged write or stopping writes."""
+
+
+def replication_for(brokers: int) -> int:
+    """The replication factor a cluster of ``brokers`` live brokers affords (3 at most, 1 at least)."""
+    return max(1, min(MAX_REPLICATION_FACTOR, brokers))
+
+
+async def cluster_replication_factor(admin: AIOKafkaAdminClient) -> int:
+    """The replication factor for new topics, from the number of brokers the cluster reports."""
+    described = await admin.describe_cluster()
+    return replication_for(len(described.get("brokers") or ()))
+
+
+def new_topic(kafka: KafkaSettings, logical: str, replication: int) -> NewTopic:
     """The creation request of a logical topic: partitions and configs from the topology."""
     declared = topology.topic_for(logical)
     return NewTopic(
         name=kafka.topic(logical),
         num_partitions=declared.partitions or kafka.partitions,
-        replication_factor=kafka.replication_factor,
+        replication_factor=replication,
         topic_configs=topic_configs(kafka, logical),
     )
 
@@ -170,6 +224,8 @@ async def ensure_topics(
     create topics: a refused creation fails here (:class:`AccessDenied`) only for a topic
     in ``needed`` (logical names, ``prompts.*`` for every prompts topic; None: all), the
     ones this service uses; a topic it neither sees nor uses is none of its business.
+    Replication is ``kafka.replication_factor`` when the configuration sets it, else what
+    the cluster affords (:func:`cluster_replication_factor`).
     """
     wanted: list[str] = [*topology.fixed_topics(), *(topology.prompts_topic(d) for d in datasets)]
     return await create_topics(kafka, wanted, needed=needed)
@@ -189,7 +245,11 @@ async def create_topics(
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        new = [new_topic(kafka, name) for physical, name in logical_of.items() if physical not in existing]
+        missing = [name for physical, name in logical_of.items() if physical not in existing]
+        if not missing:
+            return []
+        replication = kafka.explicit_replication_factor or await cluster_replication_factor(admin)
+        new = [new_topic(kafka, name, replication) for name in missing]
         created: list[str] = []
         for topic in new:
             try:
@@ -215,6 +275,72 @@ async def create_topics(
         return created
     finally:
         await admin.close()
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """Where one partition lives: its leader (-1 when it has none), replicas and in-sync replicas."""
+
+    topic: str
+    partition: int
+    leader: int
+    replicas: tuple[int, ...]
+    isr: tuple[int, ...]
+
+    @property
+    def under_replicated(self) -> bool:
+        """Fewer in-sync replicas than replicas: a broker is down or behind."""
+        return len(self.isr) < len(self.replicas)
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """The live brokers of a cluster and where the partitions of its topics are."""
+
+    brokers: tuple[int, ...]
+    partitions: tuple[PartitionState, ...]
+
+    def leaders_per_broker(self, topics: Iterable[str] | None = None) -> dict[int, int]:
+        """How many partitions (of ``topics``, default all) each broker leads; 0 for a live
+        broker that leads none; -1 counts the partitions without a leader."""
+        wanted = None if topics is None else set(topics)
+        counts = Counter(p.leader for p in self.partitions if wanted is None or p.topic in wanted)
+        return {broker: counts.get(broker, 0) for broker in self.brokers} | {
+            leader: n for leader, n in counts.items() if leader not in self.brokers
+        }
+
+    @property
+    def under_replicated(self) -> tuple[PartitionState, ...]:
+        """The partitions with fewer in-sync replicas than replicas."""
+        return tuple(p for p in self.partitions if p.under_replicated)
+
+
+async def describe_layout(kafka: KafkaSettings, topics: Iterable[str] | None = None) -> ClusterLayout:
+    """The live brokers and every partition of ``topics`` (default: every topic, internal ones too)."""
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        cluster = await admin.describe_cluster()
+        names = sorted(set(await admin.list_topics()) if topics is None else set(topics))
+        described = await admin.describe_topics(names) if names else []
+    finally:
+        await admin.close()
+    partitions = [
+        PartitionState(
+            topic=t["topic"],
+            partition=p["partition"],
+            leader=p["leader"],
+            replicas=tuple(p["replicas"]),
+            isr=tuple(p["isr"]),
+        )
+        for t in described
+        if not t.get("error_code")
+        for p in t["partitions"]
+    ]
+    return ClusterLayout(
+        brokers=tuple(sorted(b["node_id"] for b in cluster.get("brokers") or ())),
+        partitions=tuple(sorted(partitions, key=lambda p: (p.topic, p.partition))),
+    )
 
 
 def header(headers: Sequence[tuple[str, bytes]] | None, name: str) -> str | None:
@@ -324,14 +450,19 @@ async def publish_all(producer: AIOKafkaProducer, records: Iterable[Outgoing]) -
 
 __all__ = [
     "AUTHORIZATION_ERRORS",
+    "MAX_REPLICATION_FACTOR",
     "AccessDenied",
+    "ClusterLayout",
     "DeadLetter",
     "Headers",
     "Outgoing",
+    "PartitionState",
     "access_denied",
     "client_kwargs",
+    "cluster_replication_factor",
     "create_topics",
     "dead_letter",
+    "describe_layout",
     "ensure_topics",
     "header",
     "make_admin",
@@ -341,6 +472,7 @@ __all__ = [
     "principal",
     "publish_all",
     "refused_as",
+    "replication_for",
     "report_lag",
     "topic_configs",
 ]

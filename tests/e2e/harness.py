@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import random
+import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +22,18 @@ from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from schemas import DLQ_HEADERS, Message, PromptPublished, encode, sample_key
+from schemas import (
+    DLQ_HEADERS,
+    BudgetSnapshot,
+    Message,
+    PromptPublished,
+    ResponseReceived,
+    SchemaError,
+    decode,
+    encode,
+    sample_key,
+)
+from services.budget.core import estimate_usage
 from services.common import broker
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer, make_producer
@@ -29,12 +44,17 @@ from tests.kafka_fixture import wait_until
 __all__ = [
     "DeadLetterRecord",
     "LocalBroker",
+    "LocalCluster",
+    "Tally",
     "Pipeline",
     "Processes",
     "accepted_keys",
     "cli",
     "dead_letters",
+    "budget_caught_up",
     "free_port",
+    "free_port_block",
+    "pipeline_config",
     "produce",
     "prompt_value",
     "read_all",
@@ -50,11 +70,90 @@ REPO = Path(__file__).resolve().parents[2]
 Record = ConsumerRecord[bytes, bytes]
 
 
+# Where free_port_block looks: below Linux's default ephemeral range (32768-60999), so that
+# no outgoing connection's source port takes a listener's port between the pick and the bind.
+_BLOCK_RANGE = (20000, 32000)
+
+
+def _port_range() -> tuple[int, int] | None:
+    """``DRAFTSTREAM_TEST_PORTS=LO-HI``: every port the e2e helpers pick lies in it (for
+    machines where port ranges are shared out between several test runs)."""
+    span = os.environ.get("DRAFTSTREAM_TEST_PORTS", "").strip()
+    if not span:
+        return None
+    lo, _, hi = span.partition("-")
+    if not (lo.isdigit() and hi.isdigit() and 0 < int(lo) <= int(hi) < 65536):
+        raise ValueError(f"DRAFTSTREAM_TEST_PORTS must be LO-HI, got {span!r}")
+    return int(lo), int(hi)
+
+
+def _bindable(port: int) -> bool:
+    # No SO_REUSEADDR: a port still in TIME_WAIT counts as taken, as it does for the JVM.
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now."""
+    if _port_range() is not None:
+        return free_port_block(1)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_block(n: int) -> int:
+    """The first of ``n`` consecutive ports that are all free right now."""
+    lo, hi = _port_range() or _BLOCK_RANGE
+    bases = list(range(lo, hi - n + 2))
+    random.shuffle(bases)
+    for base in bases[:500]:
+        if all(_bindable(port) for port in range(base, base + n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports in {lo}-{hi}")
+
+
+def pipeline_config(
+    run_dir: Path, bootstrap: str, sim_port: int, datasets: Iterable[str], *, prefix: str, concurrency: int,
+    timeout_s: float,
+) -> str:
+    """The TOML of a whole-pipeline run against the simulator: fast retries, small stage
+    batches, no metrics ports, the usage count checked exactly for every dataset."""
+    sections = "\n".join(f"[datasets.{d}]\nmax_tokens = 512\naudit.usage_offset = 0\n" for d in datasets)
+    return f"""
+[kafka]
+bootstrap_servers = "{bootstrap}"
+topic_prefix = "{prefix}"
+
+[provider]
+kind = "simulator"
+base_url = "http://127.0.0.1:{sim_port}/api/v1"
+concurrency = {concurrency}
+max_attempts = 3
+backoff_initial_s = 0.05
+backoff_max_s = 0.3
+timeout_s = {timeout_s:g}
+
+[sink]
+out_dir = "{run_dir / "out"}"
+
+[stage]
+batch_max = 32
+batch_timeout_ms = 50
+
+[metrics]
+inference_port = 0
+reconstruct_port = 0
+audit_port = 0
+budget_port = 0
+sink_port = 0
+
+{sections}
+"""
 
 
 def small_prompt(dataset: str, i: int, **kw: Any) -> PromptPublished:
@@ -297,6 +396,220 @@ class LocalBroker:
         """Stop and start again on the same ports and storage."""
         self.stop()
         return self.start()
+
+
+@dataclass
+class LocalCluster:
+    """A private local cluster of deploy/kafka/kafka.sh: ``nodes`` combined broker+controller
+    nodes, node i on client port ``port + i - 1`` and controller port ``port + nodes + i - 1``."""
+
+    run_dir: Path
+    nodes: int = 3
+    port: int = 0
+    status: broker.BrokerStatus | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        """Every node's PLAINTEXT address."""
+        return ",".join(f"127.0.0.1:{self.port + i}" for i in range(self.nodes))
+
+    @staticmethod
+    def _jvm_opts() -> str:
+        return os.environ.get("KAFKA_JVM_OPTS", "-XX:TieredStopAtLevel=1")
+
+    def start(self, attempts: int = 3) -> broker.BrokerStatus:
+        """Start every node on a fresh block of free ports (another block when a port was
+        taken between the pick and the JVM's bind) and wait until each serves metadata."""
+        for attempt in range(1, attempts + 1):
+            self.port = free_port_block(2 * self.nodes)
+            try:
+                self.status = broker.start(
+                    port=self.port, controller_port=self.port + self.nodes, run_dir=self.run_dir,
+                    nodes=self.nodes, jvm_opts=self._jvm_opts(), cds="reuse",
+                )
+                return self.status
+            except broker.BrokerError as exc:
+                broker.stop(run_dir=self.run_dir)
+                if "Address already in use" not in str(exc) or attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    def node_status(self) -> broker.BrokerStatus:
+        """What kafka.sh status says now."""
+        return broker.status(run_dir=self.run_dir)
+
+    def kill(self, node: int) -> None:
+        """SIGKILL one node (no controlled shutdown) and wait until it is gone."""
+        pid = self.node_status().node(node).pid
+        if pid is None:
+            raise AssertionError(f"node {node} is not running")
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.node_status().node(node).running:
+            time.sleep(0.1)
+
+    def start_node(self, node: int) -> broker.BrokerStatus:
+        """Start one node again, on its ports and storage, and wait until it serves metadata."""
+        return broker.start(run_dir=self.run_dir, node=node, jvm_opts=self._jvm_opts(), cds="reuse")
+
+    def quorum_leader(self) -> int:
+        """The node that is the active controller now."""
+        return broker.quorum(run_dir=self.run_dir).leader
+
+    def stop(self) -> None:
+        """Stop every node."""
+        broker.stop(run_dir=self.run_dir)
+
+
+async def end_offsets(settings: Settings, topic: str) -> dict[int, int]:
+    """The end offset of each partition of a physical topic."""
+    tps = await partitions_of(settings, topic)
+    consumer = make_consumer(settings.kafka, group_id=None)
+    await consumer.start()
+    try:
+        ends = await consumer.end_offsets(tps)
+    finally:
+        await consumer.stop()
+    return {tp.partition: end for tp, end in ends.items()}
+
+
+async def budget_caught_up(settings: Settings) -> BudgetSnapshot | None:
+    """The latest global budget snapshot, once it has counted every response record."""
+    state = settings.kafka.topic("budget-state")
+    responses = settings.kafka.topic("responses")
+    snaps = [decode(r.value, BudgetSnapshot) for r in (await read_all(settings, state))[state] if r.value]
+    totals = [s for s in snaps if s.scope == "global"]
+    if not totals:
+        return None
+    latest = totals[-1]
+    ends = await end_offsets(settings, responses)
+    if all(latest.offsets.get(f"responses:{p}", 0) >= end for p, end in ends.items()):
+        return latest
+    return None
+
+
+# Simulator faults after which the provider billed nothing (the request is sent again).
+TRANSIENT_FAULTS = frozenset({"429", "5xx", "timeout", "drop", "malformed", "error_in_200"})
+
+
+@dataclass
+class Tally:
+    """What came out of a pipeline run, counted against what went in and what the provider billed.
+
+    Exactly once means: every published prompt has one row in the training files or a dead
+    letter; no key has two rows; nothing unpublished comes out; the budget equals the usage
+    of every paid response record it covered (a ``reused`` record, re-sent from the response
+    store, was paid once, when first answered).
+    """
+
+    expected: set[str]
+    keys: Counter[str]
+    dead_keys: Counter[str]
+    dead_letters: int
+    response_records: int
+    covered: int
+    undecodable: int
+    paid: list[ResponseReceived]
+    reused: int
+    snapshot: BudgetSnapshot
+    provider_requests: int
+    paid_twice: int
+
+    @classmethod
+    def of(
+        cls,
+        expected: set[str],
+        out_dir: Path,
+        letters: Sequence[DeadLetterRecord],
+        response_records: Sequence[Record],
+        snapshot: BudgetSnapshot,
+        sim_stats: dict[str, Any],
+    ) -> Tally:
+        """Count a finished run (``sim_stats``: the simulator's ``/_sim/stats``)."""
+        # Exactly the records the snapshot covers (its offsets reached the end of the topic
+        # when it was taken; a response re-sent after that would be counted by the next one).
+        covered = [r for r in response_records if r.offset < snapshot.offsets.get(f"responses:{r.partition}", 0)]
+        decoded: list[ResponseReceived] = []
+        undecodable = 0
+        for r in covered:
+            try:
+                decoded.append(decode(r.value, ResponseReceived))
+            except SchemaError:
+                undecodable += 1
+        transient = {k: sum(1 for f in v if f in TRANSIENT_FAULTS) for k, v in sim_stats["key_faults"].items()}
+        paid_per_key = {k: n - transient.get(k, 0) for k, n in sim_stats["keys"].items()}
+        return cls(
+            expected=expected,
+            keys=accepted_keys(out_dir),
+            dead_keys=Counter(d.key for d in letters),
+            dead_letters=len(letters),
+            response_records=len(response_records),
+            covered=len(covered),
+            undecodable=undecodable,
+            paid=[r for r in decoded if not r.reused],
+            reused=sum(1 for r in decoded if r.reused),
+            snapshot=snapshot,
+            provider_requests=int(sim_stats["total_requests"]),
+            paid_twice=sum(max(0, n - 1) for n in paid_per_key.values()),
+        )
+
+    @property
+    def lost(self) -> int:
+        """Published prompts with neither a row nor a dead letter."""
+        return len({k for k in self.expected if k not in self.keys and k not in self.dead_keys})
+
+    @property
+    def duplicate_rows(self) -> int:
+        """Rows beyond the first of each key in the training files."""
+        return sum(n - 1 for n in self.keys.values() if n > 1)
+
+    def usage(self) -> tuple[int, int, float]:
+        """(prompt tokens, completion tokens, cost) summed over the paid responses."""
+        prompt = completion = 0
+        cost = 0.0
+        for resp in self.paid:
+            p, c, _ = estimate_usage(resp)
+            prompt += p
+            completion += c
+            cost += resp.usage.cost or 0.0
+        return prompt, completion, cost
+
+    def counts(self) -> dict[str, Any]:
+        """The counts a report line shows."""
+        prompt, completion, _ = self.usage()
+        per_key = Counter(f"{r.dataset}:{r.sample_id}" for r in self.paid)
+        return {
+            "prompts": len(self.expected),
+            "accounted": len(self.expected) - self.lost,
+            "lost": self.lost,
+            "accepted": len(self.keys),
+            "dead_lettered_only": len(set(self.dead_keys) - set(self.keys)),
+            "dead_letters": self.dead_letters,
+            "accepted_and_dead_lettered": len(set(self.keys) & set(self.dead_keys)),
+            "duplicate_rows": self.duplicate_rows,
+            "response_records": self.response_records,
+            "budget_covered_records": self.covered,
+            "duplicate_responses": sum(n - 1 for n in per_key.values() if n > 1),
+            "provider_requests": self.provider_requests,
+            "repeated_paid_requests": self.paid_twice,
+            "budget_completion": f"{self.snapshot.completion_tokens}/{completion}",
+            "budget_prompt": f"{self.snapshot.prompt_tokens}/{prompt}",
+            "budget_responses": f"{self.snapshot.responses}/{len(self.paid)}",
+            "reused_responses": self.reused,
+        }
+
+    def assert_exactly_once(self, line: str) -> None:
+        """Nothing lost, nothing twice, nothing foreign; the budget equals the bill."""
+        assert self.lost == 0, f"prompts lost: {line}"
+        assert all(n == 1 for n in self.keys.values()), f"a key written twice: {line}"
+        foreign = (set(self.keys) | set(self.dead_keys)) - self.expected
+        assert not foreign, f"keys nobody published: {line}"
+        assert self.undecodable == 0, line
+        prompt, completion, cost = self.usage()
+        assert self.snapshot.responses == len(self.paid), f"budget counted responses wrongly: {line}"
+        assert self.snapshot.completion_tokens == completion, f"budget completion tokens: {line}"
+        assert self.snapshot.prompt_tokens == prompt, f"budget prompt tokens: {line}"
+        assert math.isclose(self.snapshot.cost_usd, cost, rel_tol=1e-9, abs_tol=1e-12), f"budget cost: {line}"
 
 
 def counts_by(items: Sequence[str]) -> dict[str, int]:

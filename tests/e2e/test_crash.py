@@ -31,7 +31,6 @@ import os
 import random
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,18 +38,18 @@ from typing import Any
 import httpx
 import pytest
 
-from schemas import BudgetSnapshot, ResponseReceived, SchemaError, decode
-from services.budget.core import estimate_usage
-from services.common.config import Settings, load_settings
+from services.common.config import load_settings
 from services.common.kafka import ensure_topics
 from tests.e2e.harness import (
     LocalBroker,
     Supervisor,
+    Tally,
     accepted_keys,
+    budget_caught_up,
     cli,
     dead_letters,
     free_port,
-    partitions_of,
+    pipeline_config,
     produce,
     prompt_value,
     read_all,
@@ -61,69 +60,6 @@ from tests.e2e.harness import (
 DATASETS = ("alpha", "beta", "gamma")
 SERVICES = ("inference", "reconstruct", "audit", "budget", "sink")
 CONCURRENCY = 32
-TRANSIENT = {"429", "5xx", "timeout", "drop", "malformed", "error_in_200"}
-
-
-def _config(run_dir: Path, bootstrap: str, sim_port: int) -> str:
-    datasets = "\n".join(f"[datasets.{d}]\nmax_tokens = 512\naudit.usage_offset = 0\n" for d in DATASETS)
-    return f"""
-[kafka]
-bootstrap_servers = "{bootstrap}"
-topic_prefix = "crash."
-
-[provider]
-kind = "simulator"
-base_url = "http://127.0.0.1:{sim_port}/api/v1"
-concurrency = {CONCURRENCY}
-max_attempts = 3
-backoff_initial_s = 0.05
-backoff_max_s = 0.3
-timeout_s = 5
-
-[sink]
-out_dir = "{run_dir / "out"}"
-
-[stage]
-batch_max = 32
-batch_timeout_ms = 50
-
-[metrics]
-inference_port = 0
-reconstruct_port = 0
-audit_port = 0
-budget_port = 0
-sink_port = 0
-
-{datasets}
-"""
-
-
-async def _budget_caught_up(settings: Settings) -> BudgetSnapshot | None:
-    """The latest global budget snapshot, once it has counted every response record."""
-    state = settings.kafka.topic("budget-state")
-    responses = settings.kafka.topic("responses")
-    snaps = [decode(r.value, BudgetSnapshot) for r in (await read_all(settings, state))[state] if r.value]
-    totals = [s for s in snaps if s.scope == "global"]
-    if not totals:
-        return None
-    latest = totals[-1]
-    ends = await _end_offsets(settings, responses)
-    if all(latest.offsets.get(f"responses:{p}", 0) >= end for p, end in ends.items()):
-        return latest
-    return None
-
-
-async def _end_offsets(settings: Settings, topic: str) -> dict[int, int]:
-    from services.common.kafka import make_consumer
-
-    tps = await partitions_of(settings, topic)
-    consumer = make_consumer(settings.kafka, group_id=None)
-    await consumer.start()
-    try:
-        ends = await consumer.end_offsets(tps)
-    finally:
-        await consumer.stop()
-    return {tp.partition: end for tp, end in ends.items()}
 
 
 async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int, seed: int, rounds: int = 1) -> None:
@@ -137,7 +73,8 @@ async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int
     kafka.start()
     sim_port = free_port()
     config = run_dir / "draftstream.toml"
-    config.write_text(_config(run_dir, kafka.bootstrap, sim_port), encoding="utf-8")
+    config.write_text(pipeline_config(run_dir, kafka.bootstrap, sim_port, DATASETS, prefix="crash.",
+                                      concurrency=CONCURRENCY, timeout_s=5), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "DRAFTSTREAM_"))}
     env["PYTHONUNBUFFERED"] = "1"
     settings = load_settings(config, kafka={"bootstrap_servers": kafka.bootstrap})
@@ -219,7 +156,7 @@ async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int
             return expected <= done
 
         await wait_until(accounted, timeout=420, interval=2.0, message="every prompt accounted for")
-        snapshot = await wait_until(lambda: _budget_caught_up(settings), timeout=120, interval=1.0,
+        snapshot = await wait_until(lambda: budget_caught_up(settings), timeout=120, interval=1.0,
                                     message="budget caught up with every response")
         async with httpx.AsyncClient(timeout=10) as http:
             stats = (await http.get(f"http://127.0.0.1:{sim_port}/_sim/stats")).json()
@@ -230,68 +167,19 @@ async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int
         sup.stop_all()
         kafka.stop()
 
-    keys = accepted_keys(out_dir)
-    dead_keys = Counter(d.key for d in letters)
-    responses: list[ResponseReceived] = []
-    undecodable = 0
-    # Compare with exactly the records the snapshot covers (its offsets reached the end of the
-    # topic when it was taken; a response re-sent after that would be counted by the next one).
-    covered = [r for r in response_records if r.offset < snapshot.offsets.get(f"responses:{r.partition}", 0)]
-    for r in covered:
-        try:
-            responses.append(decode(r.value, ResponseReceived))
-        except SchemaError:
-            undecodable += 1
-    prompt_sum = completion_sum = 0
-    cost_sum = 0.0
-    # A response re-sent from the response store (``reused``) was paid for once, when first
-    # answered: the bill counts it once, and so must the budget.
-    reused = [r for r in responses if r.reused]
-    responses = [r for r in responses if not r.reused]
-    for resp in responses:
-        p, c, _ = estimate_usage(resp)
-        prompt_sum += p
-        completion_sum += c
-        cost_sum += resp.usage.cost or 0.0
-    per_key = Counter(f"{r.dataset}:{r.sample_id}" for r in responses)
-    # Provider requests answered (billed) per key, beyond the first: repeats caused by crashes.
-    transient_per_key = {k: sum(1 for f in v if f in TRANSIENT) for k, v in stats["key_faults"].items()}
-    paid = {k: n - transient_per_key.get(k, 0) for k, n in stats["keys"].items()}
-    paid_twice = sum(max(0, n - 1) for n in paid.values())
+    tally = Tally.of(expected, out_dir, letters, response_records, snapshot, stats)
     inference_crashes = sup.kills.get("inference", 0) + sum(1 for n, _ in sup.unplanned_exits if n == "inference")
-    both = set(keys) & set(dead_keys)
     line = report(
         seed=seed,
-        prompts=len(expected),
-        accepted=len(keys),
-        dead_lettered_only=len(set(dead_keys) - set(keys)),
-        dead_letters=len(letters),
-        accepted_and_dead_lettered=len(both),
-        duplicate_rows=sum(n - 1 for n in keys.values() if n > 1),
-        response_records=len(response_records),
-        budget_covered_records=len(covered),
-        duplicate_responses=sum(n - 1 for n in per_key.values() if n > 1),
-        provider_requests=stats["total_requests"],
-        repeated_paid_requests=paid_twice,
+        **tally.counts(),
         inflight_bound=f"{CONCURRENCY}x{inference_crashes}={CONCURRENCY * inference_crashes}",
         kills=dict(sup.kills),
         unplanned_exits=len(sup.unplanned_exits),
-        budget_completion=f"{snapshot.completion_tokens}/{completion_sum}",
-        budget_prompt=f"{snapshot.prompt_tokens}/{prompt_sum}",
-        budget_responses=f"{snapshot.responses}/{len(responses)}",
-        reused_responses=len(reused),
         events="; ".join(events),
     )
-    assert expected == {k for k in expected if k in keys or k in dead_keys}, f"prompts lost: {line}"
-    assert all(n == 1 for n in keys.values()), f"a key written twice: {line}"
-    assert set(keys) <= expected and set(dead_keys) <= expected, f"keys nobody published: {line}"
+    tally.assert_exactly_once(line)
     assert sup.kills == dict.fromkeys(SERVICES, rounds), line
-    assert undecodable == 0, line
-    assert snapshot.responses == len(responses), f"budget counted responses wrongly: {line}"
-    assert snapshot.completion_tokens == completion_sum, f"budget completion tokens: {line}"
-    assert snapshot.prompt_tokens == prompt_sum, f"budget prompt tokens: {line}"
-    assert math.isclose(snapshot.cost_usd, cost_sum, rel_tol=1e-9, abs_tol=1e-12), f"budget cost: {line}"
-    assert len(keys) > len(expected) // 2, f"most prompts should pass the audit: {line}"
+    assert len(tally.keys) > len(expected) // 2, f"most prompts should pass the audit: {line}"
 
 
 @pytest.mark.e2e

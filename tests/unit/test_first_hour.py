@@ -99,7 +99,7 @@ def test_broker_start_prints_the_export_line(monkeypatch: pytest.MonkeyPatch) ->
     from services.common import broker
 
     status = BrokerStatus(running=True, pid=42, bootstrap="127.0.0.1:29092", port=29092, version="4.4.0")
-    monkeypatch.setattr(broker, "start", lambda port=None: status)
+    monkeypatch.setattr(broker, "start", lambda port=None, nodes=None, node=None: status)
     result = CliRunner().invoke(app, ["broker", "start"])
     assert result.exit_code == 0, result.output
     assert "export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:29092" in result.stdout.splitlines()
