@@ -129,7 +129,7 @@ async def replay(
     replayed_ids = await read_replayed(kafka)
     plan = plan_replay(
         records,
-        kafka=kafka,
+        topic_prefix=kafka.topic_prefix,
         existing_topics=await list_topics(kafka),
         replayed_ids=replayed_ids,
         to=to,
