@@ -329,24 +329,16 @@ async def topic_factory(kafka_bootstrap: str) -> AsyncIterator[TopicFactory]:
 
 
 async def read_records(settings: Any, topic: str, count: int, timeout: float = 60.0) -> list[Any]:
-    """Read at least ``count`` records from the start of a physical topic, without a group.
+    """Every record of a physical topic, once it holds at least ``count`` (read without a group).
 
     Raises ``TimeoutError`` when fewer arrive within ``timeout`` seconds.
     """
-    from services.common.kafka import make_consumer
+    from services.common.topics import read_to_end
 
-    consumer = make_consumer(settings.kafka, topic, group_id=None)
-    await consumer.start()
-    got: list[Any] = []
-    try:
+    async def enough() -> tuple[list[Any]] | None:
+        got: list[Any] = []
+        await read_to_end(settings.kafka, topic, got.append, deadline_s=timeout)
+        return (got,) if len(got) >= count else None
 
-        async def enough() -> bool:
-            batches = await consumer.getmany(timeout_ms=200)
-            for part in batches.values():
-                got.extend(part)
-            return len(got) >= count
-
-        await wait_until(enough, timeout=timeout, interval=0, message=f"{count} record(s) on {topic}")
-    finally:
-        await consumer.stop()
-    return got
+    (records,) = await wait_until(enough, timeout=timeout, interval=0.2, message=f"{count} record(s) on {topic}")
+    return records

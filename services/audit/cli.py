@@ -14,17 +14,10 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 
 def run_audit(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Audit samples: passing ones to accepted, failing ones to dead-letter with every reason."""
-    import asyncio
-
     from services.audit.app import create_app
-    from services.cli import settings_from
-    from services.common.logs import setup_logging
-    from services.common.service import run_service
+    from services.common.service import run_from_cli
 
-    settings = settings_from(config)
-    setup_logging(settings, log_level)
-    asyncio.run(run_service(lambda: create_app(settings), name="audit", metrics_port=settings.metrics.audit_port,
-                            metrics_host=settings.metrics.host))
+    run_from_cli("audit", create_app, config=config, log_level=log_level)
 
 
 def audit_file(

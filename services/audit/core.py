@@ -1,12 +1,12 @@
 """Audit checks: pure functions over a reconstructed sample and its model profile.
 
 Each check has a stable reason code (the dead-letter header value), a short message and
-a threshold from :class:`AuditThresholds` (per dataset). A check returns ``None`` when it
+a threshold from :class:`Thresholds` (per dataset). A check returns ``None`` when it
 does not apply (e.g. think checks on a profile without think tokens) and is then absent
 from the results. No Kafka, no clock, no environment here.
 
 The usage checks compare lengths with the provider's counting convention as configured
-(``AuditThresholds.usage_offset``, default 0: every generated id counts, end-of-turn
+(``Thresholds.usage_offset``, default 0: every generated id counts, end-of-turn
 included). Nothing is learned from the data: a learned "most common offset" absorbs any
 constant reconstruction error (a newline lost on every sample becomes "the convention").
 """
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from schemas import CheckResult, SampleAudited, SampleReconstructed
-from services.common.config import AuditThresholds
 
 # Stable reason codes, in the order checks run (the first failing one is the primary).
 IDS_IN_VOCAB = "ids_in_vocab"
@@ -63,6 +62,49 @@ REPORT_ONLY: frozenset[str] = frozenset({NATIVE_IDS_DIFF})
 REPLACEMENT_CHAR = "\ufffd"
 
 
+class Thresholds(Protocol):
+    """The per-dataset audit switches and tolerances the checks read.
+
+    The configuration's ``AuditThresholds`` satisfies it; the core reads the values and
+    never imports the configuration.
+    """
+
+    @property
+    def disabled_checks(self) -> tuple[str, ...]:
+        """Reason codes of checks that are skipped."""
+        ...
+
+    @property
+    def roundtrip_tolerance(self) -> float:
+        """The largest fraction of ids that may differ when the decoded text is re-encoded."""
+        ...
+
+    @property
+    def usage_offset(self) -> int | None:
+        """``usage.completion_tokens`` minus the output ids; None: the provider convention's 0."""
+        ...
+
+    @property
+    def prompt_usage_offset(self) -> int | None:
+        """``usage.prompt_tokens`` minus the prompt ids; None: 0."""
+        ...
+
+    @property
+    def usage_tolerance(self) -> int:
+        """How many tokens the usage gap may differ from the offset."""
+        ...
+
+    @property
+    def require_reasoning(self) -> bool:
+        """Whether a sample that thinks must have non-blank reasoning."""
+        ...
+
+    @property
+    def require_stop(self) -> bool:
+        """Whether the provider must have stopped by itself rather than at the token limit."""
+        ...
+
+
 class AuditProfile(Protocol):
     """What the audit needs from a model profile (services.profiles.Profile satisfies it)."""
 
@@ -99,7 +141,7 @@ class Prepared:
     """A sample plus what the batch tokenizer calls computed for it."""
 
     sample: SampleReconstructed
-    thresholds: AuditThresholds
+    thresholds: Thresholds
     decoded: str | None  # None when the ids could not be decoded (out of vocab)
     reencoded: list[int] | None
 
@@ -470,11 +512,11 @@ def verdict(
     )
 
 
-ThresholdsFor = AuditThresholds | Callable[[str], AuditThresholds]
+ThresholdsFor = Thresholds | Callable[[str], Thresholds]
 
 
-def _thresholds(t: ThresholdsFor, dataset: str) -> AuditThresholds:
-    return t if isinstance(t, AuditThresholds) else t(dataset)
+def _thresholds(t: ThresholdsFor, dataset: str) -> Thresholds:
+    return t(dataset) if callable(t) else t
 
 
 def _in_vocab(sample: SampleReconstructed, vocab_size: int) -> bool:
@@ -508,7 +550,7 @@ def audit_batch(
 ) -> list[SampleAudited]:
     """Audit samples of one profile; tokenizer work is two batch calls for the whole batch.
 
-    ``thresholds`` is one AuditThresholds or a function from dataset name to it.
+    ``thresholds`` is one :class:`Thresholds` or a function from dataset name to it.
     """
     return [
         verdict(p.sample, run_checks(p, profile), audited_at)
@@ -519,7 +561,7 @@ def audit_batch(
 def audit(
     sample: SampleReconstructed,
     profile: AuditProfile,
-    thresholds: AuditThresholds,
+    thresholds: Thresholds,
     *,
     audited_at: float = 0.0,
 ) -> SampleAudited:
@@ -540,6 +582,8 @@ __all__ = [
     "AuditProfile",
     "OfflineReport",
     "Prepared",
+    "Thresholds",
+    "ThresholdsFor",
     "audit",
     "audit_batch",
     "failure_message",

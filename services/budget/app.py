@@ -64,7 +64,8 @@ from services.common.metrics import (
     STAGE_RECORDS,
     TOKENS,
 )
-from services.control import control_state_from, read_budget_snapshots, read_compacted
+from services.common.topics import read_compacted
+from services.control import control_state_from, read_budget_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class BudgetService:
         await ensure_topics(kafka, self.settings.datasets, needed=used_topics(STAGE))
         self._producer = make_producer(kafka)
         await self._producer.start()
-        control_values, control_ends = await read_compacted(self.settings, CONTROL_TOPIC)
+        control_values, control_ends = await read_compacted(kafka, kafka.topic(CONTROL_TOPIC))
         for event in control_state_from(control_values).values():
             self.ledger.apply_control(event)
         snapshots = await read_budget_snapshots(self.settings)

@@ -211,23 +211,10 @@ def budget_command(config: ConfigOption = None) -> None:
 
 def run_budget(config: ConfigOption = None, log_level: LogLevelOption = None) -> None:
     """Run the budget service: count spend, halt scopes over their caps."""
-    import asyncio
-
     from services.budget.app import create_app
-    from services.cli import settings_from
-    from services.common.logs import setup_logging
-    from services.common.service import run_service
+    from services.common.service import run_from_cli
 
-    settings = settings_from(config)
-    setup_logging(settings, log_level)
-    asyncio.run(
-        run_service(
-            lambda: create_app(settings),
-            name="budget",
-            metrics_port=settings.metrics.budget_port,
-            metrics_host=settings.metrics.host,
-        )
-    )
+    run_from_cli("budget", create_app, config=config, log_level=log_level)
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

@@ -8,7 +8,8 @@ import signal
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
@@ -19,6 +20,9 @@ from aiokafka.errors import (
 
 from services.common.errors import PortInUse
 from services.common.metrics import serve
+
+if TYPE_CHECKING:
+    from services.common.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -134,3 +138,21 @@ async def run_service(
     finally:
         await running.close()
         log.info("%s stopped", name)
+
+
+def run_from_cli(
+    name: str, build: Callable[[Settings], Service], *, config: Path | None, log_level: str | None
+) -> None:
+    """The body of every ``draftstream run <name>``: settings, logging, then :func:`run_service`.
+
+    The metrics port is the ``[metrics] <name>_port`` setting, as the port-in-use error says.
+    """
+    from services.cli import settings_from  # the CLI registers the commands: import when one runs
+    from services.common.logs import setup_logging
+
+    settings = settings_from(config)
+    setup_logging(settings, log_level)
+    port = int(getattr(settings.metrics, f"{name}_port"))
+    asyncio.run(
+        run_service(lambda: build(settings), name=name, metrics_port=port, metrics_host=settings.metrics.host)
+    )

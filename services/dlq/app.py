@@ -22,7 +22,7 @@ from services.common.config import KafkaSettings, Settings
 from services.common.errors import CommandError
 from services.common.kafka import Outgoing, create_topics, make_admin, make_producer, publish_all
 from services.common.metrics import REPLAYS
-from services.common.reading import read_to_end, topic_partitions
+from services.common.topics import read_to_end
 from services.dlq.core import (
     DEFAULT_MAX_REPLAYS,
     REPLAYED_TOPIC,
@@ -129,7 +129,7 @@ async def replay(
     replayed_ids = await read_replayed(kafka)
     plan = plan_replay(
         records,
-        kafka=kafka,
+        topic_prefix=kafka.topic_prefix,
         existing_topics=await list_topics(kafka),
         replayed_ids=replayed_ids,
         to=to,
@@ -194,8 +194,6 @@ __all__ = [
     "list_topics",
     "read_dead_letters",
     "read_replayed",
-    "read_to_end",
-    "topic_partitions",
     "replay",
     "to_dead_letter",
 ]

@@ -30,7 +30,6 @@ from schemas import (
     encode,
     topology,
 )
-from services.common.config import KafkaSettings
 
 Headers = list[tuple[str, bytes]]
 
@@ -238,15 +237,19 @@ def replay_headers(record: DeadLetterRecord) -> Headers:
     return kept
 
 
-def target_topic(record: DeadLetterRecord, kafka: KafkaSettings, to: str | None = None) -> str | None:
-    """Where a replay goes: ``to``'s input topic when given, else the original topic."""
+def target_topic(record: DeadLetterRecord, topic_prefix: str, to: str | None = None) -> str | None:
+    """Where a replay goes: ``to``'s input topic when given, else the original topic.
+
+    ``topic_prefix`` is the deployment's ``kafka.topic_prefix``, put before logical names
+    as ``KafkaSettings.topic`` does.
+    """
     if to is None:
         return record.original_topic
     if to not in STAGES:
         raise FilterError(f"unknown stage {to!r} for --to; use one of: {', '.join(STAGES)}")
     if topology.STAGE_INPUT[to] == topology.PROMPTS:
-        return kafka.prompts_topic(record.dataset) if record.dataset else None
-    return kafka.topic(topology.STAGE_INPUT[to])
+        return topic_prefix + topology.prompts_topic(record.dataset) if record.dataset else None
+    return topic_prefix + topology.STAGE_INPUT[to]
 
 
 Event = PromptPublished | ResponseReceived | SampleReconstructed | SampleAudited
@@ -336,7 +339,7 @@ class ReplayPlan:
 def plan_replay(
     records: Iterable[DeadLetterRecord],
     *,
-    kafka: KafkaSettings,
+    topic_prefix: str,
     existing_topics: Iterable[str],
     replayed_ids: Iterable[str],
     to: str | None = None,
@@ -355,7 +358,7 @@ def plan_replay(
         if record.replay_count >= max_replays:
             plan.over_max_replays.append(record)
             continue
-        topic = target_topic(record, kafka, to)
+        topic = target_topic(record, topic_prefix, to)
         if topic is None:
             plan.no_target.append(record)
         elif topic not in topics:

@@ -41,7 +41,7 @@ import msgspec
 import stamina
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
+from aiokafka.errors import KafkaError
 
 from schemas import (
     CONTROL_TOPIC,
@@ -60,14 +60,12 @@ from schemas import (
     sample_key,
 )
 from services.common.acls import used_topics
-from services.common.config import DatasetSettings, KafkaSettings, Settings
+from services.common.config import DatasetSettings, Settings
 from services.common.kafka import (
     AUTHORIZATION_ERRORS,
-    DeadLetter,
     access_denied,
     dead_letter,
     ensure_topics,
-    make_admin,
     make_consumer,
     make_producer,
     refused_as,
@@ -84,6 +82,8 @@ from services.common.metrics import (
     RESPONSES_REUSED,
     RETRIES,
 )
+from services.common.records import DeadLetter
+from services.common.topics import catch_up, ready_partitions
 from services.inference.adapters.providers import Provider, make_http_client, make_provider
 from services.inference.core import (
     GROUP_ID,
@@ -242,7 +242,7 @@ class InferenceWorker:
             store = ResponseStore(self._kafka, self._producer)
             self._store = store
             with refused_as(self._kafka, "READ"):
-                partitions = await topic_partitions(self._kafka, store.topic)
+                partitions = await ready_partitions(self._kafka, store.topic)
                 await store.start(partitions, self.settings.inference.store_load_timeout_s)
         self._probe_task = asyncio.create_task(self._probe_loop(), name="inference-probe")
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
@@ -336,24 +336,17 @@ class InferenceWorker:
     # --- halts ------------------------------------------------------------------------
 
     async def _load_control(self) -> None:
-        """Read the compacted control topic to its end before any prompt is fetched."""
+        """Read the compacted control topic to its end before any prompt is fetched.
+
+        The same consumer then follows the topic (:meth:`_follow_control`).
+        """
         topic = self._topics[CONTROL_TOPIC]
         control = make_consumer(self._kafka, group_id=None)
         self._control = control
         await control.start()
-        partitions = await topic_partitions(self._kafka, topic)
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        tps = [TopicPartition(topic, p) for p in await ready_partitions(self._kafka, topic)]
         control.assign(tps)
-        await control.seek_to_beginning(*tps)
-        end = await control.end_offsets(tps)
-        deadline = time.monotonic() + 120.0
-        while any([await control.position(tp) < end[tp] for tp in tps]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"could not read {topic} to its end within 120 s")
-            batches = await control.getmany(timeout_ms=500)
-            for records in batches.values():
-                for record in records:
-                    self._apply_control(record)
+        await catch_up(control, tps, self._apply_control, past_end=True)
         self._on_halts_changed()
 
     async def _follow_control(self) -> None:
@@ -653,14 +646,6 @@ class InferenceWorker:
             await self._dead_letter(record, verdict, dataset=self._dataset_of(record.topic))
             return
         prompt = verdict
-        topic_dataset = self._dataset_of(record.topic)
-        if topic_dataset and prompt.dataset != topic_dataset:
-            # A prompt for another dataset would be answered and billed under the wrong budget.
-            mismatch = DeadLetter(
-                "dataset_mismatch", f"prompt of dataset {prompt.dataset!r} on the topic of {topic_dataset!r}"
-            )
-            await self._dead_letter(record, mismatch, dataset=topic_dataset)
-            return
         dataset = self.settings.dataset(prompt.dataset)
         max_tokens = request_max_tokens(prompt, dataset.max_tokens)
         if prompt.dataset not in self._checked:
@@ -935,30 +920,6 @@ class InferenceWorker:
         if obj is None:
             raise RuntimeError("start() the worker first")
         return obj
-
-
-async def topic_partitions(kafka: KafkaSettings, topic: str, timeout_s: float = 60.0) -> list[int]:
-    """The partition numbers of ``topic``, waiting (bounded) until each has a leader.
-
-    Raises ``TopicAuthorizationFailedError`` at once when the ACLs hide the topic: a
-    group-less consumer assigned to it would otherwise just see nothing.
-    """
-    admin = make_admin(kafka)
-    await admin.start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            (described,) = await admin.describe_topics([topic])
-            if described.get("error_code") == TopicAuthorizationFailedError.errno:
-                raise TopicAuthorizationFailedError(topic)
-            found = described.get("partitions") or []
-            if described.get("error_code") == 0 and found and all(p.get("leader", -1) >= 0 for p in found):
-                return sorted(int(p["partition"]) for p in found)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"topic {topic} is not ready (no partitions with a leader)")
-            await asyncio.sleep(0.2)
-    finally:
-        await admin.close()
 
 
 def failure_verdict(failure: ProviderFailure) -> DeadLetter:

@@ -29,20 +29,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """Consume prompts.*, call the provider with many requests in flight, publish responses."""
-        import asyncio
-
-        from services.cli import settings_from
-        from services.common.logs import setup_logging
-        from services.common.service import run_service
+        from services.common.service import run_from_cli
         from services.inference.app import create_app
 
-        settings = settings_from(config)
-        setup_logging(settings, log_level)
-        asyncio.run(
-            run_service(
-                lambda: create_app(settings, repay=repay),
-                name="inference",
-                metrics_port=settings.metrics.inference_port,
-                metrics_host=settings.metrics.host,
-            )
+        run_from_cli(
+            "inference", lambda settings: create_app(settings, repay=repay), config=config, log_level=log_level
         )

@@ -30,7 +30,7 @@ from schemas import (
     sample_key,
     topology,
 )
-from services.common.kafka import DeadLetter
+from services.common.records import DeadLetter
 
 STAGE = "inference"
 GROUP_ID = topology.GROUPS[STAGE]

@@ -6,8 +6,8 @@ of the consumer group, on any machine, sees every other worker's paid responses,
 nothing is lost with a worker. Compaction keeps the latest response per request.
 
 Each worker keeps an index in memory (key → partition and offset, a few dozen bytes per
-request) built by reading the topic to its end at start and kept current by following
-it (its own writes are indexed at once, on the broker's acknowledgement). Values stay on
+request) built by reading the topic to its end at start (:func:`services.common.topics.catch_up`)
+and kept current by following it (its own writes are indexed at once, on the broker's acknowledgement). Values stay on
 Kafka; the most recent ones are cached (bounded in bytes), older ones are fetched by
 offset when a request is seen again, which is rare (a re-publish, a restart, a replay).
 
@@ -29,6 +29,7 @@ from aiokafka.errors import KafkaError
 from schemas import RESPONSE_STORE_TOPIC, ResponseReceived, SchemaError, decode, encode
 from services.common.config import KafkaSettings
 from services.common.kafka import make_consumer
+from services.common.topics import Record, catch_up
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +68,12 @@ class ResponseStore:
         self._follower = follower
         await follower.start()
         follower.assign(self._tps)
-        await follower.seek_to_beginning(*self._tps)
         self._fetcher = make_consumer(self._kafka, group_id=None)
         await self._fetcher.start()
         t0 = time.monotonic()
-        ends = await follower.end_offsets(self._tps)
-        while True:
-            for tp in self._tps:
-                self._positions[tp.partition] = await follower.position(tp)
-            if all(self._positions[tp.partition] >= ends[tp] for tp in self._tps):
-                break
-            if time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(f"could not read {self.topic} to its end within {timeout_s:.0f} s")
-            await self._poll(follower)
+        await catch_up(follower, self._tps, self._index_record, deadline_s=timeout_s, past_end=True)
+        for tp in self._tps:
+            self._positions[tp.partition] = await follower.position(tp)
         log.info(
             "response store %s: %d paid response(s) indexed in %.1f s",
             self.topic,
@@ -103,14 +97,17 @@ class ResponseStore:
         batches = await consumer.getmany(timeout_ms=500)
         for records in batches.values():
             for record in records:
-                if record.key is None:
-                    continue
-                key = record.key.decode("utf-8", "replace")
-                if record.value is None:  # a tombstone: the response was deleted on purpose
-                    self._index.pop(key, None)
-                    continue
-                self._index[key] = (record.partition, record.offset)
-                self._remember((record.partition, record.offset), record.value)
+                self._index_record(record)
+
+    def _index_record(self, record: Record) -> None:
+        if record.key is None:
+            return
+        key = record.key.decode("utf-8", "replace")
+        if record.value is None:  # a tombstone: the response was deleted on purpose
+            self._index.pop(key, None)
+            return
+        self._index[key] = (record.partition, record.offset)
+        self._remember((record.partition, record.offset), record.value)
 
     async def _follow(self) -> None:
         follower = self._follower

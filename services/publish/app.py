@@ -30,7 +30,7 @@ from services.common.acls import used_topics
 from services.common.config import ConfigError, Settings, check_dataset_name
 from services.common.kafka import ensure_topics, make_producer
 from services.common.metrics import PROMPTS_PUBLISHED, PROMPTS_REJECTED
-from services.common.reading import read_keys
+from services.common.topics import read_keys
 from services.publish.adapters.files import FileError, check_file, iter_rows
 from services.publish.core import DUPLICATE, FORMATS, NormaliseOptions, RowError, normalise
 

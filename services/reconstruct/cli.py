@@ -14,23 +14,10 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 
 def run_reconstruct(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Rebuild token ids: responses in, samples (or dead letters) out."""
-    import asyncio
-
-    from services.cli import settings_from
-    from services.common.logs import setup_logging
-    from services.common.service import run_service
+    from services.common.service import run_from_cli
     from services.reconstruct.app import create_app
 
-    settings = settings_from(config)
-    setup_logging(settings, log_level)
-    asyncio.run(
-        run_service(
-            lambda: create_app(settings),
-            name="reconstruct",
-            metrics_port=settings.metrics.reconstruct_port,
-            metrics_host=settings.metrics.host,
-        )
-    )
+    run_from_cli("reconstruct", create_app, config=config, log_level=log_level)
 
 
 def reconstruct_file(

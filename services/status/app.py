@@ -2,8 +2,8 @@
 
 Everything is read without joining a consumer group or committing anything: end and
 beginning offsets through a group-less consumer, committed offsets of the stage groups
-through the admin client, and the ``budget-state`` and ``dead-letter`` topics read once
-to their current end.
+through the admin client, ``budget-state`` as its latest snapshot per scope
+and ``dead-letter`` read once to its current end.
 """
 
 from __future__ import annotations
@@ -14,20 +14,11 @@ from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from schemas import (
-    BUDGET_STATE_TOPIC,
-    DEAD_LETTER_TOPIC,
-    DLQ_HEADERS,
-    BudgetSnapshot,
-    Halt,
-    SchemaError,
-    decode,
-    topology,
-)
+from schemas import DEAD_LETTER_TOPIC, DLQ_HEADERS, Halt, topology
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
-from services.control import read_control_state
-from services.dlq.app import read_to_end, topic_partitions
+from services.common.topics import partitions_of, read_to_end
+from services.control import read_budget_snapshots, read_control_state
 from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot
 
 
@@ -66,7 +57,7 @@ async def collect(
             t for inputs in groups.values() for t in inputs
         }
         ours = sorted(t for t in existing if any(topology.belongs_to(t, lg, prefix) for lg in logical_topics))
-        partitions = await topic_partitions(admin, ours)
+        partitions = await partitions_of(admin, ours)
         tps = [TopicPartition(topic, p) for topic in ours for p in partitions.get(topic, [])]
         end: dict[TopicPartition, int] = await consumer.end_offsets(tps) if tps else {}
         start: dict[TopicPartition, int] = await consumer.beginning_offsets(tps) if tps else {}
@@ -92,17 +83,8 @@ async def collect(
         await admin.close()
         await consumer.stop()
 
-    latest: dict[str, BudgetSnapshot] = {}
-
-    def budget(record: ConsumerRecord[bytes, bytes]) -> None:
-        if record.value is None:
-            return
-        try:
-            snap = decode(record.value, BudgetSnapshot)
-        except SchemaError:
-            snapshot.unreadable_budget_records += 1
-            return
-        latest[snap.scope] = snap
+    def unreadable(_key: bytes) -> None:
+        snapshot.unreadable_budget_records += 1
 
     def dead(record: ConsumerRecord[bytes, bytes]) -> None:
         headers = list(record.headers or ())
@@ -110,9 +92,9 @@ async def collect(
         reason = header(headers, DLQ_HEADERS.REASON) or "unknown"
         snapshot.dead_letters[(stage, reason)] += 1
 
-    await read_to_end(kafka, kafka.topic(BUDGET_STATE_TOPIC), budget)
+    budgets = await read_budget_snapshots(settings, on_unreadable=unreadable)
     await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead)
-    snapshot.budgets = list(latest.values())
+    snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
     return snapshot
 

@@ -38,6 +38,8 @@ from services.common import broker
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer, make_producer
 from services.common.service import Service
+from services.common.topics import partitions_of as topic_partitions
+from services.common.topics import read_to_end
 from services.demo.run import Processes, accepted_keys, cli, read_dead_letters, run_cli, wait_http
 from tests.kafka_fixture import wait_until
 
@@ -195,25 +197,9 @@ async def produce(
 async def read_all(settings: Settings, *physical: str) -> dict[str, list[Record]]:
     """Every record currently on the given physical topics, read from the beginning (no group)."""
     out: dict[str, list[Record]] = {t: [] for t in physical}
-    tps = await partitions_of(settings, *physical)
-    if not tps:
-        return out
-    consumer = make_consumer(settings.kafka, group_id=None)
-    try:
-        await consumer.start()
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        while True:
-            behind = [tp for tp in tps if await consumer.position(tp) < ends[tp]]
-            if not behind:
-                break
-            batches = await consumer.getmany(*behind, timeout_ms=500)
-            for tp, records in batches.items():
-                out[tp.topic].extend(r for r in records if r.offset < ends[tp])
-        return out
-    finally:
-        await consumer.stop()
+    for topic in physical:
+        await read_to_end(settings.kafka, topic, out[topic].append)
+    return out
 
 
 async def partitions_of(settings: Settings, *physical: str) -> list[TopicPartition]:
@@ -222,17 +208,10 @@ async def partitions_of(settings: Settings, *physical: str) -> list[TopicPartiti
     try:
         await admin.start()
         existing = set(await admin.list_topics())
-        wanted = [t for t in physical if t in existing]
-        if not wanted:
-            return []
-        described = await admin.describe_topics(wanted)
+        found = await topic_partitions(admin, [t for t in physical if t in existing])
     finally:
         await admin.close()
-    return [
-        TopicPartition(d["topic"], p)
-        for d in described
-        for p in sorted(part["partition"] for part in d["partitions"])
-    ]
+    return [TopicPartition(t, p) for t in physical for p in found.get(t, [])]
 
 
 @dataclass(frozen=True)

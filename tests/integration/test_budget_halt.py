@@ -32,7 +32,8 @@ from schemas import (
 from services.budget.app import create_app as create_budget
 from services.budget.core import BUDGET_ACTOR
 from services.common.config import Settings
-from services.common.kafka import Outgoing, ensure_topics, make_consumer, make_producer, publish_all
+from services.common.kafka import Outgoing, ensure_topics, make_producer, publish_all
+from services.common.topics import read_to_end
 from services.control import publish_control, read_control_state
 from tests.kafka_fixture import wait_until
 
@@ -47,19 +48,9 @@ FREE_AFTER = 90
 
 async def read_all(settings: Settings, logical: str, type_: type[Any]) -> list[Any]:
     """Every record of a topic, decoded, from the beginning to its current end."""
-    consumer = make_consumer(settings.kafka, settings.kafka.topic(logical), group_id=None)
-    await consumer.start()
-    try:
-        partitions = list(consumer.assignment())
-        ends = await consumer.end_offsets(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        out: list[Any] = []
-        while [tp for tp in partitions if await consumer.position(tp) < ends[tp]]:
-            batches = await consumer.getmany(timeout_ms=500)
-            out.extend(decode(r.value, type_) for part in batches.values() for r in part)
-        return out
-    finally:
-        await consumer.stop()
+    out: list[Any] = []
+    await read_to_end(settings.kafka, settings.kafka.topic(logical), lambda r: out.append(decode(r.value, type_)))
+    return out
 
 
 async def publish_prompts(settings: Settings, dataset: str, count: int, first: int = 0) -> None:

@@ -17,7 +17,8 @@ from schemas import (
     encode,
 )
 from services.common.kafka import DeadLetter, dead_letter, ensure_topics, header, make_producer, publish_all
-from services.dlq.app import read_dead_letters, read_to_end, replay
+from services.common.topics import read_to_end
+from services.dlq.app import read_dead_letters, replay
 from services.dlq.core import Filters
 
 pytestmark = pytest.mark.kafka

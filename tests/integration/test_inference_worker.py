@@ -39,7 +39,8 @@ from schemas import (
 )
 from services.common.config import Settings
 from services.common.kafka import ensure_topics, header, make_consumer, make_producer
-from services.inference.app import InferenceWorker, create_app, topic_partitions
+from services.common.topics import ready_partitions
+from services.inference.app import InferenceWorker, create_app
 from services.profiles import load_profile
 from services.simulator.app import RunningSimulator, SimulatorOptions, start_simulator
 from tests.kafka_fixture import wait_until
@@ -96,7 +97,7 @@ class Collector:
     async def __aenter__(self) -> Collector:
         consumer = make_consumer(self.settings.kafka, group_id=None)
         await consumer.start()
-        tps = [TopicPartition(t, p) for t in self.topics for p in await topic_partitions(self.settings.kafka, t)]
+        tps = [TopicPartition(t, p) for t in self.topics for p in await ready_partitions(self.settings.kafka, t)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         self._consumer = consumer
@@ -180,7 +181,7 @@ async def committed_all(settings: Settings, worker: InferenceWorker, dataset: st
     await consumer.start()
     try:
         topic = settings.kafka.prompts_topic(dataset)
-        tps = [TopicPartition(topic, p) for p in await topic_partitions(settings.kafka, topic)]
+        tps = [TopicPartition(topic, p) for p in await ready_partitions(settings.kafka, topic)]
         end = await consumer.end_offsets(tps)
         return all([(await consumer.committed(tp) or 0) >= end[tp] for tp in tps])
     finally:

@@ -18,8 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from schemas import PromptPublished, decode, sample_key
-from services.common.reading import read_keys
-from services.dlq.app import read_to_end
+from services.common.topics import read_keys, read_to_end
 from services.publish.app import PublishInterrupted, publish
 
 pytestmark = pytest.mark.kafka
@@ -218,12 +217,12 @@ def topic_size(settings, topic: str) -> int:
         from aiokafka import TopicPartition
 
         from services.common.kafka import make_admin, make_consumer
-        from services.common.reading import topic_partitions
+        from services.common.topics import partitions_of
 
         admin = make_admin(settings.kafka)
         await admin.start()
         try:
-            parts = (await topic_partitions(admin, [topic])).get(topic, [])
+            parts = (await partitions_of(admin, [topic])).get(topic, [])
         finally:
             await admin.close()
         if not parts:

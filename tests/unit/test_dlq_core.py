@@ -30,6 +30,7 @@ from services.dlq.core import (
 
 NOW = 1_790_000_000_000
 KAFKA = KafkaSettings(topic_prefix="p.")
+PREFIX = KAFKA.topic_prefix  # replays name topics as the services do
 
 
 def letter(
@@ -136,7 +137,7 @@ def test_plan_replay_sorts_every_record_into_one_outcome() -> None:
     gone = letter(4, topic="p.deleted-topic")
     plan = plan_replay(
         [fresh, done, worn, gone],
-        kafka=KAFKA,
+        topic_prefix=PREFIX,
         existing_topics={"p.samples"},
         replayed_ids={"0:2"},
         max_replays=3,
@@ -149,7 +150,7 @@ def test_plan_replay_sorts_every_record_into_one_outcome() -> None:
     assert (
         len(
             plan_replay(
-                [worn], kafka=KAFKA, existing_topics={"p.samples"}, replayed_ids=(), max_replays=4
+                [worn], topic_prefix=PREFIX, existing_topics={"p.samples"}, replayed_ids=(), max_replays=4
             ).send
         )
         == 1
@@ -204,23 +205,23 @@ def test_plan_replay_to_a_named_stage_sends_the_event_that_stage_reads() -> None
         ("audit", "p.samples", sample),
         ("sink", "p.accepted", audited),
     ]:
-        plan = plan_replay([rec], kafka=KAFKA, existing_topics=topics, replayed_ids=(), to=to)
+        plan = plan_replay([rec], topic_prefix=PREFIX, existing_topics=topics, replayed_ids=(), to=to)
         assert plan.send[0].topic == expected
         assert decode(plan.send[0].payload, type(event)) == event
-    same = plan_replay([rec], kafka=KAFKA, existing_topics=topics, replayed_ids=(), to="sink")
+    same = plan_replay([rec], topic_prefix=PREFIX, existing_topics=topics, replayed_ids=(), to="sink")
     assert same.send[0].value is None and same.send[0].payload == rec.value  # untouched bytes
     # a prompt cannot be turned into a sample: skipped, not sent
     early = letter(2, stage="inference", key="code:x", topic="p.prompts.code", value=encode(prompt))
-    plan = plan_replay([early], kafka=KAFKA, existing_topics=topics, replayed_ids=(), to="audit")
+    plan = plan_replay([early], topic_prefix=PREFIX, existing_topics=topics, replayed_ids=(), to="audit")
     assert plan.send == [] and plan.wrong_kind == [early]
     garbage = letter(3, value=b"not json")
     assert value_for_stage(garbage.value, "inference") is None
     assert value_for_stage(garbage.value, None) == b"not json"
     rec = early
     with pytest.raises(FilterError, match="unknown stage"):
-        plan_replay([rec], kafka=KAFKA, existing_topics=topics, replayed_ids=(), to="budget")
+        plan_replay([rec], topic_prefix=PREFIX, existing_topics=topics, replayed_ids=(), to="budget")
     keyless = DeadLetterRecord(partition=0, offset=5, timestamp_ms=NOW, key=None, value=b"x", headers=())
-    plan = plan_replay([keyless], kafka=KAFKA, existing_topics=topics, replayed_ids=(), to="inference")
+    plan = plan_replay([keyless], topic_prefix=PREFIX, existing_topics=topics, replayed_ids=(), to="inference")
     assert plan.no_target == [keyless]
 
 

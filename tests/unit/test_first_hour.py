@@ -63,7 +63,7 @@ def test_error_printer_keeps_rich_markup_verbatim(tmp_path: Path) -> None:
     assert "'a[b]c'" in one_error_line(bad)
 
 
-@pytest.mark.parametrize("command", ["sink", "budget", "inference"])
+@pytest.mark.parametrize("command", ["sink", "budget", "inference", "reconstruct", "audit"])
 def test_unknown_log_level_is_one_line(command: str) -> None:
     result = CliRunner().invoke(app, ["run", command, "--log-level", "LOUD"], env=NO_BROKER)
     line = one_error_line(result)
@@ -78,15 +78,18 @@ def test_log_level_setting_is_validated_and_case_insensitive(monkeypatch: pytest
         load_settings(None)
 
 
-def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["sink", "budget", "inference", "reconstruct", "audit"])
+def test_metrics_port_in_use_is_one_line(command: str, tmp_path: Path) -> None:
+    extra = ["--out", str(tmp_path / "out")] if command == "sink" else []
+    variable = f"DRAFTSTREAM_METRICS__{command.upper()}_PORT"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**NO_BROKER, "DRAFTSTREAM_METRICS__SINK_PORT": str(port)}
-        result = CliRunner().invoke(app, ["run", "sink", "--out", str(tmp_path / "out")], env=env)
+        env = {**NO_BROKER, variable: str(port)}
+        result = CliRunner().invoke(app, ["run", command, *extra], env=env)
     line = one_error_line(result)
-    assert f"127.0.0.1:{port}" in line and "sink_port" in line and "DRAFTSTREAM_METRICS__SINK_PORT" in line
+    assert f"127.0.0.1:{port}" in line and f"{command}_port" in line and variable in line
 
 
 def test_version() -> None:
