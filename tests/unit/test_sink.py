@@ -1,4 +1,4 @@
-"""The sink's rows and shard files: rotation, each key once across restarts, torn tails."""
+"""The sink's rows and shard files: rotation, each key once across restarts, torn tails, I/O off the loop."""
 
 from __future__ import annotations
 
