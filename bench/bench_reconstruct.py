@@ -42,13 +42,17 @@ def load_profile_once() -> Any:
     return load_profile(PROFILE)
 
 
-def make_responses(profile: Any, n: int, low: int, high: int, seed: int = 7) -> list[Any]:
-    """``n`` ResponseReceived with a log-uniform output length in [low, high], mostly reasoning."""
+def make_responses(profile: Any, n: int, low: int, high: int, seed: int = 7) -> tuple[list[Any], list[list[int]]]:
+    """``n`` ResponseReceived (log-uniform output length in [low, high], mostly reasoning) and their true ids.
+
+    The true ids are the simulator's truth, kept beside the responses (never in them).
+    """
     from schemas import Message, PromptPublished, ResponseReceived, Usage
     from services.simulator.core import ChatRequest, GenerationParams, generate
 
     rng = random.Random(seed)  # noqa: S311 - benchmark data, not crypto
     out = []
+    truths = []
     for i in range(n):
         total = int(math.exp(rng.uniform(math.log(low), math.log(high))))
         reasoning = max(1, int(total * rng.uniform(0.80, 0.95)))
@@ -74,11 +78,10 @@ def make_responses(profile: Any, n: int, low: int, high: int, seed: int = 7) -> 
                     completion_tokens=g.completion_tokens,
                     reasoning_tokens=g.reasoning_tokens,
                 ),
-                # The model's true ids: the reference decodes them back to the raw output text.
-                debug_true_ids=g.true_ids,
             )
         )
-    return out
+        truths.append(g.true_ids)  # the reference decodes them back to the raw output text
+    return out, truths
 
 
 def chunks(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
@@ -117,21 +120,22 @@ def reference(raw: Any, batch: Sequence[tuple[str, str]]) -> None:
     [e.ids for e in raw.encode_batch(decoded, add_special_tokens=False)]
 
 
-def cached_responses(profile: Any, n: int, low: int, high: int) -> list[Any]:
+def cached_responses(profile: Any, n: int, low: int, high: int) -> tuple[list[Any], list[list[int]]]:
     """:func:`make_responses`, cached on disk (generating long answers takes minutes)."""
     import msgspec
 
     from schemas import ResponseReceived
 
-    cache = Path(tempfile.gettempdir()) / "draftstream-bench-cache" / f"responses-{PROFILE}-{n}-{low}-{high}-v2.json"
+    cache = Path(tempfile.gettempdir()) / "draftstream-bench-cache" / f"responses-{PROFILE}-{n}-{low}-{high}-v3.json"
+    kind = tuple[list[ResponseReceived], list[list[int]]]
     if cache.is_file():
-        return msgspec.json.decode(cache.read_bytes(), type=list[ResponseReceived])
-    responses = make_responses(profile, n, low, high)
+        return msgspec.json.decode(cache.read_bytes(), type=kind)
+    made = make_responses(profile, n, low, high)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp")
-    tmp.write_bytes(msgspec.json.encode(responses))
+    tmp.write_bytes(msgspec.json.encode(made))
     tmp.replace(cache)
-    return responses
+    return made
 
 
 def run(quick: bool) -> list[Result]:
@@ -141,8 +145,8 @@ def run(quick: bool) -> list[Result]:
     # The reference uses the very tokenizer object the profile wraps (same caches, same threads).
     raw = profile.backend._tok  # noqa: SLF001 - the bare tokenizer is the point of the reference
     t0 = time.perf_counter()
-    responses = cached_responses(profile, n, low, high)
-    out_tokens = [len(r.debug_true_ids or ()) for r in responses]
+    responses, truths = cached_responses(profile, n, low, high)
+    out_tokens = [len(ids) for ids in truths]
     print(
         f"{n} responses ready in {time.perf_counter() - t0:.1f}s: output tokens "
         f"min {min(out_tokens)}, median {int(median(out_tokens))}, max {max(out_tokens)}, total {sum(out_tokens)}",
@@ -151,8 +155,8 @@ def run(quick: bool) -> list[Result]:
     # The reference gets the prompt text and the model's raw output (its true ids decoded),
     # rendered beforehand: the same amount of text draftstream encodes.
     texts = [
-        (profile.render_prompt(r.prompt.messages, r.prompt.tools), profile.decode(list(r.debug_true_ids or ())))
-        for r in responses
+        (profile.render_prompt(r.prompt.messages, r.prompt.tools), profile.decode(ids))
+        for r, ids in zip(responses, truths, strict=True)
     ]
     Ours(profile)(responses[:4])  # warm-up: template compile, thread pools
     reference(raw, texts[:4])

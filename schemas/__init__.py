@@ -206,8 +206,6 @@ class ResponseReceived(Struct, kw_only=True):
     latency_s: NonNegFloat = 0.0
     attempt: Annotated[int, Meta(ge=1)] = 1
     received_at: float = 0.0
-    # Simulator-only ground truth for tests; no stage ever relies on it.
-    debug_true_ids: list[int] | None = None
     schema_version: Version = SCHEMA_VERSION
     # SHA-256 of the exact request (messages as sent, tools, model, sampling parameters,
     # max_tokens): the response store's key beside dataset and sample id.

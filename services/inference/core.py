@@ -76,7 +76,6 @@ class ProviderResult:
     native_output_ids: list[int] | None = None
     native_prompt_ids: list[int] | None = None
     logprobs: list[LogprobToken] | None = None
-    debug_true_ids: list[int] | None = None
 
 
 @dataclass(eq=False)
@@ -372,7 +371,6 @@ def response_event(
         latency_s=max(0.0, latency_s),
         attempt=attempt,
         received_at=now,
-        debug_true_ids=result.debug_true_ids,
     )
 
 

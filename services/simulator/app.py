@@ -1,7 +1,11 @@
 """The simulator's HTTP shell: an aiohttp server speaking OpenRouter's chat-completions dialect.
 
 Endpoints: ``POST /api/v1/chat/completions`` and ``POST /v1/chat/completions``,
-``GET /health``, ``GET /_sim/stats`` (``?after=<unix time>`` adds ``requests_after``).
+``GET /health``, ``GET /_sim/stats`` (``?after=<unix time>`` adds ``requests_after``),
+``GET /_sim/truth`` (with ``keep_truth``: the true output ids of the last answer served
+in full per sample key, the ``X-Draftstream-Key`` header the inference stage sends;
+``?key=<dataset>:<sample_id>`` for one). The truth never travels in a response body, so
+nothing downstream of the provider can read it: tests fetch it here and compare.
 Generation is cached per prompt and latency is an ``asyncio.sleep``, so one core serves
 thousands of concurrent requests.
 """
@@ -17,7 +21,7 @@ import logging
 import random
 import time
 import uuid
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -80,6 +84,8 @@ class SimulatorOptions:
     ``chat_template_file``: render prompts (prompt_tokens, whether the prompt opens the think
     block, ``prompt_token_ids``) from this Hugging Face chat template instead of the
     profile's own, e.g. a model's official template as independent truth.
+    ``keep_truth``: remember the true output ids per sample key and serve them on
+    ``GET /_sim/truth`` (off by default: a long run would hold every answer's ids).
     """
 
     profile: str = "qwen3"
@@ -104,7 +110,7 @@ class SimulatorOptions:
     count_end_of_turn: bool = True
     count_think_end: bool = True
     logprobs: bool = False
-    debug_true_ids: bool = False
+    keep_truth: bool = False
     price_per_token: float = 2e-6
     prompt_price_per_token: float = 0.0
     provider_name: str = "SimProvider"
@@ -214,6 +220,8 @@ class SimulatorServer:
         self.rng = random.Random(options.seed)  # noqa: S311 - fault injection, not crypto
         self.stats = _Stats()
         self._cache: dict[tuple[Any, ...], Generation] = {}
+        # Sample key -> true output ids of the last answer served in full (oldest evicted first).
+        self.truth: OrderedDict[str, list[int]] | None = OrderedDict() if options.keep_truth else None
         self._prompt_texts: dict[tuple[bytes, str], str] = {}
         # The template file is read and compiled once (jinja2 compiles in milliseconds).
         self.template: Any = None
@@ -230,6 +238,7 @@ class SimulatorServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
         app.router.add_get("/_sim/stats", self.stats_view)
+        app.router.add_get("/_sim/truth", self.truth_view)
         add_model_routes(app, self.profile.name)
         return app
 
@@ -247,6 +256,26 @@ class SimulatorServer:
             except ValueError:
                 return web.json_response(error_body(400, "'after' must be a unix time"), status=400)
         return web.json_response(snap)
+
+    async def truth_view(self, request: web.Request) -> web.Response:
+        """The true output ids, all (``{"truth": {key: ids}}``) or one key's (``?key=``)."""
+        if self.truth is None:
+            return _json(404, error_body(404, "this simulator keeps no truth: start it with keep_truth (--keep-truth)"))
+        key = request.query.get("key")
+        if key is None:
+            return _json(200, {"truth": dict(self.truth)})
+        ids = self.truth.get(key)
+        if ids is None:
+            return _json(404, error_body(404, f"no answer served in full for key {key!r} (sent as {KEY_HEADER})"))
+        return _json(200, {"key": key, "true_ids": ids})
+
+    def _keep_truth(self, key: str | None, generation: Generation) -> None:
+        if self.truth is None or key is None:
+            return
+        self.truth[key] = generation.true_ids
+        self.truth.move_to_end(key)
+        if len(self.truth) > _CACHE_MAX:
+            self.truth.popitem(last=False)
 
     def _prompt_text(self, request: ChatRequest, digest: bytes, kwargs_key: str) -> str:
         """The rendered prompt: the configured template file's, else the profile's own.
@@ -361,7 +390,6 @@ class SimulatorServer:
                 response_id=f"gen-sim-{uuid.uuid4().hex[:20]}",
                 created=int(at),
                 logprobs=chat.logprobs or self.options.logprobs,
-                debug_true_ids=self.options.debug_true_ids,
             )
         )
         if transient == "malformed":
@@ -371,6 +399,7 @@ class SimulatorServer:
         if transient == "drop":
             return await self._drop(request, body)
         self.stats.statuses["200"] += 1
+        self._keep_truth(key, generation)
         return web.Response(status=200, body=body, content_type="application/json")
 
     async def _drop(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -384,6 +413,10 @@ class SimulatorServer:
         if transport is not None:
             transport.abort()
         return response
+
+
+def _json(status: int, body: dict[str, Any]) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
 
 def add_model_routes(app: web.Application, profile_name: str) -> None:
@@ -427,6 +460,12 @@ class RunningSimulator:
     def requests_after(self, t: float) -> int:
         """How many chat requests arrived after unix time ``t``."""
         return self.server.stats.requests_after(t)
+
+    def truth(self) -> dict[str, list[int]]:
+        """What ``GET /_sim/truth`` serves: sample key -> true output ids of its last full answer."""
+        if self.server.truth is None:
+            raise RuntimeError("this simulator keeps no truth: start it with SimulatorOptions(keep_truth=True)")
+        return dict(self.server.truth)
 
     async def close(self) -> None:
         """Stop serving; in-flight handlers are cancelled."""

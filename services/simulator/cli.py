@@ -71,7 +71,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             bool, typer.Option(help="Count the think-end token in usage.completion_tokens")
         ] = True,
         logprobs: Annotated[bool, typer.Option(help="Always return logprobs")] = False,
-        debug_true_ids: Annotated[bool, typer.Option(help="Add debug_true_ids to every response")] = False,
+        keep_truth: Annotated[
+            bool, typer.Option(help="Keep the true output ids per sample key and serve them on GET /_sim/truth")
+        ] = False,
         price_per_token: Annotated[float, typer.Option(help="USD per completion token in usage.cost")] = 2e-6,
         parser: Annotated[
             str,
@@ -115,7 +117,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 count_end_of_turn=count_end_of_turn,
                 count_think_end=count_think_end,
                 logprobs=logprobs,
-                debug_true_ids=debug_true_ids,
+                keep_truth=keep_truth,
                 price_per_token=price_per_token,
                 parser=parser,
                 chat_template_file=str(chat_template_file) if chat_template_file is not None else None,

@@ -13,7 +13,8 @@ inference server makes of those ids: it decodes them (the end-of-turn dropped, t
 and tool tokens kept) and runs its reasoning and tool parsers over the text
 (:func:`parse_raw_output`, after ``../shared/reference/PARSERS.md``). Nothing here calls a
 profile's own rendering of an answer, so a pipeline test comparing rebuilt ids with
-``debug_true_ids`` compares two independent things.
+the true ids (which the HTTP shell serves on its own endpoint, never in a response body)
+compares two independent things.
 """
 
 from __future__ import annotations
@@ -1041,7 +1042,6 @@ def build_response_body(
     response_id: str,
     created: int,
     logprobs: bool,
-    debug_true_ids: bool,
 ) -> dict[str, Any]:
     """The OpenRouter-shaped JSON body for one generation.
 
@@ -1098,8 +1098,6 @@ def build_response_body(
     }
     if request.return_token_ids:
         body["prompt_token_ids"] = generation.prompt_ids
-    if debug_true_ids:
-        body["debug_true_ids"] = generation.true_ids
     return body
 
 

@@ -165,11 +165,11 @@ async def test_sink_folder_and_exports_load_as_they_are(
 
     parquet_settings = settings_factory(sink={"out_dir": str(tmp_path / "parquet"), "format": "parquet"})
     parquet_sink = sink_app(parquet_settings)
-    parquet_sink.writer.scan()
+    await parquet_sink.io.scan()
     for i in range(0, len(records), 16):  # one part per batch and dataset
         results = await parquet_sink.handle(records[i : i + 16])
         assert all(r == [] for r in results), results
-    parquet_sink.writer.close()
+    await parquet_sink.io.close()
     parquet_parts = sorted((tmp_path / "parquet").glob("*/part-*.parquet"))
     assert len(parquet_parts) > len(DATASETS)
     parquet_ds = datasets.load_dataset("parquet", data_files=[str(p) for p in parquet_parts], split="train",

@@ -3,8 +3,9 @@
 A real broker, the simulator over real HTTP with every content fault on, and every stage
 in this process: publish → inference → reconstruct → audit → sink, with the budget service
 reading along. The truth is independent of reconstruction: the simulator writes the raw
-text Qwen3 generates in Qwen3's own format and reports its encoding (``debug_true_ids``),
-parses it as vLLM does, and renders prompts from the OFFICIAL Qwen3 chat template
+text Qwen3 generates in Qwen3's own format, keeps its encoding per sample key apart from
+the answers (``GET /_sim/truth``: it never travels through the pipeline), parses it as
+vLLM does, and renders prompts from the OFFICIAL Qwen3 chat template
 (``../shared/reference``); the test computes the true prompt ids itself from that template
 and the real tokenizer (``tests/conformance/truth.py``), never with our ``render_prompt``.
 
@@ -112,7 +113,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
             rate_429=0.05,
             retry_after_s=0.05,
             logprobs=logprobs,
-            debug_true_ids=True,
+            keep_truth=True,
             chat_template_file=str(OFFICIAL_QWEN3),
         )
     )
@@ -162,6 +163,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
     finally:
         await pipeline.stop()
         stats = sim.stats()
+        truths = sim.truth()
         await sim.close()
 
     prompts_topic = settings.kafka.prompts_topic(DATASET)
@@ -194,7 +196,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
                                  or row["loss_mask"] != [0] * len(truth_prompt) + [1] * len(audited.sample.output_ids))
         ):
             prompt_wrong.append(key)
-        truth = audited.sample.response.debug_true_ids
+        truth = truths.get(key)
         if truth is None:
             no_truth.append(key)
             continue
@@ -211,7 +213,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
             canonical_equal += output_ids == truth
         for kind in kinds:
             (right_by_fault if output_ids == truth else wrong_by_fault)[kind] += 1
-    all_equal = sum(1 for a in accepted.values() if list(a.sample.output_ids) == a.sample.response.debug_true_ids)
+    all_equal = sum(1 for k, a in accepted.items() if list(a.sample.output_ids) == truths.get(k))
     fault_keys = Counter(f for faults in key_faults.values() for f in faults)
     total_completion = sum(
         json.loads(r.value).get("usage", {}).get("completion_tokens", 0) for r in got[responses_topic]
@@ -243,7 +245,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
     assert len(published_keys) == len(row_keys) + len(dead_keys), line
     assert set(accepted) == set(row_keys), "the accepted topic and the sink files disagree"
     assert not sink_differs, f"sink rows whose output_ids differ from the accepted sample: {sink_differs[:5]}"
-    assert not no_truth, f"accepted samples without debug_true_ids: {no_truth[:5]}"
+    assert not no_truth, f"accepted samples the simulator holds no truth for: {no_truth[:5]}"
     assert not prompt_wrong, f"prompt ids / input ids / loss mask differ from the official template: {prompt_wrong[:5]}"
     assert budget_completion == total_completion, f"budget {budget_completion} != responses {total_completion}: {line}"
 

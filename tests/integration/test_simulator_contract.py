@@ -9,6 +9,7 @@ a sample with wrong ids is the one outcome never allowed. No broker involved.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ from services.inference.adapters.providers import parse_openai, parse_openrouter
 from services.profiles import load_profile
 from services.profiles.conventions import convention_for
 from services.reconstruct.core import reconstruct
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import KEY_HEADER, RunningSimulator, SimulatorOptions, start_simulator
 
 PROFILE = load_profile("qwen3")
 TOOL: dict[str, Any] = {
@@ -31,7 +32,7 @@ TOOL: dict[str, Any] = {
 
 async def rebuild(
     client: httpx.AsyncClient,
-    url: str,
+    sim: RunningSimulator,
     i: int,
     *,
     fault: str = "",
@@ -40,7 +41,7 @@ async def rebuild(
     native: bool = False,
     convention: str = "vllm",
 ) -> tuple[SampleReconstructed | DeadLetter, list[int], int]:
-    """One round trip: (sample or dead letter, true ids, usage.completion_tokens)."""
+    """One round trip: (sample or dead letter, true ids from ``GET /_sim/truth``, usage.completion_tokens)."""
     text = f"contract question {i}"
     body: dict[str, Any] = {
         "model": "m",
@@ -51,9 +52,12 @@ async def rebuild(
         body["tools"] = [TOOL]
     if native:
         body["return_token_ids"] = True
-    headers = {"X-Simulator-Fault": fault} if fault else {}
-    r = await client.post(f"{url}/chat/completions", json=body, headers=headers)
+    key = f"d:{uuid.uuid4().hex}"
+    headers = {KEY_HEADER: key, **({"X-Simulator-Fault": fault} if fault else {})}
+    r = await client.post(f"{sim.url}/chat/completions", json=body, headers=headers)
     result = (parse_openai if native else parse_openrouter)(r.json())
+    truth = await client.get(f"{sim.base_url}/_sim/truth", params={"key": key})
+    assert truth.status_code == 200, truth.text
     prompt = PromptPublished(
         dataset="d",
         sample_id=str(i),
@@ -79,8 +83,8 @@ async def rebuild(
         tools_sent=tools,
     )
     sample = reconstruct(response, PROFILE, convention_for("simulator", convention))
-    assert result.debug_true_ids is not None and result.usage.completion_tokens is not None
-    return sample, result.debug_true_ids, result.usage.completion_tokens
+    assert result.usage.completion_tokens is not None
+    return sample, truth.json()["true_ids"], result.usage.completion_tokens
 
 
 def exact(sample: SampleReconstructed | DeadLetter) -> SampleReconstructed:
@@ -91,27 +95,27 @@ def exact(sample: SampleReconstructed | DeadLetter) -> SampleReconstructed:
 
 @pytest.mark.parametrize("tools", [False, True])
 async def test_reconstruction_matches_simulator_truth(tools: bool) -> None:
-    sim = await start_simulator(SimulatorOptions(debug_true_ids=True), profile=PROFILE)
+    sim = await start_simulator(SimulatorOptions(keep_truth=True), profile=PROFILE)
     try:
         async with httpx.AsyncClient() as client:
             for i in range(3):
                 # Exact through logprob tokens and through native ids, tools or not.
                 for how in ({"logprobs": True}, {"native": True}):
-                    sample, truth, _ = await rebuild(client, sim.url, i, tools=tools, **how)
+                    sample, truth, _ = await rebuild(client, sim, i, tools=tools, **how)
                     assert exact(sample).output_ids == truth
                     assert exact(sample).method == ("logprobs" if "logprobs" in how else "native")
-                caught, caught_truth, _ = await rebuild(client, sim.url, i, fault="noncanonical_same", logprobs=True)
+                caught, caught_truth, _ = await rebuild(client, sim, i, fault="noncanonical_same", logprobs=True)
                 assert exact(caught).output_ids == caught_truth  # logprob tokens carry the real split
-                text, truth, _ = await rebuild(client, sim.url, i, tools=tools)
+                text, truth, _ = await rebuild(client, sim, i, tools=tools)
                 if tools:
                     # vLLM's hermes parser re-serialises Qwen3's arguments: text alone cannot be trusted.
                     assert isinstance(text, DeadLetter) and text.reason == "tool_arguments_reserialized", text
                     continue
                 assert exact(text).output_ids == truth and exact(text).method == "reencode"
-                same, same_truth, same_usage = await rebuild(client, sim.url, i, fault="noncanonical_same")
+                same, same_truth, same_usage = await rebuild(client, sim, i, fault="noncanonical_same")
                 same = exact(same)
                 assert same.output_ids != same_truth and same_usage == len(same.output_ids)  # invisible to counts
-                longer, longer_truth, longer_usage = await rebuild(client, sim.url, i, fault="noncanonical_len")
+                longer, longer_truth, longer_usage = await rebuild(client, sim, i, fault="noncanonical_len")
                 longer = exact(longer)
                 assert longer.output_ids != longer_truth and longer_usage == len(longer.output_ids) + 1
     finally:
@@ -120,16 +124,16 @@ async def test_reconstruction_matches_simulator_truth(tools: bool) -> None:
 
 async def test_stripped_fields_are_rebuilt_exactly_or_refused() -> None:
     """Legacy SGLang strips the think block's newlines: exact ids on proof, else a dead letter."""
-    sim = await start_simulator(SimulatorOptions(debug_true_ids=True, parser="sglang-legacy"), profile=PROFILE)
+    sim = await start_simulator(SimulatorOptions(keep_truth=True, parser="sglang-legacy"), profile=PROFILE)
     try:
         verdicts = []
         async with httpx.AsyncClient() as client:
             for i in range(6):
-                sample, truth, _ = await rebuild(client, sim.url, i, convention="sglang-legacy")
+                sample, truth, _ = await rebuild(client, sim, i, convention="sglang-legacy")
                 if isinstance(sample, SampleReconstructed):
                     assert sample.output_ids == truth  # never a sample with wrong ids
                 verdicts.append(sample.reason if isinstance(sample, DeadLetter) else "exact")
-                native, native_truth, _ = await rebuild(client, sim.url, i, native=True, convention="sglang-legacy")
+                native, native_truth, _ = await rebuild(client, sim, i, native=True, convention="sglang-legacy")
                 assert exact(native).output_ids == native_truth
         # The whitespace the server stripped is named, not guessed back.
         assert set(verdicts) <= {"exact", "whitespace_stripped", "whitespace_ambiguous"}, verdicts

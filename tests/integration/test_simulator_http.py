@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import pytest
 
 from schemas import Message
 from services.profiles import load_profile
-from services.simulator.app import RunningSimulator, SimulatorOptions, start_simulator
+from services.simulator.app import KEY_HEADER, RunningSimulator, SimulatorOptions, start_simulator
 
 PROFILE = load_profile("qwen3")
 THINK_START, THINK_END, EOT = 151667, 151668, 151645  # Qwen3's ids (TOKENS.md)
@@ -95,11 +96,30 @@ async def post(
     return await client.post(f"{sim.url}/chat/completions", json=payload, headers=headers)
 
 
+async def true_ids(client: httpx.AsyncClient, base_url: str, key: str) -> list[int]:
+    """The true output ids of ``key``'s last full answer, from ``GET /_sim/truth`` (never from a body)."""
+    r = await client.get(f"{base_url}/_sim/truth", params={"key": key})
+    assert r.status_code == 200, r.text
+    ids: list[int] = r.json()["true_ids"]
+    return ids
+
+
+async def answered(
+    client: httpx.AsyncClient, sim: RunningSimulator, payload: dict[str, Any], **headers: str
+) -> tuple[dict[str, Any], list[int]]:
+    """POST under a fresh sample key: the answer's body and its true ids."""
+    key = f"t:{uuid.uuid4().hex}"
+    r = await post(client, sim, payload, **{KEY_HEADER: key, **headers})
+    assert r.status_code == 200, r.text
+    return r.json(), await true_ids(client, sim.base_url, key)
+
+
 async def test_response_shape_and_ground_truth(sim_factory: SimFactory) -> None:
-    sim = await sim_factory(debug_true_ids=True)
+    sim = await sim_factory(keep_truth=True)
     async with httpx.AsyncClient() as client:
         r = await post(client, sim, body(), **{"X-Draftstream-Key": "math:1", "Authorization": "Bearer sk-x"})
         again = await client.post(f"{sim.base_url}/v1/chat/completions", json=body())
+        truth = await true_ids(client, sim.base_url, "math:1")
     assert r.status_code == 200 and again.status_code == 200
     data = r.json()
     assert data["provider"] == "SimProvider" and data["model"] == "qwen/qwen3"
@@ -109,24 +129,46 @@ async def test_response_shape_and_ground_truth(sim_factory: SimFactory) -> None:
     assert choice["finish_reason"] == "stop" and choice["native_finish_reason"] == "stop"
     assert choice["logprobs"] is None and "tool_calls" not in message
     assert "token_ids" not in choice and "prompt_token_ids" not in data  # only on return_token_ids
-    true_ids = data["debug_true_ids"]
-    assert PROFILE.encode(put_back(message)) == true_ids
-    assert true_ids[0] == THINK_START and true_ids[-1] == EOT
+    assert PROFILE.encode(put_back(message)) == truth
+    assert truth[0] == THINK_START and truth[-1] == EOT
     usage = data["usage"]
-    assert usage["completion_tokens"] == len(true_ids)
-    assert usage["completion_tokens_details"]["reasoning_tokens"] == true_ids.index(THINK_END)
+    assert usage["completion_tokens"] == len(truth)
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == truth.index(THINK_END)
     prompt = PROFILE.render_prompt([Message(role="user", content="What is 12 * 34?")], None)
     assert usage["prompt_tokens"] == len(PROFILE.encode_prompt(prompt))
-    assert usage["cost"] == pytest.approx(len(true_ids) * 2e-6)
+    assert usage["cost"] == pytest.approx(len(truth) * 2e-6)
     assert again.json()["choices"][0]["message"] == message  # same prompt, same answer, other path
     assert "sk-x" not in json.dumps(sim.stats())
 
 
-async def test_tool_calls_when_tools_are_sent(sim_factory: SimFactory) -> None:
-    sim = await sim_factory(debug_true_ids=True)
+
+async def test_truth_is_served_apart_per_sample_key(sim_factory: SimFactory) -> None:
+    """GET /_sim/truth: the last answer served in full per key; faulted answers never count."""
+    sim = await sim_factory(keep_truth=True)
+    silent = await sim_factory()
     async with httpx.AsyncClient() as client:
-        r = await post(client, sim, body("Weather in Oslo?", tools=[WEATHER_TOOL]))
-    data = r.json()
+        ok = await post(client, sim, body("one"), **{KEY_HEADER: "d:ok"})
+        cut = await post(client, sim, body("two"), **{KEY_HEADER: "d:cut", "X-Simulator-Fault": "malformed"})
+        limited = await post(client, sim, body("two"), **{KEY_HEADER: "d:429", "X-Simulator-Fault": "429"})
+        every = await client.get(f"{sim.base_url}/_sim/truth")
+        unknown = await client.get(f"{sim.base_url}/_sim/truth", params={"key": "d:cut"})
+        off = await client.get(f"{silent.base_url}/_sim/truth", params={"key": "d:ok"})
+        one = await true_ids(client, sim.base_url, "d:ok")
+    assert ok.status_code == 200 and cut.status_code == 200 and limited.status_code == 429
+    assert every.status_code == 200 and every.json() == {"truth": {"d:ok": one}} == {"truth": sim.truth()}
+    message = ok.json()["choices"][0]["message"]
+    assert PROFILE.encode(put_back(message)) == one  # the ids of the text this very answer carried
+    assert "debug_true_ids" not in ok.json() and "debug_true_ids" not in message
+    assert unknown.status_code == 404 and "'d:cut'" in unknown.json()["error"]["message"]
+    assert off.status_code == 404 and "keep_truth" in off.json()["error"]["message"]
+    with pytest.raises(RuntimeError, match="keep_truth"):
+        silent.truth()
+
+
+async def test_tool_calls_when_tools_are_sent(sim_factory: SimFactory) -> None:
+    sim = await sim_factory(keep_truth=True)
+    async with httpx.AsyncClient() as client:
+        data, truth = await answered(client, sim, body("Weather in Oslo?", tools=[WEATHER_TOOL]))
     message = data["choices"][0]["message"]
     calls = message["tool_calls"]
     assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"]
@@ -136,30 +178,30 @@ async def test_tool_calls_when_tools_are_sent(sim_factory: SimFactory) -> None:
     assert data["choices"][0]["finish_reason"] == "tool_calls"
     name, arguments = calls[0]["function"]["name"], calls[0]["function"]["arguments"]
     native = f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
-    assert PROFILE.encode(put_back(message, native)) == data["debug_true_ids"]
+    assert PROFILE.encode(put_back(message, native)) == truth
 
 
 async def test_logprobs_when_asked_or_forced(sim_factory: SimFactory) -> None:
-    plain = await sim_factory(debug_true_ids=True)
-    forced = await sim_factory(logprobs=True, debug_true_ids=True)
+    plain = await sim_factory(keep_truth=True)
+    forced = await sim_factory(logprobs=True, keep_truth=True)
     async with httpx.AsyncClient() as client:
-        asked = (await post(client, plain, body(logprobs=True, top_logprobs=1))).json()
+        asked = await answered(client, plain, body(logprobs=True, top_logprobs=1))
         not_asked = (await post(client, plain, body())).json()
-        by_flag = (await post(client, forced, body())).json()
+        by_flag = await answered(client, forced, body())
     assert not_asked["choices"][0]["logprobs"] is None
-    for data in (asked, by_flag):
+    for data, truth in (asked, by_flag):
         tokens = data["choices"][0]["logprobs"]["content"]
-        assert [PROFILE.id_of_bytes(bytes(t["bytes"])) for t in tokens] == data["debug_true_ids"]
+        assert [PROFILE.id_of_bytes(bytes(t["bytes"])) for t in tokens] == truth
         assert tokens[-1]["token"] == PROFILE.end_of_turn
         assert "</think>" in [t["token"] for t in tokens]
 
 
 async def test_max_tokens_gives_length(sim_factory: SimFactory) -> None:
-    sim = await sim_factory(debug_true_ids=True)
+    sim = await sim_factory(keep_truth=True)
     async with httpx.AsyncClient() as client:
-        data = (await post(client, sim, body(max_tokens=7))).json()
+        data, truth = await answered(client, sim, body(max_tokens=7))
     assert data["choices"][0]["finish_reason"] == "length"
-    assert len(data["debug_true_ids"]) == 7 == data["usage"]["completion_tokens"]
+    assert len(truth) == 7 == data["usage"]["completion_tokens"]
 
 
 async def test_429_has_retry_after_and_a_retry_succeeds(sim_factory: SimFactory) -> None:
@@ -236,63 +278,61 @@ async def test_random_transient_faults_are_seeded_and_retries_succeed(sim_factor
 
 
 async def test_content_faults_reproduce_on_retry(sim_factory: SimFactory) -> None:
-    sim = await sim_factory(rate_truncate=0.5, debug_true_ids=True)
+    sim = await sim_factory(rate_truncate=0.5, keep_truth=True)
     async with httpx.AsyncClient() as client:
-        first = [(await post(client, sim, body(f"p{i}"))).json() for i in range(12)]
+        first = [await answered(client, sim, body(f"p{i}")) for i in range(12)]
         second = [(await post(client, sim, body(f"p{i}"))).json() for i in range(12)]
-    reasons = [d["choices"][0]["finish_reason"] for d in first]
+    reasons = [d["choices"][0]["finish_reason"] for d, _ in first]
     assert reasons == [d["choices"][0]["finish_reason"] for d in second]
     assert "length" in reasons and "stop" in reasons
-    for data in first:
+    for data, truth in first:
         if data["choices"][0]["finish_reason"] == "length":
-            assert THINK_END not in data["debug_true_ids"]
+            assert THINK_END not in truth
             message = data["choices"][0]["message"]
             assert message["content"] == ""  # cut inside the reasoning: reasoning only
-            assert PROFILE.encode("<think>" + message["reasoning"]) == data["debug_true_ids"]
+            assert PROFILE.encode("<think>" + message["reasoning"]) == truth
     assert sim.stats()["faults"]["truncate"] == 2 * reasons.count("length")
 
 
 async def test_forced_content_faults_over_http(sim_factory: SimFactory) -> None:
-    sim = await sim_factory(debug_true_ids=True, logprobs=True)
+    sim = await sim_factory(keep_truth=True, logprobs=True)
     async with httpx.AsyncClient() as client:
-        clean = (await post(client, sim, body())).json()
-        same = (await post(client, sim, body(), **{"X-Simulator-Fault": "noncanonical_same"})).json()
-        longer = (await post(client, sim, body(), **{"X-Simulator-Fault": "noncanonical_len"})).json()
-        empty = (await post(client, sim, body(), **{"X-Simulator-Fault": "empty_reasoning"})).json()
-        bad = (await post(client, sim, body(), **{"X-Simulator-Fault": "bad_usage"})).json()
-    for data in (same, longer):
+        clean, clean_ids = await answered(client, sim, body())
+        same, same_ids = await answered(client, sim, body(), **{"X-Simulator-Fault": "noncanonical_same"})
+        longer, longer_ids = await answered(client, sim, body(), **{"X-Simulator-Fault": "noncanonical_len"})
+        empty, empty_ids = await answered(client, sim, body(), **{"X-Simulator-Fault": "empty_reasoning"})
+        bad, bad_ids = await answered(client, sim, body(), **{"X-Simulator-Fault": "bad_usage"})
+    for data, ids in ((same, same_ids), (longer, longer_ids)):
         assert data["choices"][0]["message"] == clean["choices"][0]["message"]  # text cannot tell
-        assert PROFILE.decode(data["debug_true_ids"]) == PROFILE.decode(clean["debug_true_ids"])
-    assert len(same["debug_true_ids"]) == len(clean["debug_true_ids"]) == same["usage"]["completion_tokens"]
-    assert same["debug_true_ids"] != clean["debug_true_ids"]
-    assert len(longer["debug_true_ids"]) == len(clean["debug_true_ids"]) + 1
+        assert PROFILE.decode(ids) == PROFILE.decode(clean_ids)
+    assert len(same_ids) == len(clean_ids) == same["usage"]["completion_tokens"]
+    assert same_ids != clean_ids
+    assert len(longer_ids) == len(clean_ids) + 1
     # Qwen3's empty think block is "<think>\n\n</think>": vLLM returns its newlines as the reasoning.
     assert empty["choices"][0]["message"]["reasoning"] == "\n\n"
-    assert empty["debug_true_ids"][:3] == [THINK_START, *PROFILE.encode("\n\n"), THINK_END]
-    assert bad["usage"]["completion_tokens"] - len(bad["debug_true_ids"]) >= 1000
+    assert empty_ids[:3] == [THINK_START, *PROFILE.encode("\n\n"), THINK_END]
+    assert bad["usage"]["completion_tokens"] - len(bad_ids) >= 1000
 
 
 async def test_return_token_ids_gives_vllms_ids(sim_factory: SimFactory) -> None:
-    sim = await sim_factory(debug_true_ids=True, chat_template_file=str(official_qwen3_template()))
+    sim = await sim_factory(keep_truth=True, chat_template_file=str(official_qwen3_template()))
     async with httpx.AsyncClient() as client:
-        data = (await post(client, sim, body("ids please", return_token_ids=True))).json()
+        data, truth = await answered(client, sim, body("ids please", return_token_ids=True))
     choice = data["choices"][0]
     official = hf_render(official_qwen3_template(), [{"role": "user", "content": "ids please"}])
     assert data["prompt_token_ids"] == PROFILE.encode_prompt(official)
-    assert choice["token_ids"] == data["debug_true_ids"] == PROFILE.encode(put_back(choice["message"]))
+    assert choice["token_ids"] == truth == PROFILE.encode(put_back(choice["message"]))
 
 
 async def test_official_template_drives_prompt_tokens_and_thinking(sim_factory: SimFactory) -> None:
     template = official_qwen3_template()
-    sim = await sim_factory(debug_true_ids=True, chat_template_file=str(template))
+    sim = await sim_factory(keep_truth=True, chat_template_file=str(template))
     messages = [{"role": "system", "content": "Be brief. Café ≥ 5°C."}, {"role": "user", "content": "Hi, Ω?"}]
     async with httpx.AsyncClient() as client:
-        on = (await post(client, sim, {"model": "m", "messages": messages})).json()
-        off = (
-            await post(
-                client, sim, {"model": "m", "messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
-            )
-        ).json()
+        on, on_ids = await answered(client, sim, {"model": "m", "messages": messages})
+        off, off_ids = await answered(
+            client, sim, {"model": "m", "messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+        )
         tools = (await post(client, sim, {"model": "m", "messages": messages, "tools": [WEATHER_TOOL]})).json()
     assert on["usage"]["prompt_tokens"] == len(PROFILE.encode_prompt(hf_render(template, messages)))
     assert tools["usage"]["prompt_tokens"] == len(
@@ -304,22 +344,22 @@ async def test_official_template_drives_prompt_tokens_and_thinking(sim_factory: 
     # Thinking off: the prompt closed the think block, the model answers straight away.
     message = off["choices"][0]["message"]
     assert message["reasoning"] is None and off["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
-    assert PROFILE.encode(message["content"] + "<|im_end|>") == off["debug_true_ids"]
-    assert THINK_START not in off["debug_true_ids"] and THINK_END not in off["debug_true_ids"]
-    assert PROFILE.encode(put_back(on["choices"][0]["message"])) == on["debug_true_ids"]
+    assert PROFILE.encode(message["content"] + "<|im_end|>") == off_ids
+    assert THINK_START not in off_ids and THINK_END not in off_ids
+    assert PROFILE.encode(put_back(on["choices"][0]["message"])) == on_ids
 
 
 async def test_sglang_legacy_parser_strips_the_fields(sim_factory: SimFactory) -> None:
-    vllm = await sim_factory(debug_true_ids=True)
-    legacy = await sim_factory(debug_true_ids=True, parser="sglang-legacy")
+    vllm = await sim_factory(keep_truth=True)
+    legacy = await sim_factory(keep_truth=True, parser="sglang-legacy")
     async with httpx.AsyncClient() as client:
-        a = (await post(client, vllm, body("strip test"))).json()
-        b = (await post(client, legacy, body("strip test"))).json()
-    assert a["debug_true_ids"] == b["debug_true_ids"]  # the same model output, parsed by another server
+        a, a_ids = await answered(client, vllm, body("strip test"))
+        b, b_ids = await answered(client, legacy, body("strip test"))
+    assert a_ids == b_ids  # the same model output, parsed by another server
     raw, kept = a["choices"][0]["message"], b["choices"][0]["message"]
     assert kept["reasoning"] == raw["reasoning"].strip() != raw["reasoning"]
     assert kept["content"] == raw["content"].strip() != raw["content"]
-    assert b["usage"]["completion_tokens"] == len(b["debug_true_ids"])  # the count still covers every id
+    assert b["usage"]["completion_tokens"] == len(b_ids)  # the count still covers every id
 
 
 async def test_a_template_refusing_the_prompt_is_a_400(sim_factory: SimFactory, tmp_path: Path) -> None:
@@ -409,7 +449,7 @@ async def test_cli_serves_until_sigint(tmp_path: Any) -> None:
             "sglang-legacy",
             "--chat-template-file",
             str(official_qwen3_template()),
-            "--debug-true-ids",
+            "--keep-truth",
             stdout=log,
             stderr=log,
         )
@@ -428,12 +468,13 @@ async def test_cli_serves_until_sigint(tmp_path: Any) -> None:
                 url = f"http://127.0.0.1:{port}/api/v1/chat/completions"
                 r = await client.post(url, json=body(), headers={"X-Simulator-Fault": "error_in_200"})
                 assert r.json()["error"]["code"] == 502
-                ok = (await client.post(url, json=body())).json()
+                ok = (await client.post(url, json=body(), headers={KEY_HEADER: "cli:1"})).json()
                 message = ok["choices"][0]["message"]
                 assert message["reasoning"] == message["reasoning"].strip() and message["content"].strip()
                 official = hf_render(official_qwen3_template(), body()["messages"])
                 assert ok["usage"]["prompt_tokens"] == len(PROFILE.encode_prompt(official))
-                assert PROFILE.decode(ok["debug_true_ids"]).startswith("<think>\n")
+                truth = await true_ids(client, f"http://127.0.0.1:{port}", "cli:1")
+                assert PROFILE.decode(truth).startswith("<think>\n")
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGINT)

@@ -161,16 +161,16 @@ def test_a_tombstone_stays_null_through_its_dead_letter_and_replay() -> None:
     tombstone = letter(1, value=None, reason="empty_record")
     assert tombstone.value is None and tombstone.value_null
     assert tombstone.header(DLQ_HEADERS.VALUE_NULL) == "true"
-    (planned,) = plan_replay([tombstone], kafka=KAFKA, existing_topics={"p.samples"}, replayed_ids=()).send
+    (planned,) = plan_replay([tombstone], topic_prefix=PREFIX, existing_topics={"p.samples"}, replayed_ids=()).send
     assert planned.payload is None
     assert DLQ_HEADERS.VALUE_NULL not in dict(planned.headers)  # the re-sent record is a plain tombstone
     # An empty value is kept as an empty value, and says nothing about null.
     empty = letter(2, value=b"", reason="empty_record")
     assert empty.value == b"" and not empty.value_null and empty.header(DLQ_HEADERS.VALUE_NULL) is None
-    (sent,) = plan_replay([empty], kafka=KAFKA, existing_topics={"p.samples"}, replayed_ids=()).send
+    (sent,) = plan_replay([empty], topic_prefix=PREFIX, existing_topics={"p.samples"}, replayed_ids=()).send
     assert sent.payload == b""
     # A tombstone holds no event for a named stage to read.
-    to_audit = plan_replay([tombstone], kafka=KAFKA, existing_topics={"p.samples"}, replayed_ids=(), to="audit")
+    to_audit = plan_replay([tombstone], topic_prefix=PREFIX, existing_topics={"p.samples"}, replayed_ids=(), to="audit")
     assert [r.id for r in to_audit.wrong_kind] == ["0:1"] and not to_audit.send
 
 

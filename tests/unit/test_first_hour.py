@@ -18,7 +18,7 @@ from services.common.broker import BrokerStatus
 from services.common.config import ConfigError, load_settings
 from services.common.errors import DirectoryLocked
 from services.dlq.core import DeadLetterRecord
-from services.sink.app import LOCK_FILE, OutputLock
+from services.sink.shards import LOCK_FILE, OutputLock
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
 DEMO = Path(__file__).resolve().parents[2] / "services" / "demo" / "data"
@@ -142,7 +142,7 @@ def test_sink_lock_held_by_another_process_refuses_run_sink(tmp_path: Path) -> N
     out.mkdir()
     holder = subprocess.Popen(  # another process holding the lock, as a running sink would
         [sys.executable, "-c", (
-            "import sys, time; from services.sink.app import OutputLock; "
+            "import sys, time; from services.sink.shards import OutputLock; "
             f"OutputLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(60)"
         )],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],

@@ -128,12 +128,10 @@ def test_openrouter_reasoning_details_only_and_logprobs_and_debug_ids() -> None:
             {"token": " answer", "bytes": None, "logprob": -0.2},
         ]
     }
-    body["debug_true_ids"] = [1, 2, 3]
     r = parse_openrouter(body)
     assert r.reasoning == "part one, part two"
     assert r.logprobs is not None and [t.token for t in r.logprobs] == ["The", " answer"]
     assert r.logprobs[0].bytes == [84, 104, 101] and r.logprobs[1].logprob == -0.2
-    assert r.debug_true_ids == [1, 2, 3]
 
 
 def test_openrouter_structured_tool_calls() -> None:

@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas import CheckResult, Message, SampleAudited, ToolCall, ToolFunction, Usage, decode
-from services.sink.app import ShardWriter
 from services.sink.core import row_arrow_schema, row_line, training_row
+from services.sink.shards import ShardWriter
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "payloads" / "v1_audited.json"
 TOOLS = [

@@ -134,6 +134,15 @@ def test_old_payloads_still_decode(path: Path) -> None:
         assert s.decode(data, types[kind]).schema_version == 1
 
 
+def test_a_response_that_still_carries_the_simulators_truth_decodes_without_it() -> None:
+    """Records written while ``debug_true_ids`` was a field decode; the field is not carried on."""
+    old = msgspec.json.decode((FIXTURES / "v1_response.json").read_bytes())
+    old["debug_true_ids"] = [1, 2, 3]
+    decoded = s.decode(msgspec.json.encode(old), s.ResponseReceived)
+    assert (decoded.dataset, decoded.sample_id, decoded.content) == (old["dataset"], old["sample_id"], old["content"])
+    assert "debug_true_ids" not in msgspec.json.decode(s.encode(decoded))
+
+
 def test_old_payload_fixtures_exist_for_every_event() -> None:
     names = {p.stem for p in FIXTURES.glob("v1_*.json")}
     assert names == {f"v1_{k}" for k in ("prompt", "response", "sample", "audited", "budget", "request", "control")}

@@ -443,7 +443,6 @@ def test_response_body_shape_logprobs_and_token_ids() -> None:
         response_id="gen-1",
         created=1,
         logprobs=True,
-        debug_true_ids=True,
     )
     choice = body["choices"][0]
     assert body["provider"] == "SimProvider" and body["model"] == "qwen/qwen3"
@@ -454,7 +453,9 @@ def test_response_body_shape_logprobs_and_token_ids() -> None:
     assert usage["prompt_tokens"] == len(PROFILE.encode_prompt(official))
     assert usage["cost"] == pytest.approx(len(g.true_ids) * PARAMS.price_per_token)
     assert usage["completion_tokens_details"]["reasoning_tokens"] == g.reasoning_tokens
-    assert body["debug_true_ids"] == g.true_ids == choice["token_ids"]  # vLLM's return_token_ids
+    assert choice["token_ids"] == g.true_ids  # vLLM's return_token_ids
+    # An OpenRouter/vLLM body and nothing more: the truth is served apart (GET /_sim/truth).
+    assert set(body) == {"id", "provider", "model", "object", "created", "choices", "usage", "prompt_token_ids"}
     assert body["prompt_token_ids"] == PROFILE.encode_prompt(official)
     tokens = choice["logprobs"]["content"]
     assert len(tokens) == len(g.true_ids)
@@ -463,10 +464,10 @@ def test_response_body_shape_logprobs_and_token_ids() -> None:
     assert tokens[-1]["token"] == "<|im_end|>" and all(t["logprob"] <= 0 for t in tokens)
     assert len(tokens[0]["top_logprobs"]) == 1
     without = build_response_body(
-        PROFILE, g, chat(), PARAMS, provider="P", response_id="r", created=1, logprobs=False, debug_true_ids=False
+        PROFILE, g, chat(), PARAMS, provider="P", response_id="r", created=1, logprobs=False
     )
     assert "token_ids" not in without["choices"][0] and "prompt_token_ids" not in without
-    assert "debug_true_ids" not in without and without["choices"][0]["logprobs"] is None
+    assert without["choices"][0]["logprobs"] is None
 
 
 @settings(max_examples=25, deadline=None)

@@ -21,7 +21,7 @@ def test_defaults_match_the_documented_api() -> None:
         (40, 200),
         (20, 120),
     )
-    assert o.count_end_of_turn and o.count_think_end and not o.logprobs and not o.debug_true_ids
+    assert o.count_end_of_turn and o.count_think_end and not o.logprobs and not o.keep_truth
     assert o.price_per_token == 2e-6 and o.retry_after_s == 0.1 and o.timeout_sleep_s == 30.0
     assert (o.parser, o.chat_template_file) == ("vllm", None)
     assert set(o.fault_rates()) == set(TRANSIENT_FAULTS + CONTENT_FAULTS)

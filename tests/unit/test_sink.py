@@ -1,15 +1,23 @@
-"""The sink's rows and shard files: rotation, each key once across restarts, torn tails."""
+"""The sink's rows and shard files: rotation, each key once across restarts, torn tails, I/O off the loop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import pytest
+from aiokafka import ConsumerRecord
 
-from schemas import SampleAudited, decode
-from services.sink.app import ShardWriter
+from schemas import SampleAudited, decode, encode
+from services.sink.app import create_app
 from services.sink.core import TrainingRow, parse_line, part_number, row_line, torn_tail, training_row
+from services.sink.shards import AsyncShardWriter, ShardWriter
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "payloads" / "v1_audited.json"
 
@@ -139,3 +147,86 @@ def test_parquet_parts_and_index(tmp_path: Path) -> None:
     table = pq.read_table(tmp_path / "math" / "part-00004.parquet")
     assert table.column("id").to_pylist() == ["math:c"]
     assert table.column("metadata").to_pylist()[0]["provider"] == "openrouter"
+
+
+def accepted_records(*ids: str) -> list[ConsumerRecord[bytes, bytes]]:
+    """Records as the sink's consumer hands them over: key and audited value bytes."""
+    return [
+        ConsumerRecord(topic="accepted", partition=0, offset=n, timestamp=0, timestamp_type=0,
+                       key=f"math:{i}".encode(), value=encode(audited(i)), checksum=None,
+                       serialized_key_size=0, serialized_value_size=0, headers=())
+        for n, i in enumerate(ids)
+    ]  # fmt: skip
+
+
+class GatedFsync:
+    """``os.fsync`` held at its first call until the test opens the gate: a disk that stalls.
+
+    The real fsync runs once the gate opens. A gate never opened (because the thread that
+    should open it is the one stalled) fails the call with a message instead of hanging.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.threads: set[str] = set()
+        self._real = os.fsync
+        monkeypatch.setattr(os, "fsync", self)
+
+    def __call__(self, fd: int) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.entered.set()
+        if not self.gate.wait(timeout=30):
+            raise RuntimeError("fsync was never released: the event loop did not run while it was in flight")
+        self._real(fd)
+
+    async def wait_entered(self) -> None:
+        """Yield to the loop until a write has reached fsync (or fail after a bounded number of tries)."""
+        for _ in range(3000):
+            if self.entered.is_set():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("no write reached fsync")
+
+
+async def test_event_loop_keeps_running_while_a_batch_is_fsynced(
+    settings_factory: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other coroutines run while the sink's handler waits on a stalled fsync; it returns only after it."""
+    service = create_app(settings_factory(), out_dir=tmp_path / "out")
+    await service.io.scan()
+    ids = [f"r{i}" for i in range(1000)]
+    fsync = GatedFsync(monkeypatch)
+    handling = asyncio.create_task(service.handle(accepted_records(*ids)))
+    await fsync.wait_entered()
+    # Here the batch's fsync is in flight, so this coroutine ran while it was: count a few more
+    # turns of the loop to show it is not merely between two blocking calls.
+    turns = 0
+    for _ in range(5):
+        await asyncio.sleep(0)
+        turns += 1
+    assert turns == 5 and not handling.done(), "the handler returned before its rows were fsynced"
+    assert threading.current_thread().name not in fsync.threads, "fsync ran on the event loop's thread"
+    fsync.gate.set()
+    results = await handling
+    await service.io.close()
+    assert results == [[]] * len(ids)
+    assert sorted(read_ids(tmp_path / "out")) == sorted(f"math:{i}" for i in ids)
+    assert fsync.threads == {"sink-io_0"}
+
+
+async def test_writes_run_one_at_a_time_in_call_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second write waits for the first: it sees the first's keys and lands after its rows."""
+    writer = AsyncShardWriter(ShardWriter(tmp_path))
+    await writer.scan()
+    fsync = GatedFsync(monkeypatch)
+    first = asyncio.create_task(writer.write(rows("a", "b")))
+    await fsync.wait_entered()
+    second = asyncio.create_task(writer.write(rows("b", "c")))  # "b" is the first write's, not yet indexed
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not first.done() and not second.done()
+    fsync.gate.set()
+    assert (await first, await second) == (2, 1)
+    await writer.close()
+    assert read_ids(tmp_path) == ["math:a", "math:b", "math:c"]

@@ -114,7 +114,6 @@ class _ChatCompletion(Struct):
     provider: str | None = None
     usage: _ChatUsage | None = None
     prompt_token_ids: list[TokenId] | None = None
-    debug_true_ids: list[TokenId] | None = None
 
 
 # --- SGLang native /generate wire shape ---
@@ -256,7 +255,6 @@ def _parse_chat(body: Any, *, native_ids: bool) -> ProviderResult:
         native_output_ids=choice.token_ids if native_ids else None,
         native_prompt_ids=(chat.prompt_token_ids or choice.prompt_token_ids) if native_ids else None,
         logprobs=logprobs,
-        debug_true_ids=chat.debug_true_ids,
     )
 
 
