@@ -15,7 +15,9 @@ alternate and the medians of prompts/s are compared.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import os
 import re
 import time
 from pathlib import Path
@@ -24,13 +26,16 @@ from typing import Any
 import httpx
 
 from bench.common import (
+    BOOTSTRAP,
     Proc,
     Result,
     base_sections,
     delete_topics,
     free_port,
+    listener_pid,
     main,
     median,
+    pid_cpu_seconds,
     processes,
     prompt_texts,
     result,
@@ -47,6 +52,7 @@ from services.inference.adapters.providers import make_http_client
 
 DATASET = "bench"
 BATCH = 64
+STAGES = ("inference", "reconstruct", "audit", "sink")
 _ID = re.compile(rb'"id":\s*"([^"]+)"')
 
 
@@ -221,6 +227,52 @@ async def reference_round(settings: Any, base_url: str, texts: list[str], tag: s
     return seconds, counts["accepted"], counts["rejected"]  # topology: not a topic
 
 
+class CpuMeter:
+    """CPU seconds per process over one round: the stages, the simulator, the broker, this process."""
+
+    def __init__(self, procs: list[Proc]) -> None:
+        port = int(BOOTSTRAP.rsplit(":", 1)[1])
+        self.pids = {p.name: p.pid for p in procs}
+        broker = listener_pid(port)
+        if broker is not None:
+            self.pids["broker"] = broker
+        self._start: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        out = {"bench": time.process_time()}
+        for name, pid in self.pids.items():
+            with contextlib.suppress(OSError):
+                out[name] = pid_cpu_seconds(pid)
+        return out
+
+    def start(self) -> None:
+        """Take the starting snapshot."""
+        self._start = self._now()
+
+    def line(self, names: tuple[str, ...]) -> str:
+        """CPU seconds used by ``names`` since :meth:`start`, and their total."""
+        now = self._now()
+        used = {n: now[n] - self._start[n] for n in names if n in now and n in self._start}
+        parts = ", ".join(f"{n} {v:.2f}" for n, v in used.items())
+        return f"CPU s: {parts}; total {sum(used.values()):.2f}"
+
+
+def print_profiles(work: Path, procs: list[Proc]) -> None:
+    """Stop the stage processes (they write their cProfile stats) and print each one's top functions."""
+    import pstats
+
+    for proc in procs:
+        if proc.name in STAGES:
+            proc.stop()
+            path = work / f"{proc.name}.prof"
+            if not path.is_file():
+                print(f"(no profile from {proc.name})", flush=True)
+                continue
+            stream = io.StringIO()
+            pstats.Stats(str(path), stream=stream).sort_stats("tottime").print_stats(25)
+            print(f"--- {proc.name}: top functions by own time\n{stream.getvalue()}", flush=True)
+
+
 async def measure(quick: bool) -> list[Result]:
     """Warm up, then alternate pipeline and reference rounds over the same prompts."""
     from services.common.config import load_settings
@@ -243,21 +295,25 @@ async def measure(quick: bool) -> list[Result]:
         settings = load_settings(config)
         await ensure_topics(settings.kafka, [DATASET])
         await wait_simulator(base, sim)
-        for stage in ("inference", "reconstruct", "audit", "sink"):
-            procs.append(stage_proc(stage, config, work))
+        profiling = bool(os.environ.get("BENCH_PROFILE"))
+        for stage in STAGES:
+            procs.append(stage_proc(stage, config, work, profile=work / f"{stage}.prof" if profiling else None))
         acct = Accounting(out_dir, settings)
         await acct.start()
         try:
             seconds, accepted, dead = await pipeline_round(config, work, acct, texts, "warm", procs)
             print(f"warm-up: {n} prompts in {seconds:.1f}s ({accepted} accepted, {dead} dead letters)", flush=True)
+            meter = CpuMeter(procs)
             for i in range(rounds):
                 for which in ("ours", "ref") if i % 2 == 0 else ("ref", "ours"):
+                    meter.start()
                     if which == "ours":
                         seconds, accepted, dead = await pipeline_round(config, work, acct, texts, f"r{i}", procs)
                         ours.append(n / seconds)
                         print(
                             f"round {i + 1} pipeline: {n / seconds:.1f} prompts/s "
-                            f"({accepted} accepted, {dead} dead letters)",
+                            f"({accepted} accepted, {dead} dead letters); "
+                            f"{meter.line((*STAGES, 'simulator', 'broker', 'bench'))}",
                             flush=True,
                         )
                     else:
@@ -267,11 +323,13 @@ async def measure(quick: bool) -> list[Result]:
                         ref.append(n / seconds)
                         print(
                             f"round {i + 1} reference: {n / seconds:.1f} prompts/s "
-                            f"({accepted} accepted, {rejected} rejected)",
+                            f"({accepted} accepted, {rejected} rejected); {meter.line(('simulator', 'bench'))}",
                             flush=True,
                         )
         finally:
             await acct.stop()
+            if profiling:
+                print_profiles(work, procs)
     await delete_topics(prefix)
     value, reference = median(ours), median(ref)
     return [
