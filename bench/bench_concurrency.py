@@ -117,7 +117,7 @@ async def ramp(
             return now
         if now > best * 1.01:
             best, best_at = now, loop.time()
-        if loop.time() - best_at > 3.0 or loop.time() > give_up:
+        if (best > 0 and loop.time() - best_at > 3.0) or loop.time() > give_up:
             print(f"{who}: {now} of {concurrency} in flight at most (not growing)", flush=True)
             return now
         await asyncio.sleep(0.2)
