@@ -99,15 +99,18 @@ async def inflight(client: httpx.AsyncClient, base: str) -> int:
 
 
 async def ramp(
-    client: httpx.AsyncClient, base: str, concurrency: int, ramp_s: float, procs: list[Proc], who: str
+    client: httpx.AsyncClient, base: str, concurrency: int, ramp_s: float, procs: list[Proc], who: str,
+    latency: float,
 ) -> int:
     """Wait until the in-flight count reaches 95 % of the bound or stops growing (for 3 s); returns it.
 
     In flight = rate x latency: a side that cannot start requests fast enough never reaches the
-    bound, and what it does reach is part of the finding.
+    bound, and what it does reach is part of the finding. Nothing completes during the first
+    latency, so a pause in growth before then (a slow start) is not a plateau.
     """
     loop = asyncio.get_running_loop()
-    give_up = loop.time() + ramp_s
+    started = loop.time()
+    give_up = started + ramp_s
     best, best_at = 0, loop.time()
     while True:
         for p in procs:
@@ -117,7 +120,8 @@ async def ramp(
             return now
         if now > best * 1.01:
             best, best_at = now, loop.time()
-        if (best > 0 and loop.time() - best_at > 3.0) or loop.time() > give_up:
+        plateau = best > 0 and loop.time() - started > latency and loop.time() - best_at > 3.0
+        if plateau or loop.time() > give_up:
             print(f"{who}: {now} of {concurrency} in flight at most (not growing)", flush=True)
             return now
         await asyncio.sleep(0.2)
@@ -128,7 +132,7 @@ async def window_rate(
     procs: list[Proc], who: str,
 ) -> tuple[float, int]:
     """Ramp, then one latency, then requests/s at the simulator over ``window``; (rate, in flight reached)."""
-    reached = await ramp(client, base, concurrency, ramp_s, procs, who)
+    reached = await ramp(client, base, concurrency, ramp_s, procs, who, latency)
     t1 = time.time() + latency
     t2 = t1 + window
     await asyncio.sleep(t2 - time.time() + 0.2)

@@ -138,7 +138,7 @@ async def measure(quick: bool) -> list[Result]:
                     break
 
                 # In flight = rate x latency: the bound, or as many as the worker keeps going.
-                await ramp(client, base, concurrency, ramp_s, [worker, sim], f"trial {trial + 1}")
+                await ramp(client, base, concurrency, ramp_s, [worker, sim], f"trial {trial + 1}", latency)
                 # Halt at a random moment of the steady state (completions and refills ongoing).
                 await asyncio.sleep(rng.uniform(latency, latency + jitter))
                 n_inflight = await inflight(client, base)
