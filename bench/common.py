@@ -42,6 +42,7 @@ class Result:
     target: str
     met: bool
     unit: str = ""
+    spread: str = ""  # min-max of the per-round ratios when the ratio is a median of rounds
 
     def row(self) -> dict[str, Any]:
         """The row as ``bench/results.json`` stores it."""
@@ -57,14 +58,21 @@ def judge(ratio: float, target: str) -> bool:
     return ratio >= bound if op == ">=" else ratio <= bound
 
 
-def result(name: str, value: float, reference: float, ratio: float, target: str, unit: str = "") -> Result:
+def result(
+    name: str, value: float, reference: float, ratio: float, target: str, unit: str = "", spread: str = ""
+) -> Result:
     """A result row whose ``met`` is judged from ``ratio`` and ``target``."""
-    return Result(name, value, reference, ratio, target, judge(ratio, target), unit)
+    return Result(name, value, reference, ratio, target, judge(ratio, target), unit, spread)
 
 
 def median(values: Sequence[float]) -> float:
     """Median of a non-empty sequence."""
     return float(statistics.median(values))
+
+
+def spread(ratios: Sequence[float]) -> str:
+    """``min-max`` of per-round ratios, for printing beside their median."""
+    return f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else ""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -84,7 +92,8 @@ def print_results(results: Sequence[Result]) -> None:
         unit = f" {r.unit}" if r.unit else ""
         print(
             f"{r.name}: value {r.value:.4g}{unit}, reference {r.reference:.4g}{unit}, "
-            f"ratio {r.ratio:.3f} (target {r.target}) {'MET' if r.met else 'MISSED'}",
+            f"ratio {r.ratio:.3f}{f' (rounds {r.spread})' if r.spread else ''} (target {r.target}) "
+            f"{'MET' if r.met else 'MISSED'}",
             flush=True,
         )
 
@@ -202,8 +211,7 @@ class Proc:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time the child has used so far."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return pid_cpu_seconds(self.pid)
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``."""
@@ -217,9 +225,41 @@ class Proc:
         self._log.close()
 
 
-def stage_proc(stage: str, config: Path, log_dir: Path, name: str | None = None) -> Proc:
-    """``python -m services.cli run <stage> --config F`` as a child process."""
-    return Proc(name or stage, [PYTHON, "-m", "services.cli", "run", stage, "--config", str(config)], log_dir)
+def pid_cpu_seconds(pid: int) -> float:
+    """User + system CPU time process ``pid`` has used so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def listener_pid(port: int) -> int | None:
+    """The pid of the local process listening on TCP ``port`` (the broker, for CPU accounting), if visible."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{cols[9]}]")
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    return int(proc.name)
+    return None
+
+
+def stage_proc(stage: str, config: Path, log_dir: Path, name: str | None = None, profile: Path | None = None) -> Proc:
+    """``python -m services.cli run <stage> --config F`` as a child process.
+
+    With ``profile``, the child runs under cProfile and writes its stats there when it
+    stops (SIGTERM stops a service gracefully, so the file is written).
+    """
+    argv = [PYTHON, "-m", "cProfile", "-o", str(profile)] if profile is not None else [PYTHON]
+    return Proc(name or stage, [*argv, "-m", "services.cli", "run", stage, "--config", str(config)], log_dir)
 
 
 def simulator_proc(

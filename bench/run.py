@@ -24,6 +24,7 @@ BENCHMARKS: tuple[tuple[str, str], ...] = (
     ("halt", "bench.bench_halt"),
     ("scaleout", "bench.bench_scaleout"),
 )
+KEYS = ("name", "value", "reference", "ratio", "spread", "target", "met")
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
@@ -43,12 +44,15 @@ def run_one(module: str, quick: bool) -> tuple[list[dict[str, Any]], str | None]
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The results as a fixed-width text table."""
-    head = f"{'benchmark':<42} {'value':>11} {'reference':>11} {'unit':<10} {'ratio':>7} {'target':>8}  met"
+    head = (
+        f"{'benchmark':<48} {'value':>11} {'reference':>11} {'unit':<10} {'ratio':>7} {'rounds':>12} "
+        f"{'target':>8}  met"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['name']:<42} {r['value']:>11.4g} {r['reference']:>11.4g} {r.get('unit', ''):<10} "
-            f"{r['ratio']:>7.3f} {r['target']:>8}  {'yes' if r['met'] else 'NO'}"
+            f"{r['name']:<48} {r['value']:>11.4g} {r['reference']:>11.4g} {r.get('unit', ''):<10} "
+            f"{r['ratio']:>7.3f} {r.get('spread', ''):>12} {r['target']:>8}  {'yes' if r['met'] else 'NO'}"
         )
     return "\n".join(lines)
 
@@ -73,7 +77,8 @@ def main() -> int:
             errors.append(error)
     RESULTS.write_text(
         json.dumps(
-            [{k: r[k] for k in ("name", "value", "reference", "ratio", "target", "met")} for r in rows], indent=2
+            [{k: r.get(k, "") for k in KEYS} for r in rows],
+            indent=2,
         )
         + "\n"
     )

@@ -22,6 +22,7 @@ from schemas import (
     SchemaError,
     decode,
     encode,
+    encode_forwarding,
     topology,
 )
 from services.audit.core import AuditProfile, audit_batch, failure_message
@@ -128,17 +129,18 @@ class AuditService:
                     except Exception as one:  # noqa: BLE001
                         results[i] = DeadLetter("decode_failed", f"{type(one).__name__}: {one}")
                         audited.append(None)
-            for (i, _), verdict in zip(members, audited, strict=True):
+            for (i, sample), verdict in zip(members, audited, strict=True):
                 if verdict is None:
                     continue
-                results[i] = self._route(records[i], verdict)
+                results[i] = self._route(records[i], verdict, forward=verdict.sample is sample)
         return [r if r is not None else DeadLetter("internal_error", "no verdict") for r in results]
 
     def settings_thresholds(self, dataset: str) -> AuditThresholds:
         """The audit thresholds of a dataset."""
         return self.settings.dataset(dataset).audit
 
-    def _route(self, record: ConsumerRecord[bytes, bytes], verdict: SampleAudited) -> Result:
+    def _route(self, record: ConsumerRecord[bytes, bytes], verdict: SampleAudited, *, forward: bool) -> Result:
+        """Dead letter or ``accepted`` record; ``forward``: the verdict's sample is the one decoded from ``record``."""
         for r in verdict.results:
             AUDIT_CHECKS.labels(dataset=verdict.dataset, check=r.code,
                                 result="pass" if r.passed else "fail").inc()
@@ -146,7 +148,9 @@ class AuditService:
             return DeadLetter(verdict.reasons[0], failure_message(verdict), reasons=tuple(verdict.reasons))
         ACCEPTED.labels(dataset=verdict.dataset).inc()
         key = record.key if record.key is not None else f"{verdict.dataset}:{verdict.sample_id}".encode()
-        return [Outgoing(topic=self.accepted_topic, value=encode(verdict), key=key)]
+        # The sample goes on inside the verdict as the bytes it arrived as, not encoded again.
+        value = encode_forwarding(verdict, "sample", record.value) if forward and record.value else encode(verdict)
+        return [Outgoing(topic=self.accepted_topic, value=value, key=key)]
 
     async def start(self) -> None:
         """Connect to Kafka."""

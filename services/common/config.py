@@ -50,7 +50,9 @@ class KafkaSettings(BaseModel):
     ssl_check_hostname: bool = True
     # A 200k-token sample with its prompt and response is several MiB of JSON.
     max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
-    compression_type: Literal["gzip", "lz4", "zstd", "snappy"] | None = "gzip"
+    # zstd: a smaller batch than gzip at a fraction of its CPU in every producer (aiokafka
+    # compresses through cramjam; the broker keeps the producer's codec).
+    compression_type: Literal["gzip", "lz4", "zstd", "snappy"] | None = "zstd"
     partitions: int = Field(default=3, gt=0)
     # Unset, topics are created with the replication the cluster affords (3 on three or more
     # brokers, else one per broker; see cluster_replication_factor); set, it is an override.

@@ -8,7 +8,17 @@ from collections.abc import Mapping, Sequence
 
 from aiokafka import ConsumerRecord
 
-from schemas import RESPONSES_TOPIC, SAMPLES_TOPIC, ResponseReceived, SchemaError, decode, encode, sample_key, topology
+from schemas import (
+    RESPONSES_TOPIC,
+    SAMPLES_TOPIC,
+    ResponseReceived,
+    SchemaError,
+    decode,
+    encode,
+    encode_forwarding,
+    sample_key,
+    topology,
+)
 from services.common.config import Settings
 from services.common.kafka import DeadLetter, Outgoing
 from services.common.metrics import RECONSTRUCTED
@@ -97,7 +107,11 @@ def decide(records: Sequence[ConsumerRecord[bytes, bytes]], profiles: ProfileCac
                 continue
             RECONSTRUCTED.labels(dataset=response.dataset, method=verdict.method).inc()
             key = sample_key(response.dataset, response.sample_id).encode()
-            results[index] = [Outgoing(topic=samples_topic, value=encode(verdict), key=key)]
+            raw = records[index].value
+            # The response goes on inside the sample as the bytes it arrived as, not encoded again.
+            forward = raw and verdict.response is response
+            value = encode_forwarding(verdict, "response", raw) if forward else encode(verdict)
+            results[index] = [Outgoing(topic=samples_topic, value=value, key=key)]
     return [r if r is not None else DeadLetter("internal_error", "no verdict") for r in results]
 
 
