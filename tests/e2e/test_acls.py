@@ -39,8 +39,8 @@ from services.common.acls_apply import acl_tool, apply_acls
 from services.common.config import Settings, load_settings
 from services.common.errors import AccessDenied
 from services.common.kafka import Outgoing, make_admin, make_consumer, make_producer, publish_all, refused_as
+from services.common.topics import ready_partitions
 from services.inference.app import create_app as inference_app
-from services.inference.app import topic_partitions
 from services.publish.app import publish
 from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import SimulatorOptions, start_simulator
@@ -275,7 +275,7 @@ async def _refused_read(settings: Settings, topic: str) -> str:
     try:
         with pytest.raises(AccessDenied) as refused, refused_as(settings.kafka, "READ"):
             # How the group-less readers (inference's control and store) find partitions.
-            tps = [TopicPartition(topic, p) for p in await topic_partitions(settings.kafka, topic)]
+            tps = [TopicPartition(topic, p) for p in await ready_partitions(settings.kafka, topic)]
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             await consumer.getmany(*tps, timeout_ms=10_000)
