@@ -18,17 +18,10 @@ def run_sink(
     log_level: LogLevelOption = None,
 ) -> None:
     """Write accepted samples to DIR/<dataset>/part-NNNNN.jsonl, each key once, fsynced before commit."""
-    import asyncio
-
-    from services.cli import settings_from
-    from services.common.logs import setup_logging
-    from services.common.service import run_service
+    from services.common.service import run_from_cli
     from services.sink.app import create_app
 
-    settings = settings_from(config)
-    setup_logging(settings, log_level)
-    asyncio.run(run_service(lambda: create_app(settings, out_dir=out), name="sink",
-                            metrics_port=settings.metrics.sink_port, metrics_host=settings.metrics.host))
+    run_from_cli("sink", lambda settings: create_app(settings, out_dir=out), config=config, log_level=log_level)
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
