@@ -29,7 +29,7 @@ from services.audit.core import AuditProfile, audit_batch, failure_message
 from services.common.config import AuditThresholds, Settings
 from services.common.kafka import DeadLetter, Outgoing
 from services.common.metrics import ACCEPTED, AUDIT_CHECKS
-from services.common.stage import Result, StageRunner
+from services.common.stage import Result, RunnerService, StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def default_profile_loader(settings: Settings) -> ProfileLoader:
     return load
 
 
-class AuditService:
+class AuditService(RunnerService):
     """The audit stage as a Service (start/run/stop/close)."""
 
     def __init__(
@@ -152,21 +152,6 @@ class AuditService:
         value = encode_forwarding(verdict, "sample", record.value) if forward and record.value else encode(verdict)
         return [Outgoing(topic=self.accepted_topic, value=value, key=key)]
 
-    async def start(self) -> None:
-        """Connect to Kafka."""
-        await self.runner.start()
-
-    async def run(self) -> None:
-        """Audit until stopped."""
-        await self.runner.run()
-
-    def stop(self) -> None:
-        """Finish the current batch and return."""
-        self.runner.stop()
-
-    async def close(self) -> None:
-        """Release the Kafka clients."""
-        await self.runner.close()
 
 
 def create_app(

@@ -42,7 +42,7 @@ from services.common.config import Settings
 from services.common.kafka import (
     DeadLetter,
     Outgoing,
-    dead_letter,
+    dead_letter_of,
     ensure_topics,
     header,
     make_consumer,
@@ -247,16 +247,8 @@ class BudgetService:
             verdict = DeadLetter(exc.reason, exc.message)
             DEAD_LETTERS.labels(stage=STAGE, reason=exc.reason).inc()
             dead.append(
-                dead_letter(
-                    dlq_topic=self.settings.kafka.topic(DEAD_LETTER_TOPIC),
-                    stage=STAGE,
-                    verdict=verdict,
-                    value=record.value,
-                    key=record.key,
-                    topic=record.topic,
-                    partition=record.partition,
-                    offset=record.offset,
-                    in_headers=list(record.headers or ()),
+                dead_letter_of(
+                    record, dlq_topic=self.settings.kafka.topic(DEAD_LETTER_TOPIC), stage=STAGE, verdict=verdict
                 )
             )
             # Keep the offsets moving so a checkpoint never replays a dead letter.

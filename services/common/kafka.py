@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import stamina
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
@@ -422,6 +422,24 @@ def dead_letter(
     return Outgoing(topic=dlq_topic, value=value, key=key, headers=out)
 
 
+
+def dead_letter_of(
+    record: ConsumerRecord[bytes, bytes], *, dlq_topic: str, stage: str, verdict: DeadLetter, dataset: str | None = None
+) -> Outgoing:
+    """:func:`dead_letter` for a consumed record: its value, key, place and headers as read."""
+    return dead_letter(
+        dlq_topic=dlq_topic,
+        stage=stage,
+        verdict=verdict,
+        value=record.value,
+        key=record.key,
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        in_headers=list(record.headers or ()),
+        dataset=dataset,
+    )
+
 async def report_lag(consumer: AIOKafkaConsumer, group_id: str) -> dict[str, int]:
     """Set the consumer-lag gauge of each assigned topic: high-water mark minus position.
 
@@ -462,6 +480,7 @@ __all__ = [
     "cluster_replication_factor",
     "create_topics",
     "dead_letter",
+    "dead_letter_of",
     "describe_layout",
     "ensure_topics",
     "header",

@@ -26,7 +26,7 @@ from services.common.config import Settings
 from services.common.kafka import (
     DeadLetter,
     Outgoing,
-    dead_letter,
+    dead_letter_of,
     make_consumer,
     make_producer,
     publish_all,
@@ -142,20 +142,43 @@ class StageRunner:
         return isolated
 
     def _dead_letter(self, record: ConsumerRecord[bytes, bytes], verdict: DeadLetter) -> Outgoing:
-        return dead_letter(
-            dlq_topic=self.settings.kafka.topic(DEAD_LETTER_TOPIC),
-            stage=self.stage,
-            verdict=verdict,
-            value=record.value,
-            key=record.key,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            in_headers=list(record.headers or ()),
+        return dead_letter_of(
+            record, dlq_topic=self.settings.kafka.topic(DEAD_LETTER_TOPIC), stage=self.stage, verdict=verdict
         )
 
     async def _report_lag(self, consumer: AIOKafkaConsumer) -> None:
         await report_lag(consumer, self.group_id)
 
 
-__all__ = ["BatchHandler", "Result", "StageRunner"]
+class RunnerService:
+    """The service lifecycle of a batch stage: everything is its :class:`StageRunner`'s.
+
+    A stage sets ``self.runner`` in its constructor and overrides what it adds (a sink's
+    folder lock, a reconstructor's profile loading), calling ``super()`` for the rest.
+    """
+
+    runner: StageRunner
+
+    async def start(self) -> None:
+        """Connect to Kafka."""
+        await self.runner.start()
+
+    async def run(self) -> None:
+        """Consume until stopped."""
+        await self.runner.run()
+
+    def stop(self) -> None:
+        """Finish the current batch and return."""
+        self.runner.stop()
+
+    async def close(self) -> None:
+        """Release the Kafka clients."""
+        await self.runner.close()
+
+    @property
+    def processed(self) -> int:
+        """Records consumed so far."""
+        return self.runner.processed
+
+
+__all__ = ["BatchHandler", "Result", "RunnerService", "StageRunner"]

@@ -64,7 +64,7 @@ from services.common.config import DatasetSettings, Settings
 from services.common.kafka import (
     AUTHORIZATION_ERRORS,
     access_denied,
-    dead_letter,
+    dead_letter_of,
     ensure_topics,
     make_consumer,
     make_producer,
@@ -848,17 +848,8 @@ class InferenceWorker:
         raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
 
     async def _dead_letter(self, record: Record, verdict: DeadLetter, *, dataset: str) -> None:
-        out = dead_letter(
-            dlq_topic=self._topics[DEAD_LETTER_TOPIC],
-            stage=STAGE,
-            verdict=verdict,
-            value=record.value,
-            key=record.key,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            in_headers=list(record.headers or ()),
-            dataset=dataset or None,
+        out = dead_letter_of(
+            record, dlq_topic=self._topics[DEAD_LETTER_TOPIC], stage=STAGE, verdict=verdict, dataset=dataset or None
         )
         producer = self._require(self._producer)
         await (await producer.send(out.topic, out.value, key=out.key, headers=out.headers))

@@ -22,7 +22,7 @@ from schemas import (
 from services.common.config import Settings
 from services.common.kafka import DeadLetter, Outgoing
 from services.common.metrics import RECONSTRUCTED
-from services.common.stage import Result, StageRunner
+from services.common.stage import Result, RunnerService, StageRunner
 from services.profiles import Profile, ProfileError, load_profile
 from services.profiles.conventions import Convention, convention_for
 from services.reconstruct.core import reconstruct_batch
@@ -115,7 +115,7 @@ def decide(records: Sequence[ConsumerRecord[bytes, bytes]], profiles: ProfileCac
     return [r if r is not None else DeadLetter("internal_error", "no verdict") for r in results]
 
 
-class ReconstructService:
+class ReconstructService(RunnerService):
     """The long-running reconstruct stage (a :class:`services.common.service.Service`)."""
 
     def __init__(self, settings: Settings, profiles: Mapping[str, Profile] | None = None) -> None:
@@ -139,24 +139,8 @@ class ReconstructService:
         names = {self.settings.defaults.profile, *(d.profile for d in self.settings.datasets.values())}
         for name in sorted(names):
             await asyncio.to_thread(self.profiles.get, name)
-        await self.runner.start()
+        await super().start()
 
-    async def run(self) -> None:
-        """Consume until stopped."""
-        await self.runner.run()
-
-    def stop(self) -> None:
-        """Finish the current batch and return."""
-        self.runner.stop()
-
-    async def close(self) -> None:
-        """Release the Kafka clients."""
-        await self.runner.close()
-
-    @property
-    def processed(self) -> int:
-        """Records consumed so far."""
-        return self.runner.processed
 
 
 def create_app(settings: Settings, *, profiles: Mapping[str, Profile] | None = None) -> ReconstructService:

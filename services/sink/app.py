@@ -31,7 +31,7 @@ from aiokafka import AIOKafkaProducer, ConsumerRecord
 from schemas import ACCEPTED_TOPIC, SampleAudited, SchemaError, decode, topology
 from services.common.config import Settings
 from services.common.kafka import DeadLetter
-from services.common.stage import Result, StageRunner
+from services.common.stage import Result, RunnerService, StageRunner
 from services.sink.core import TrainingRow, training_row
 from services.sink.shards import AsyncShardWriter, OutputLock, ScanReport, ShardWriter
 
@@ -41,7 +41,7 @@ STAGE = "sink"
 GROUP_ID = topology.GROUPS[STAGE]
 
 
-class SinkService:
+class SinkService(RunnerService):
     """The sink stage as a Service (start/run/stop/close)."""
 
     def __init__(
@@ -101,21 +101,13 @@ class SinkService:
         await self.io.run(self.lock.acquire)
         self.scan_report = await self.io.scan()
         log.info("sink: %d key(s) in %d existing part(s)", self.scan_report.keys, self.scan_report.parts)
-        await self.runner.start()
-
-    async def run(self) -> None:
-        """Write until stopped."""
-        await self.runner.run()
-
-    def stop(self) -> None:
-        """Finish the current batch and return."""
-        self.runner.stop()
+        await super().start()
 
     async def close(self) -> None:
         """Close the parts and the Kafka clients, then release the folder."""
         try:
             await self.io.close()
-            await self.runner.close()
+            await super().close()
         finally:
             self.lock.release()
 
