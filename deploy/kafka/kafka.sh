@@ -504,8 +504,8 @@ resolve_nodes() {
     [[ -n ${KAFKA_START_TIMEOUT:-} ]] || START_TIMEOUT=180
 }
 
-# Host and ports of the cluster: "start" and "config" take KAFKA_HOST/KAFKA_PORT/
-# KAFKA_CONTROLLER_PORT when set; everything else, and whatever is unset, comes from
+# Host and ports of the cluster: "start" (of the whole cluster) and "config" take
+# KAFKA_HOST/KAFKA_PORT/KAFKA_CONTROLLER_PORT when set; everything else, and whatever is unset, comes from
 # cluster.state, then from the defaults (controller ports right after the client ports).
 resolve_cluster_ports() {
     local from_env=$1 state_port
@@ -663,7 +663,9 @@ cmd_cluster_start() {
     started_ns=$(date +%s%N)
     cmd_fetch
     check_java
-    resolve_cluster_ports env
+    # One node of a standing cluster comes back on the ports the cluster was made with,
+    # whatever KAFKA_PORT / KAFKA_CONTROLLER_PORT the caller's environment holds.
+    if [[ -n $ONLY_NODE ]]; then resolve_cluster_ports state; else resolve_cluster_ports env; fi
     cluster_prepare
     for i in $(node_ids); do
         select_node "$i"

@@ -128,6 +128,7 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
     publisher = Publisher(settings)
     publishing: asyncio.Task[None] | None = None
     inflight_at_kills: list[int] = []
+    http = httpx.AsyncClient(timeout=10)
     try:
         await ensure_topics(settings.kafka, DATASETS)
         ours = [*settings.kafka.topics.values(), *map(settings.kafka.prompts_topic, DATASETS)]
@@ -149,7 +150,6 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
             stage = "inference" if name in INFERENCE_WORKERS else name
             sup.start(name, cli("run", stage, "--config", str(config)))
         publishing = asyncio.create_task(publisher.run())
-        http = httpx.AsyncClient(timeout=10)
 
         async def requests_reached(n: int) -> bool:
             return int((await _sim_stats(http, sim_port))["total_requests"]) >= n
@@ -231,10 +231,10 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
         snapshot = await wait_until(lambda: budget_caught_up(settings), timeout=120, interval=1.0,
                                     message="budget caught up with every response")
         stats = await _sim_stats(http, sim_port)
-        await http.aclose()
         response_records = (await read_all(settings, responses))[responses]
         letters = await dead_letters(settings)
     finally:
+        await http.aclose()  # on a failure too: a dropped client's socket warns in a later test
         if publishing is not None and not publishing.done():
             publishing.cancel()
         sup.stop_all()
