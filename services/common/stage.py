@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
-from aiokafka.errors import KafkaError
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
 
 from schemas import DEAD_LETTER_TOPIC
+from services.common.checkpoint import Checkpoint
 from services.common.config import Settings
 from services.common.kafka import (
     DeadLetter,
@@ -41,6 +42,19 @@ Result = list[Outgoing] | DeadLetter
 BatchHandler = Callable[[Sequence[ConsumerRecord[bytes, bytes]]], Awaitable[list[Result]]]
 
 
+class _ForgetRevoked(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka ships no type stubs
+    """Partitions taken away leave the checkpoint (a batch is always finished before a fetch)."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self._checkpoint = checkpoint
+
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        self._checkpoint.forget(revoked)
+
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        """Nothing to do: a new owner starts from the committed offsets."""
+
+
 @dataclass
 class StageRunner:
     """Runs one batch stage until :meth:`stop` is called."""
@@ -56,6 +70,7 @@ class StageRunner:
     def __post_init__(self) -> None:
         self._stopping = asyncio.Event()
         self._consumer: AIOKafkaConsumer | None = None
+        self._checkpoint: Checkpoint | None = None
         self._own_producer = self.producer is None
         self.processed = 0
 
@@ -67,10 +82,12 @@ class StageRunner:
             with refused_as(kafka, "WRITE"):
                 await self.producer.start()
         self._consumer = make_consumer(kafka, group_id=self.group_id)
+        self._checkpoint = Checkpoint(self._consumer, label=self.stage)
+        listener = _ForgetRevoked(self._checkpoint)
         if self.pattern:
-            self._consumer.subscribe(pattern=self.pattern)
+            self._consumer.subscribe(pattern=self.pattern, listener=listener)
         else:
-            self._consumer.subscribe(list(self.topics))
+            self._consumer.subscribe(list(self.topics), listener=listener)
         with refused_as(kafka, "READ"):
             await self._consumer.start()
 
@@ -88,7 +105,8 @@ class StageRunner:
     async def run(self) -> None:
         """Consume until stopped; never lets one bad record stop the stage."""
         assert self._consumer is not None and self.producer is not None  # noqa: S101 - start() first
-        consumer = self._consumer
+        assert self._checkpoint is not None  # noqa: S101 - start() first
+        consumer, checkpoint = self._consumer, self._checkpoint
         stage_cfg = self.settings.stage
         while not self._stopping.is_set():
             # An authorization failure stops the stage with one line and commits nothing:
@@ -101,6 +119,9 @@ class StageRunner:
             if not records:
                 await self._report_lag(consumer)
                 continue
+            for tp, part in batches.items():
+                for record in part:
+                    checkpoint.take(tp, record.offset)
             results = await self._decide(records)
             outgoing: list[Outgoing] = []
             for record, result in zip(records, results, strict=True):
@@ -111,13 +132,12 @@ class StageRunner:
                     outgoing.extend(result)
             with refused_as(self.settings.kafka, "WRITE"):
                 await publish_all(self.producer, outgoing)
-            try:
-                await consumer.commit({tp: part[-1].offset + 1 for tp, part in batches.items() if part})
-            except KafkaError as exc:
-                # The outputs are acknowledged; an uncommitted batch is only read again (by this
-                # worker or the partition's new owner) and downstream is idempotent by key.
-                # Dying here instead would turn a rebalance or a broker restart into a crash loop.
-                log.warning("%s: commit failed (%s); the batch will be redelivered", self.stage, exc)
+            # The outputs are acknowledged: the batch is done. A failed commit is only a batch
+            # read again (downstream is idempotent by key), not a crash loop on a rebalance.
+            for tp, part in batches.items():
+                for record in part:
+                    checkpoint.done(tp, record.offset)
+            await checkpoint.commit()
             self.processed += len(records)
             STAGE_RECORDS.labels(stage=self.stage).inc(len(records))
             await self._report_lag(consumer)

@@ -7,8 +7,7 @@ Nothing here touches Kafka, HTTP, the clock or the environment; the shell in
 from __future__ import annotations
 
 import hashlib
-import heapq
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -237,77 +236,6 @@ def request_started(
         attempt=attempt,
         started_at=now,
     )
-
-
-class OffsetTracker:
-    """Commit offsets for out-of-order completions: per partition, the lowest offset not done.
-
-    A record is *taken* when it is handed to a task and *done* once its response or dead
-    letter is acknowledged by the broker. The committable offset of a partition is the
-    lowest taken-but-not-done offset, or one past the highest taken when all are done, so
-    a crash never skips a prompt whose output was not yet durable.
-    """
-
-    def __init__(self) -> None:
-        self._open: dict[Hashable, list[int]] = {}  # min-heap of taken offsets
-        self._done: dict[Hashable, set[int]] = {}  # done offsets still in the heap
-        self._next: dict[Hashable, int] = {}  # one past the highest offset taken
-        self._committed: dict[Hashable, int] = {}
-
-    def take(self, partition: Hashable, offset: int) -> None:
-        """Record that ``offset`` is being processed."""
-        heapq.heappush(self._open.setdefault(partition, []), offset)
-        self._done.setdefault(partition, set())
-        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
-
-    def done(self, partition: Hashable, offset: int) -> None:
-        """Record that ``offset``'s output is durable; unknown partitions are ignored."""
-        done = self._done.get(partition)
-        if done is None:
-            return
-        done.add(offset)
-        heap = self._open[partition]
-        while heap and heap[0] in done:
-            done.discard(heapq.heappop(heap))
-
-    def pending(self, partition: Hashable | None = None) -> int:
-        """How many taken offsets are not done (for one partition, or in all)."""
-        parts = [partition] if partition is not None else list(self._open)
-        return sum(len(self._open.get(p, ())) - len(self._done.get(p, ())) for p in parts)
-
-    def next_offset(self, partition: Hashable) -> int | None:
-        """One past the highest offset taken (where fetching resumes), or None."""
-        return self._next.get(partition)
-
-    def position(self, partition: Hashable) -> int | None:
-        """The offset it is safe to commit for ``partition`` (None if nothing was taken)."""
-        if partition not in self._next:
-            return None
-        heap = self._open[partition]
-        return heap[0] if heap else self._next[partition]
-
-    def to_commit(self) -> dict[Hashable, int]:
-        """Offsets that moved since the last :meth:`committed` call."""
-        out: dict[Hashable, int] = {}
-        for partition in self._next:
-            pos = self.position(partition)
-            if pos is not None and pos != self._committed.get(partition):
-                out[partition] = pos
-        return out
-
-    def committed(self, offsets: Mapping[Hashable, int]) -> None:
-        """Note that ``offsets`` were committed."""
-        self._committed.update(offsets)
-
-    def forget(self, partitions: Iterable[Hashable]) -> None:
-        """Drop partitions this worker no longer owns (after a rebalance)."""
-        for partition in partitions:
-            for table in (self._open, self._done, self._next, self._committed):
-                table.pop(partition, None)
-
-    def partitions(self) -> list[Hashable]:
-        """Partitions with any taken offset."""
-        return list(self._next)
 
 
 @dataclass

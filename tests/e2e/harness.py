@@ -614,24 +614,28 @@ class Supervisor:
     log_dir: Path
     env: dict[str, str]
     commands: dict[str, list[str]] = field(default_factory=dict)
+    extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     procs: dict[str, Any] = field(default_factory=dict)
     starts: dict[str, int] = field(default_factory=dict)
     kills: dict[str, int] = field(default_factory=dict)
     unplanned_exits: list[tuple[str, int]] = field(default_factory=list)
 
-    def start(self, name: str, args: list[str] | None = None) -> None:
-        """Start (or start again) one service."""
+    def start(self, name: str, args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        """Start (or start again) one service; ``env`` adds to the shared environment (kept for restarts)."""
         import subprocess
 
         if args is not None:
             self.commands[name] = args
+        if env is not None:
+            self.extra_env[name] = env
         running = self.procs.get(name)
         if running is not None and running.poll() is None:
             raise RuntimeError(f"{name} is already running (pid {running.pid})")
         log = (self.log_dir / f"{name}.log").open("ab")
         try:
+            env = {**self.env, **self.extra_env.get(name, {})}
             self.procs[name] = subprocess.Popen(  # noqa: S603 - our own CLI
-                self.commands[name], stdout=log, stderr=subprocess.STDOUT, env=self.env
+                self.commands[name], stdout=log, stderr=subprocess.STDOUT, env=env
             )
         finally:
             log.close()  # the child holds its own descriptor

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
-from schemas import ACCEPTED_TOPIC, RESPONSES_TOPIC
+from schemas import ACCEPTED_TOPIC, GLOBAL_SCOPE, RESPONSES_TOPIC
 from services.common.config import Settings, load_settings
 from services.common.kafka import describe_layout, ensure_topics
 from tests.e2e.harness import (
@@ -67,6 +67,15 @@ HALT_BOUND_S = 120.0  # generous: catches a halt that never stops the workers, n
 
 async def _sim_stats(http: httpx.AsyncClient, sim_port: int) -> dict[str, Any]:
     return dict((await http.get(f"http://127.0.0.1:{sim_port}/_sim/stats")).json())
+
+
+async def _reports_global_halt(http: httpx.AsyncClient, metrics_port: int) -> bool:
+    """Whether a worker's metrics say the global halt stands there."""
+    try:
+        text = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+    except httpx.HTTPError:
+        return False  # not serving yet (or restarting): not halted as far as we know
+    return f'draftstream_inference_halted{{scope="{GLOBAL_SCOPE}"}} 1.0' in text
 
 
 def _in_flight(stats: dict[str, Any]) -> int:
@@ -146,9 +155,15 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
             ),
         )
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{sim_port}/health", 60)
+        # Each inference worker serves its metrics: the halt counts as taken once every worker
+        # reports it (draftstream_inference_halted), not merely when requests pause.
+        metrics_ports = {name: free_port() for name in INFERENCE_WORKERS}
         for name in SERVICES:
-            stage = "inference" if name in INFERENCE_WORKERS else name
-            sup.start(name, cli("run", stage, "--config", str(config)))
+            if name in INFERENCE_WORKERS:
+                port_env = {"DRAFTSTREAM_METRICS__INFERENCE_PORT": str(metrics_ports[name])}
+                sup.start(name, cli("run", "inference", "--config", str(config)), env=port_env)
+            else:
+                sup.start(name, cli("run", name, "--config", str(config)))
         publishing = asyncio.create_task(publisher.run())
 
         async def requests_reached(n: int) -> bool:
@@ -192,17 +207,24 @@ async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, 
         halt_acked_s = time.time() - halt_issued
         note(f"halt acknowledged after {halt_acked_s:.1f}s")
 
+        halted_at: dict[str, float] = {}
+
         async def workers_stopped() -> tuple[float] | None:
+            for name, port in metrics_ports.items():
+                if name not in halted_at and await _reports_global_halt(http, port):
+                    halted_at[name] = time.time() - halt_issued
             stats = await _sim_stats(http, sim_port)
             last = max(halt_issued, float(stats["last_request_at"] or 0.0))
-            # The workers cancel what is in flight at a halt: only new requests count.
-            if time.time() - last > QUIET_S:
+            # Every worker took the halt, and no new request reached the provider since
+            # (a quiet spell alone could be a worker that cannot fetch prompts just now).
+            if len(halted_at) == len(metrics_ports) and time.time() - last > QUIET_S:
                 return (last - halt_issued,)  # a tuple: 0.0 s (no request after the halt) is an answer
             return None
 
         (halt_s,) = await wait_until(workers_stopped, timeout=HALT_BOUND_S, interval=0.2,
                                   message="no provider request after the halt")
-        note(f"every inference worker stopped {halt_s:.1f}s after the halt")
+        taken = ", ".join(f"{name} {at:.1f}s" for name, at in sorted(halted_at.items()))
+        note(f"every inference worker stopped {halt_s:.1f}s after the halt (halt taken: {taken})")
         stats = await _sim_stats(http, sim_port)
         waiting = len(publisher.published - set(stats["keys"]))
         requests_at_stop = int(stats["total_requests"])

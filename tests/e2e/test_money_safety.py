@@ -149,7 +149,7 @@ async def test_republishing_the_same_prompts_pays_nothing_and_writes_no_row(
 
         # The same 400 prompts again, straight to the topic (no publish-side dedup).
         await produce(settings, settings.kafka.prompts_topic(dataset), values)
-        await pipeline.wait(lambda: worker.reused >= n, 120, "the 400 answered from the response store")
+        await pipeline.wait(lambda: worker.answers.reused >= n, 120, "the 400 answered from the response store")
 
         async def downstream_done() -> bool:
             return len((await read_all(settings, samples_topic))[samples_topic]) >= 2 * samples_first
@@ -190,11 +190,11 @@ async def test_graceful_stop_then_restart_pays_each_prompt_exactly_once(
     await produce(settings, settings.kafka.prompts_topic(dataset), [prompt_value(dataset, i) for i in range(n)])
     try:
         async with worker_running(settings) as (worker, task):
-            await wait_until(lambda: worker.responded >= 100, timeout=60, message="100 responses")
-            inflight_at_stop = worker.inflight
+            await wait_until(lambda: worker.answers.responded >= 100, timeout=60, message="100 responses")
+            inflight_at_stop = len(worker.inflight)
             worker.stop()  # what SIGINT does (services.common.service.run_service)
             await asyncio.wait_for(task, timeout=60)
-            answered_at_stop = worker.responded
+            answered_at_stop = worker.answers.responded
         assert answered_at_stop < n, "the run finished before the stop: nothing was tested"
 
         async def all_answered() -> bool:
@@ -204,7 +204,7 @@ async def test_graceful_stop_then_restart_pays_each_prompt_exactly_once(
 
         async with worker_running(settings) as (second, _):
             await wait_until(all_answered, timeout=120, interval=0.5, message="all 400 after the restart")
-            reused_after_restart = second.reused
+            reused_after_restart = second.answers.reused
     finally:
         await sim.close()
     requests = paid(sim)
@@ -265,7 +265,7 @@ async def test_kill_without_drain_pays_twice_at_most_what_was_in_flight(
 
         async with worker_running(settings) as (worker, _):
             await wait_until(all_answered, timeout=120, interval=0.5, message="all prompts after the restart")
-            reused = worker.reused
+            reused = worker.answers.reused
     finally:
         await sim.close()
     requests = paid(sim)
@@ -470,12 +470,12 @@ async def test_an_outage_halts_within_n_failures_and_resumes_by_itself(
     first_closed = False
     try:
         async with worker_running(settings) as (worker, _):
-            await wait_until(lambda: worker.responded >= 50, timeout=60, message="50 responses")
+            await wait_until(lambda: worker.answers.responded >= 50, timeout=60, message="50 responses")
             await first.close()  # connections refused from now on
             first_closed = True
             down_at = time.monotonic()
             await wait_until(lambda: worker.halted_scopes == ["global"], timeout=60, message="the outage halt")
-            answered_at_halt = worker.responded
+            answered_at_halt = worker.answers.responded
             await asyncio.sleep(max(0.0, 20.0 - (time.monotonic() - down_at)))  # ~20 s down
             assert worker.halted_scopes == ["global"]  # the probe found nobody: still halted
             second = await start_simulator(options, port=port)

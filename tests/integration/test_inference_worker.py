@@ -144,7 +144,7 @@ async def running(settings: Settings, **kw: Any) -> AsyncIterator[InferenceWorke
             await asyncio.wait_for(task, timeout=60)
         finally:
             await worker.close()
-    assert worker._failure is None
+    assert worker.failure is None
 
 
 @pytest.fixture
@@ -473,8 +473,8 @@ async def test_holds_a_thousand_requests_in_flight_and_no_more(
 
             def inflight(worker: InferenceWorker, target: int) -> bool:
                 nonlocal peak
-                peak = max(peak, worker.inflight)
-                return worker.inflight >= target
+                peak = max(peak, len(worker.inflight))
+                return len(worker.inflight) >= target
 
             async with Collector(settings, "responses", "dead-letter") as out, running(settings) as worker:
                 await wait_until(lambda: inflight(worker, 1000), timeout=90, interval=0.05, message="1000 in flight")
@@ -556,13 +556,13 @@ async def test_a_paid_request_is_answered_from_the_store_unless_repay_is_asked(
             await producer.stop()
         async with running(settings) as second:
             await wait_until(lambda: len(out.responses()) >= 22, timeout=60, message="22 responses")
-            assert second.reused == 10
+            assert second.answers.reused == 10
         assert sum(sim.stats()["keys"].values()) == 12  # only the two asked for were paid again
         # --repay: everything is paid again on purpose.
         await publish(settings, "chat", values)
         async with running(settings, repay=True) as third:
             await wait_until(lambda: len(out.responses()) >= 32, timeout=60, message="32 responses")
-            assert third.reused == 0
+            assert third.answers.reused == 0
         assert sum(sim.stats()["keys"].values()) == 22
     reused = [r for r in out.responses() if r.reused]
     assert len(reused) == 10 and all(r.request_hash for r in out.responses())

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas import Halt, Message, PromptPublished, Resume, Usage, encode
+from services.common.checkpoint import OffsetTracker
 from services.common.kafka import DeadLetter
 from services.inference.core import (
     HaltState,
-    OffsetTracker,
     ProviderFailure,
     ProviderResult,
     backoff_for,
@@ -167,6 +167,19 @@ class TestOffsetTracker:
         assert t.position("a") is None
         t.done("a", 0)  # a late completion of a partition no longer owned is ignored
         assert t.position("a") is None and t.partitions() == ["b"]
+
+    def test_an_offset_never_goes_back(self) -> None:
+        t = OffsetTracker()
+        t.take("p", 7)
+        t.done("p", 7)
+        t.committed(t.to_commit())
+        assert t.to_commit() == {}
+        t.take("p", 3)  # a record below the last commit, taken again without a rebalance
+        with pytest.raises(ValueError, match="would go back from 8 to 3"):
+            t.to_commit()
+        t.forget(["p"])  # after a rebalance the partition starts afresh
+        t.take("p", 3)
+        assert t.to_commit() == {"p": 3}
 
     @settings(max_examples=200, deadline=None)
     @given(st.integers(min_value=1, max_value=60), st.integers(min_value=0, max_value=2**32), st.data())

@@ -1,0 +1,152 @@
+"""One prompt's paid request: the halt gate, the request record, the retry policy, the verdict.
+
+Each attempt waits at the halt gate, announces itself on ``requests`` (what the budget
+counts as in flight) and re-checks the halt after the broker's acknowledgement, then calls
+the provider. Retries follow stamina (exponential backoff with jitter, capped, honouring
+``Retry-After``). After the last attempt a failure is one of: the account was refused
+(halt every worker, wait at the gate, start over), the provider answers nobody (wait out
+the outage, start over), or this request's own fault (a dead letter).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import stamina
+from aiokafka import AIOKafkaProducer
+
+from schemas import REQUESTS_TOPIC, PromptPublished, encode, sample_key
+from services.common.config import DatasetSettings, Settings
+from services.common.metrics import INFLIGHT, REQUEST_LATENCY, REQUESTS, RETRIES
+from services.common.records import DeadLetter
+from services.inference.adapters.providers import Provider
+from services.inference.core import (
+    ProviderFailure,
+    ProviderResult,
+    backoff_for,
+    dead_letter_for,
+    is_outage_failure,
+    request_started,
+)
+from services.inference.guard import ProviderGuard
+from services.inference.halts import HaltFollower, Stopped
+
+log = logging.getLogger(__name__)
+
+Paid = tuple[ProviderResult, int, float]
+"""A provider's answer, the attempt that got it, its latency in seconds."""
+
+
+class ProviderCall:
+    """Pays for one prompt's answer (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        provider: Provider,
+        producer: AIOKafkaProducer,
+        halts: HaltFollower,
+        guard: ProviderGuard,
+        worker_id: str,
+    ) -> None:
+        self._cfg = settings.provider
+        self._provider = provider
+        self._producer = producer
+        self._halts = halts
+        self._guard = guard
+        self._worker_id = worker_id
+        self._requests_topic = settings.kafka.topic(REQUESTS_TOPIC)
+
+    async def pay(self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int) -> Paid | DeadLetter:
+        """The answer, or the dead letter when the request itself cannot succeed.
+
+        Raises :class:`Stopped` when the worker stops before a request could be sent.
+        """
+        # The first outage-class failed request of this prompt (kept across restarts of its
+        # attempts): no later request answered at its last attempt means nobody got through.
+        mark: list[int | None] = [None]
+        while True:
+            try:
+                return await self._attempts(prompt, dataset, max_tokens, mark)
+            except ProviderFailure as failure:
+                if failure.fatal:
+                    await self._guard.halt_account(failure)
+                    continue  # waits at the gate until resumed, then starts over
+                if is_outage_failure(failure) and await self._guard.provider_down(failure):
+                    # Not this request's fault: the provider answers nobody. Start over (the
+                    # outage halt, once published, holds it at the gate until the provider is back).
+                    log.info(
+                        "%s: %s after %d attempt(s) while the provider answers nobody; trying again",
+                        sample_key(prompt.dataset, prompt.sample_id),
+                        failure.reason,
+                        failure.attempt,
+                    )
+                    continue
+                return dead_letter_for(failure, failure.attempt)
+            except Stopped:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bug in a provider adapter is one bad prompt
+                log.exception("provider adapter failed on %s", sample_key(prompt.dataset, prompt.sample_id))
+                return DeadLetter("inference_internal_error", f"{type(exc).__name__}: {exc}")
+
+    def _backoff(self, exc: Exception) -> bool | float:
+        if isinstance(exc, ProviderFailure):
+            return backoff_for(exc, self._cfg.backoff_max_s)
+        return False
+
+    async def _attempts(
+        self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int, mark: list[int | None]
+    ) -> Paid:
+        """One provider call with retries (stamina: exponential backoff, jitter, Retry-After)."""
+        cfg, provider, outage = self._cfg, self._provider, self._guard.outage
+        async for attempt in stamina.retry_context(
+            on=self._backoff,
+            attempts=cfg.max_attempts,
+            timeout=None,
+            wait_initial=cfg.backoff_initial_s,
+            wait_max=cfg.backoff_max_s,
+            wait_jitter=cfg.backoff_initial_s,
+        ):
+            with attempt:
+                number = attempt.num
+                await self._announce(prompt, max_tokens, number)
+                inflight = INFLIGHT.labels(dataset=prompt.dataset)
+                inflight.inc()
+                t0 = time.monotonic()
+                seq = outage.begin()
+                try:
+                    result = await provider.complete(prompt, dataset, max_tokens=max_tokens)
+                except ProviderFailure as failure:
+                    failure.attempt = number
+                    REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
+                    if failure.retryable and number < cfg.max_attempts:
+                        RETRIES.labels(provider=provider.name, reason=failure.reason).inc()
+                    if is_outage_failure(failure) and mark[0] is None:
+                        mark[0] = seq
+                    failure.answered_mark = mark[0]
+                    if outage.failure(failure, seq):
+                        await self._guard.halt_outage()
+                    raise
+                finally:
+                    latency = time.monotonic() - t0
+                    inflight.dec()
+                    REQUEST_LATENCY.labels(provider=provider.name).observe(latency)
+                REQUESTS.labels(provider=provider.name, outcome="ok").inc()
+                outage.success(seq)
+                return result, number, latency
+        raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
+
+    async def _announce(self, prompt: PromptPublished, max_tokens: int, attempt: int) -> None:
+        """Pass the halt gate and publish the RequestStarted record the budget counts in flight."""
+        scopes = (prompt.dataset,)
+        key = sample_key(prompt.dataset, prompt.sample_id).encode()
+        while True:
+            await self._halts.gate(*scopes)
+            started = request_started(
+                prompt, max_tokens=max_tokens, worker=self._worker_id, attempt=attempt, now=time.time()
+            )
+            await (await self._producer.send(self._requests_topic, encode(started), key=key))
+            # A halt that arrived while the broker acknowledged must still stop this request.
+            if not self._halts.is_halted(*scopes):
+                return

@@ -1,0 +1,208 @@
+"""Whether paying is safe: pre-flight checks, outage halts and their probe, refused accounts.
+
+Before the first paid request every dataset's profile and the provider are checked; a
+failure halts the scope on ``control`` instead of paying for answers that cannot be
+used, and a halt the check published earlier is lifted once it passes. An outage
+(``provider.outage_after`` connection errors, timeouts, 5xx or 404s in a row) halts every
+worker instead of draining the topic into dead letters; a probe resumes by itself when
+the provider answers again. A 401/402 halts every worker until a person resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiokafka.errors import KafkaError
+
+from schemas import GLOBAL_SCOPE, Halt, Resume
+from services.common.config import Settings
+from services.common.metrics import PROVIDER_OUTAGES
+from services.inference.adapters.providers import Provider
+from services.inference.core import (
+    OUTAGE_ACTOR,
+    PREFLIGHT_ACTOR,
+    STAGE,
+    OutageDetector,
+    ProviderCheck,
+    ProviderFailure,
+    outage_reason,
+)
+from services.inference.halts import HaltFollower
+
+log = logging.getLogger(__name__)
+
+
+class ProviderGuard:
+    """The checks and halts around the provider that no single prompt owns."""
+
+    def __init__(self, settings: Settings, provider: Provider, halts: HaltFollower) -> None:
+        self._settings = settings
+        self._provider = provider
+        self._halts = halts
+        self.outage = OutageDetector(settings.provider.outage_after)
+        self.preflight: dict[str, ProviderCheck] = {}
+        self._checked: dict[str, bool] = {}
+        self._check_lock = asyncio.Lock()
+        self._outage_published = False
+        self._account_halt_published = False
+        self._probe: asyncio.Task[None] | None = None
+        halts.listeners.append(self._on_halts_changed)
+
+    def _on_halts_changed(self) -> None:
+        if self._halts.standing(GLOBAL_SCOPE) is None:
+            self._account_halt_published = False
+
+    # --- pre-flight ---------------------------------------------------------------------
+
+    async def check_all(self) -> None:
+        """Every configured dataset's profile, then the provider itself (reachable, key, model)."""
+        for name in sorted(self._settings.datasets):
+            await self.check_dataset(name)
+        check = await self._provider.check()
+        self.preflight[GLOBAL_SCOPE] = check
+        base = self._settings.provider.base_url
+        if check.ok:
+            log.info("pre-flight: provider %s at %s answers: %s", self._provider.name, base, check.detail or "ok")
+            await self._resume_own(GLOBAL_SCOPE, (PREFLIGHT_ACTOR, OUTAGE_ACTOR), "pre-flight passed")
+            return
+        log.error("pre-flight: provider %s at %s: %s", self._provider.name, base, check.message)
+        standing = self._halts.standing(GLOBAL_SCOPE)
+        if standing is not None and standing.by not in (PREFLIGHT_ACTOR, OUTAGE_ACTOR):
+            return  # a person's or the budget's halt stands already; it is not replaced
+        by = OUTAGE_ACTOR if check.outage else PREFLIGHT_ACTOR
+        halt = Halt(scope=GLOBAL_SCOPE, reason=f"pre-flight: {check.message}", by=by, at=time.time())
+        await self._halts.publish(halt)
+        if check.outage:
+            self._outage_published = True
+
+    def checked(self, name: str) -> bool:
+        """Whether ``name``'s profile was checked already (passed or not)."""
+        return name in self._checked
+
+    async def check_dataset(self, name: str) -> bool:
+        """Load and verify the dataset's profile once; halt the dataset when it cannot be used."""
+        async with self._check_lock:
+            if name in self._checked:
+                return self._checked[name]
+            from services.profiles import load_profile
+
+            profile = self._settings.dataset(name).profile
+            try:
+                await asyncio.to_thread(load_profile, profile, self._settings)
+            except Exception as exc:  # noqa: BLE001 - any failure to load means: do not pay for it
+                code = getattr(exc, "reason", type(exc).__name__)
+                message = f"pre-flight: dataset {name}: profile {profile!r} cannot be used ({code}): {exc}"
+                self.preflight[name] = ProviderCheck(ok=False, reason=str(code), message=message)
+                self._checked[name] = False
+                standing = self._halts.standing(name)
+                if standing is None or standing.by == PREFLIGHT_ACTOR:
+                    await self._halts.publish(Halt(scope=name, reason=message, by=PREFLIGHT_ACTOR, at=time.time()))
+                return False
+            self.preflight[name] = ProviderCheck(ok=True, detail=f"profile {profile} loaded")
+            self._checked[name] = True
+            await self._resume_own(name, (PREFLIGHT_ACTOR,), f"pre-flight passed: profile {profile} loads")
+            return True
+
+    async def _resume_own(self, scope: str, actors: tuple[str, ...], reason: str) -> None:
+        """Lift a standing halt of ``scope`` when one of ``actors`` published it (never a person's)."""
+        standing = self._halts.standing(scope)
+        if standing is not None and standing.by in actors:
+            await self._halts.publish(Resume(scope=scope, reason=reason, by=PREFLIGHT_ACTOR, at=time.time()))
+
+    # --- during the run -----------------------------------------------------------------
+
+    async def halt_account(self, failure: ProviderFailure) -> None:
+        """A 401/402 means no prompt can succeed: halt every worker until a person resumes."""
+        halt = Halt(
+            scope=GLOBAL_SCOPE,
+            reason=f"provider HTTP {failure.http_status}: {failure.message[:300]}",
+            by=STAGE,
+            at=time.time(),
+        )
+        self._halts.apply(halt)
+        if self._account_halt_published:
+            return
+        self._account_halt_published = True
+        log.error("provider refused the account (HTTP %s): halting globally", failure.http_status)
+        await self._halts.send(halt)
+
+    async def halt_outage(self) -> None:
+        """Enough outage-class failures in a row: halt every worker (the probe resumes)."""
+        if self._outage_published:
+            return
+        standing = self._halts.standing(GLOBAL_SCOPE)
+        self._outage_published = True
+        reason = outage_reason(self.outage, self._settings.provider.base_url)
+        PROVIDER_OUTAGES.labels(reason=self.outage.last.reason if self.outage.last else "unknown").inc()
+        if standing is not None:
+            log.error("provider outage while %s is halted already: %s", GLOBAL_SCOPE, reason)
+            return
+        await self._halts.publish(Halt(scope=GLOBAL_SCOPE, reason=reason, by=OUTAGE_ACTOR, at=time.time()))
+
+    async def provider_down(self, failure: ProviderFailure) -> bool:
+        """After a prompt's last attempt failed with a connection error, timeout, 5xx or 404:
+        is the provider down (wait for it), or is the failure this request's own (dead letter)?
+
+        Down while the global halt stands. Up when a request sent after this prompt's first
+        failure was answered. Otherwise a free check (``GET /models``, OpenRouter ``GET /key``)
+        decides; a failed check counts towards the outage halt.
+        """
+        if self._halts.standing(GLOBAL_SCOPE) is not None:
+            return True
+        if not self.outage.nobody_answered_since(failure):
+            return False
+        seq = self.outage.begin()
+        try:
+            check = await self._provider.check()
+        except Exception:  # noqa: BLE001 - a check that crashes says nothing about the provider
+            log.exception("provider check failed")
+            return False
+        if check.ok:
+            self.outage.success(seq)
+            return False
+        probe = ProviderFailure(reason=check.reason or "provider_connection", message=check.message, retryable=True)
+        if check.outage and self.outage.failure(probe, seq):
+            await self.halt_outage()
+        return check.outage
+
+    def start_probe(self) -> None:
+        """Probe the provider in the background while an outage halt stands."""
+        self._probe = asyncio.create_task(self._probe_loop(), name="inference-probe")
+
+    async def close(self) -> None:
+        """Stop the probe."""
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+
+    async def _probe_loop(self) -> None:
+        """While an outage halt stands, check the provider every few seconds; resume when it answers."""
+        interval = self._settings.provider.probe_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            standing = self._halts.standing(GLOBAL_SCOPE)
+            if standing is None or standing.by != OUTAGE_ACTOR:
+                self._outage_published = False if standing is None else self._outage_published
+                continue
+            try:
+                check = await self._provider.check()
+            except Exception:  # noqa: BLE001 - a probe that crashes is a probe that failed
+                log.exception("provider probe failed")
+                continue
+            if not check.ok:
+                log.warning(
+                    "provider still unavailable (%s): %s; next probe in %.0f s", check.reason, check.message, interval
+                )
+                continue
+            # The probe's answer counts as one: a prompt that still fails after it fails
+            # on its own (a dead letter), not because the provider is down.
+            self.outage.success(self.outage.begin())
+            self._outage_published = False
+            resume = Resume(scope=GLOBAL_SCOPE, reason=f"provider answers again: {check.detail or 'ok'}",
+                            by=OUTAGE_ACTOR, at=time.time())
+            try:
+                await self._halts.publish(resume)
+            except KafkaError:
+                log.exception("could not publish the resume after the outage; retrying")
