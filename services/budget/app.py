@@ -33,12 +33,12 @@ from schemas import (
     Resume,
     SchemaError,
     decode,
-    decode_control,
     encode,
 )
 from services.budget.core import Caps, Counted, Ledger
 from services.common.acls import used_topics
 from services.common.config import Settings
+from services.common.halts import HaltFollower
 from services.common.kafka import (
     DeadLetter,
     Outgoing,
@@ -64,15 +64,15 @@ from services.common.metrics import (
     STAGE_RECORDS,
     TOKENS,
 )
-from services.common.topics import read_compacted
-from services.control import control_state_from, read_budget_snapshots
+from services.control import read_budget_snapshots
 
 log = logging.getLogger(__name__)
 
 STAGE = "budget"
 # What the service consumes (schemas.topology's budget role), in the order a batch is applied:
 # requests before responses, so an answer in the same batch closes its request.
-CONSUMED = (CONTROL_TOPIC, REQUESTS_TOPIC, RESPONSES_TOPIC, DEAD_LETTER_TOPIC)
+CONSUMED = (REQUESTS_TOPIC, RESPONSES_TOPIC, DEAD_LETTER_TOPIC)
+"""Read by the budget's own consumer; ``control`` is followed by its :class:`HaltFollower`."""
 _ORDER = {topic: i for i, topic in enumerate(CONSUMED)}
 _STATE_CODE = {"running": 0, "soft-limit": 1, "halted": 2}
 
@@ -119,6 +119,9 @@ class BudgetService:
         self.ledger = ledger_for(settings)
         self.published_control: list[Halt | Resume] = []
         self._stopping = asyncio.Event()
+        # The standing halt or resume of every scope, as control events arrive (its own too).
+        self.control = HaltFollower(settings.kafka, self._stopping)
+        self.control.event_listeners.append(self.ledger.apply_control)
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._logical = {settings.kafka.topic(n): n for n in CONSUMED}
@@ -135,9 +138,7 @@ class BudgetService:
         await ensure_topics(kafka, self.settings.datasets, needed=used_topics(STAGE))
         self._producer = make_producer(kafka)
         await self._producer.start()
-        control_values, control_ends = await read_compacted(kafka, kafka.topic(CONTROL_TOPIC))
-        for event in control_state_from(control_values).values():
-            self.ledger.apply_control(event)
+        await self.control.start(self._producer)
         snapshots = await read_budget_snapshots(self.settings)
         now = self.clock()
         seek = self.ledger.restore(sorted(snapshots.values(), key=lambda s: s.scope == GLOBAL_SCOPE), now)
@@ -151,9 +152,7 @@ class BudgetService:
         consumer.assign(partitions)
         for tp in partitions:
             logical = self._logical[tp.topic]
-            if logical == CONTROL_TOPIC:
-                consumer.seek(tp, control_ends.get(tp.partition, 0))
-            elif f"{logical}:{tp.partition}" in seek:
+            if f"{logical}:{tp.partition}" in seek:
                 consumer.seek(tp, seek[f"{logical}:{tp.partition}"])
             else:
                 await consumer.seek_to_beginning(tp)
@@ -199,6 +198,7 @@ class BudgetService:
 
     async def abort(self) -> None:
         """Release the clients without a final checkpoint (what a crash leaves behind)."""
+        await self.control.close()
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -212,9 +212,6 @@ class BudgetService:
         position = f"{logical}:{record.partition}"
         now = self.clock()
         try:
-            if logical == CONTROL_TOPIC:
-                self.ledger.apply_control(decode_control(record.value))
-                return []
             if logical == DEAD_LETTER_TOPIC:
                 # Only to learn which requests ended without a response (their failed
                 # attempts cost nothing the provider reported); never dead-lettered again.
@@ -240,10 +237,6 @@ class BudgetService:
                 self._count_metrics(counted, response.model)
             return list(halts)
         except SchemaError as exc:
-            if logical == CONTROL_TOPIC:
-                # Never treated as a resume: the standing state is left as it was.
-                log.warning("control record at offset %d ignored (%s)", record.offset, exc.reason)
-                return []
             verdict = DeadLetter(exc.reason, exc.message)
             DEAD_LETTERS.labels(stage=STAGE, reason=exc.reason).inc()
             dead.append(

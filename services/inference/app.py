@@ -43,6 +43,7 @@ from schemas import PROMPTS_TOPIC_PREFIX
 from services.common.acls import used_topics
 from services.common.checkpoint import Checkpoint
 from services.common.config import KafkaSettings, Settings
+from services.common.halts import HaltFollower, Stopped
 from services.common.kafka import (
     AUTHORIZATION_ERRORS,
     access_denied,
@@ -52,13 +53,13 @@ from services.common.kafka import (
     refused_as,
     report_lag,
 )
+from services.common.metrics import HALTED
 from services.common.topics import Record, ready_partitions
 from services.inference.adapters.providers import Provider, make_http_client, make_provider
 from services.inference.answers import Answerer
 from services.inference.calls import ProviderCall
 from services.inference.core import GROUP_ID, STAGE, dataset_of_topic
 from services.inference.guard import ProviderGuard
-from services.inference.halts import HaltFollower, Stopped
 from services.inference.store import ResponseStore
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class InferenceWorker:
         self.repay = repay
         self.group_id = self._kafka.group(GROUP_ID)  # the topic prefix namespaces the group too
         self._stopping, self._abort = asyncio.Event(), asyncio.Event()
-        self.halts = HaltFollower(self._kafka, self._stopping)
+        self.halts = HaltFollower(self._kafka, self._stopping, gauge=HALTED)
         self.halts.listeners.append(self.apply_pauses)
         self.inflight = InFlight()
         self.failure: BaseException | None = None

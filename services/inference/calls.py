@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaProducer
 
 from schemas import REQUESTS_TOPIC, PromptPublished, encode, sample_key
 from services.common.config import DatasetSettings, Settings
+from services.common.halts import HaltFollower, Stopped
 from services.common.metrics import INFLIGHT, REQUEST_LATENCY, REQUESTS, RETRIES
 from services.common.records import DeadLetter
 from services.inference.adapters.providers import Provider
@@ -30,7 +31,6 @@ from services.inference.core import (
     request_started,
 )
 from services.inference.guard import ProviderGuard
-from services.inference.halts import HaltFollower, Stopped
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,10 @@ from typing import Any
 import msgspec
 
 from schemas import (
-    GLOBAL_SCOPE,
-    Halt,
     LogprobToken,
     PromptPublished,
     RequestStarted,
     ResponseReceived,
-    Resume,
     SchemaError,
     ToolCall,
     Usage,
@@ -236,31 +233,6 @@ def request_started(
         attempt=attempt,
         started_at=now,
     )
-
-
-@dataclass
-class HaltState:
-    """Which scopes stand halted, built by applying control events in topic order."""
-
-    halted: dict[str, Halt] = field(default_factory=dict)
-
-    def apply(self, event: Halt | Resume) -> bool:
-        """Apply one control event; True when the set of halted scopes changed."""
-        if isinstance(event, Halt):
-            changed = event.scope not in self.halted
-            self.halted[event.scope] = event
-            return changed
-        return self.halted.pop(event.scope, None) is not None
-
-    def is_halted(self, *datasets: str) -> bool:
-        """True when a global halt stands or any of ``datasets`` is halted."""
-        if GLOBAL_SCOPE in self.halted:
-            return True
-        return any(d in self.halted for d in datasets)
-
-    def scopes(self) -> list[str]:
-        """The halted scopes, sorted."""
-        return sorted(self.halted)
 
 
 def response_event(

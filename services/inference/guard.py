@@ -18,6 +18,7 @@ from aiokafka.errors import KafkaError
 
 from schemas import GLOBAL_SCOPE, Halt, Resume
 from services.common.config import Settings
+from services.common.halts import HaltFollower
 from services.common.metrics import PROVIDER_OUTAGES
 from services.inference.adapters.providers import Provider
 from services.inference.core import (
@@ -29,7 +30,6 @@ from services.inference.core import (
     ProviderFailure,
     outage_reason,
 )
-from services.inference.halts import HaltFollower
 
 log = logging.getLogger(__name__)
 

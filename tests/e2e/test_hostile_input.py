@@ -131,7 +131,7 @@ async def test_poison_records_become_dead_letters_and_good_ones_flow(
 
     ignored = [
         r.getMessage() for r in caplog.records
-        if r.name == "services.inference.halts" and "ignoring control record" in r.getMessage()
+        if r.name == "services.common.halts" and "ignoring control record" in r.getMessage()
     ]
     assert len(ignored) == len(CONTROL_POISON), ignored
     assert sum("unknown_action" in m for m in ignored) >= 2, ignored

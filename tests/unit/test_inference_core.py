@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from schemas import Halt, Message, PromptPublished, Resume, Usage, encode
 from services.common.checkpoint import OffsetTracker
+from services.common.halts import HaltState
 from services.common.kafka import DeadLetter
 from services.inference.core import (
-    HaltState,
     ProviderFailure,
     ProviderResult,
     backoff_for,

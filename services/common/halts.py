@@ -1,10 +1,12 @@
-"""The halts in force for one inference worker: the compacted ``control`` topic, followed.
+"""The halts in force: the compacted ``control`` topic, read to its end, then followed.
 
-Read to its end before the first prompt is fetched (a standing halt holds from the
-start), then followed by its own consumer, so a halt reaches a worker while every
-request slot is busy. The worker's own control events (the pre-flight's, the outage
-probe's, a refused account's) are applied here at once and then published for every
-other worker. :meth:`HaltFollower.gate` is where a request waits while its scope is halted.
+Each inference worker and the budget service hold one. A worker reads ``control`` to its
+end before the first prompt is fetched (a standing halt holds from the start) and follows
+it with its own consumer, so a halt reaches a worker while every request slot is busy;
+its requests wait at :meth:`HaltFollower.gate`. Its own control events (the pre-flight's,
+the outage probe's, a refused account's) are applied here at once and then published for
+every other worker. The budget listens to every event (``event_listeners``) to know
+which halts are its own and which a person published.
 """
 
 from __future__ import annotations
@@ -13,18 +15,43 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
+from prometheus_client import Gauge
 
 from schemas import CONTROL_TOPIC, GLOBAL_SCOPE, Halt, Resume, SchemaError, decode_control, encode
 from services.common.config import KafkaSettings
 from services.common.kafka import make_consumer
-from services.common.metrics import HALTED
 from services.common.topics import Record, catch_up, ready_partitions
-from services.inference.core import HaltState
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class HaltState:
+    """Which scopes stand halted, built by applying control events in topic order."""
+
+    halted: dict[str, Halt] = field(default_factory=dict)
+
+    def apply(self, event: Halt | Resume) -> bool:
+        """Apply one control event; True when the set of halted scopes changed."""
+        if isinstance(event, Halt):
+            changed = event.scope not in self.halted
+            self.halted[event.scope] = event
+            return changed
+        return self.halted.pop(event.scope, None) is not None
+
+    def is_halted(self, *datasets: str) -> bool:
+        """True when a global halt stands or any of ``datasets`` is halted."""
+        if GLOBAL_SCOPE in self.halted:
+            return True
+        return any(d in self.halted for d in datasets)
+
+    def scopes(self) -> list[str]:
+        """The halted scopes, sorted."""
+        return sorted(self.halted)
 
 
 class Stopped(Exception):  # noqa: N818 - control flow: the worker is stopping, not an error
@@ -34,13 +61,16 @@ class Stopped(Exception):  # noqa: N818 - control flow: the worker is stopping, 
 class HaltFollower:
     """Which scopes stand halted here, kept current from ``control``; the gate requests pass."""
 
-    def __init__(self, kafka: KafkaSettings, stopping: asyncio.Event) -> None:
+    def __init__(self, kafka: KafkaSettings, stopping: asyncio.Event, *, gauge: Gauge | None = None) -> None:
         self._kafka = kafka
+        self._gauge = gauge
         self._topic = kafka.topic(CONTROL_TOPIC)
         self._stopping = stopping
         self.state = HaltState()
         self.listeners: list[Callable[[], None]] = []
         """Called after every change of the halted scopes (pauses, flags of the callers)."""
+        self.event_listeners: list[Callable[[Halt | Resume], None]] = []
+        """Called with every well-formed event read from the topic, in topic order."""
         self._changed = asyncio.Event()
         self._gauge_scopes: set[str] = {GLOBAL_SCOPE}
         self._consumer: AIOKafkaConsumer | None = None
@@ -149,6 +179,8 @@ class HaltFollower:
                 exc.message,
             )
             return False
+        for listener in self.event_listeners:
+            listener(event)
         changed = self.state.apply(event)
         if changed:
             log.warning("%s %s (by %s): %s", type(event).__name__.lower(), event.scope, event.by or "?", event.reason)
@@ -156,9 +188,10 @@ class HaltFollower:
 
     def _changed_now(self) -> None:
         halted = set(self.state.scopes())
-        for scope in self._gauge_scopes | halted:
-            HALTED.labels(scope=scope).set(1 if scope in halted else 0)
-        self._gauge_scopes |= halted
+        if self._gauge is not None:
+            for scope in self._gauge_scopes | halted:
+                self._gauge.labels(scope=scope).set(1 if scope in halted else 0)
+            self._gauge_scopes |= halted
         for listener in self.listeners:
             listener()
         self.wake()
