@@ -16,14 +16,12 @@ from aiokafka import AIOKafkaProducer, ConsumerRecord
 
 from schemas import (
     ACCEPTED_TOPIC,
-    SAMPLES_TOPIC,
     SampleAudited,
     SampleReconstructed,
     SchemaError,
     decode,
     encode,
     encode_forwarding,
-    topology,
 )
 from services.audit.core import AuditProfile, audit_batch, failure_message
 from services.common.config import AuditThresholds, Settings
@@ -34,7 +32,6 @@ from services.common.stage import Result, RunnerService, StageRunner
 log = logging.getLogger(__name__)
 
 STAGE = "audit"
-GROUP_ID = topology.GROUPS[STAGE]
 
 ProfileLoader = Callable[[str], AuditProfile]
 
@@ -84,14 +81,7 @@ class AuditService(RunnerService):
         self.profiles = profiles or default_profile_loader(settings)
         self.clock = clock
         self.accepted_topic = settings.kafka.topic(ACCEPTED_TOPIC)
-        self.runner = StageRunner(
-            settings=settings,
-            stage=STAGE,
-            topics=[settings.kafka.topic(SAMPLES_TOPIC)],
-            group_id=settings.kafka.group(GROUP_ID),
-            handler=self.handle,
-            producer=producer,
-        )
+        self.runner = StageRunner.of_stage(settings, STAGE, self.handle, producer=producer)
 
     async def handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
         """Decide every record of a batch: outputs for passing samples, dead letters otherwise."""

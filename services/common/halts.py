@@ -12,7 +12,6 @@ which halts are its own and which a person published.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from prometheus_client import Gauge
 from schemas import CONTROL_TOPIC, GLOBAL_SCOPE, Halt, Resume, SchemaError, decode_control, encode
 from services.common.config import KafkaSettings
 from services.common.kafka import make_consumer
+from services.common.service import release
 from services.common.topics import Record, catch_up, ready_partitions
 
 log = logging.getLogger(__name__)
@@ -93,13 +93,8 @@ class HaltFollower:
 
     async def close(self) -> None:
         """Stop following and release the consumer."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        if self._consumer is not None:
-            with contextlib.suppress(Exception):
-                await self._consumer.stop()
+        await release(self._task, self._consumer)
+        self._task = self._consumer = None
 
     def is_halted(self, *scopes: str) -> bool:
         """True when a global halt stands or any of ``scopes`` is halted."""

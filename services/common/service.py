@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
@@ -156,3 +156,21 @@ def run_from_cli(
     asyncio.run(
         run_service(lambda: build(settings), name=name, metrics_port=port, metrics_host=settings.metrics.host)
     )
+
+
+async def release(*things: Any) -> None:
+    """Let go of background tasks and clients, in order: a task is cancelled and awaited, a
+    client stopped (``stop()``, or ``aclose()`` for an HTTP client); ``None`` is skipped.
+    A failure to let go is logged, never raised: releasing is what a shutdown does last."""
+    for thing in things:
+        if thing is None:
+            continue
+        if isinstance(thing, asyncio.Task):
+            thing.cancel()
+            await asyncio.gather(thing, return_exceptions=True)
+            continue
+        close = getattr(thing, "aclose", None) or thing.stop
+        try:
+            await close()
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.warning("could not release %s", type(thing).__name__, exc_info=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 
-from schemas import DEAD_LETTER_TOPIC
+from schemas import DEAD_LETTER_TOPIC, topology
 from services.common.checkpoint import Checkpoint
 from services.common.config import Settings
 from services.common.kafka import (
@@ -66,6 +66,21 @@ class StageRunner:
     handler: BatchHandler
     producer: AIOKafkaProducer | None = None
     pattern: str | None = None
+
+    @classmethod
+    def of_stage(
+        cls, settings: Settings, stage: str, handler: BatchHandler, *, producer: AIOKafkaProducer | None = None
+    ) -> StageRunner:
+        """The runner of a pipeline stage: its input topic and consumer group from the topology."""
+        kafka = settings.kafka
+        return cls(
+            settings=settings,
+            stage=stage,
+            topics=[kafka.topic(topology.STAGE_INPUT[stage])],
+            group_id=kafka.group(topology.GROUPS[stage]),
+            handler=handler,
+            producer=producer,
+        )
 
     def __post_init__(self) -> None:
         self._stopping = asyncio.Event()

@@ -54,6 +54,7 @@ from services.common.kafka import (
     report_lag,
 )
 from services.common.metrics import HALTED
+from services.common.service import release
 from services.common.topics import Record, ready_partitions
 from services.inference.adapters.providers import Provider, make_http_client, make_provider
 from services.inference.answers import Answerer
@@ -159,7 +160,7 @@ class InferenceWorker:
         await self.halts.close()
         if self.store is not None:
             await self.store.close()
-        await _release(self._consumer, self._producer, self._http if self._own_http else None)
+        await release(self._consumer, self._producer, self._http if self._own_http else None)
 
     async def run(self) -> None:
         """Fetch prompts while there is room in flight; commit the completed prefix."""
@@ -342,14 +343,6 @@ def _failure_of(exc: Exception, record: Record, kafka: KafkaSettings) -> BaseExc
         return access_denied(exc, kafka, "WRITE")
     log.exception("inference failed on %s:%d@%d", record.topic, record.partition, record.offset)
     return exc
-
-
-async def _release(*clients: AIOKafkaConsumer | AIOKafkaProducer | httpx.AsyncClient | None) -> None:
-    """Stop Kafka clients and close an HTTP client; a failure to let go is not worth raising."""
-    for client in clients:
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await (client.aclose() if isinstance(client, httpx.AsyncClient) else client.stop())
 
 
 def _started(obj: T | None) -> T:

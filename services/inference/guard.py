@@ -20,6 +20,7 @@ from schemas import GLOBAL_SCOPE, Halt, Resume
 from services.common.config import Settings
 from services.common.halts import HaltFollower
 from services.common.metrics import PROVIDER_OUTAGES
+from services.common.service import release
 from services.inference.adapters.providers import Provider
 from services.inference.core import (
     OUTAGE_ACTOR,
@@ -173,9 +174,7 @@ class ProviderGuard:
 
     async def close(self) -> None:
         """Stop the probe."""
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
+        await release(self._probe)
 
     async def _probe_loop(self) -> None:
         """While an outage halt stands, check the provider every few seconds; resume when it answers."""

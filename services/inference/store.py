@@ -29,6 +29,7 @@ from aiokafka.errors import KafkaError
 from schemas import RESPONSE_STORE_TOPIC, ResponseReceived, SchemaError, decode, encode
 from services.common.config import KafkaSettings
 from services.common.kafka import make_consumer
+from services.common.service import release
 from services.common.topics import Record, catch_up
 
 log = logging.getLogger(__name__)
@@ -84,14 +85,7 @@ class ResponseStore:
 
     async def close(self) -> None:
         """Stop following and release the consumers."""
-        if self._follow_task is not None:
-            self._follow_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._follow_task
-        for consumer in (self._follower, self._fetcher):
-            if consumer is not None:
-                with contextlib.suppress(Exception):
-                    await consumer.stop()
+        await release(self._follow_task, self._follower, self._fetcher)
 
     async def _poll(self, consumer: AIOKafkaConsumer) -> None:
         batches = await consumer.getmany(timeout_ms=500)

@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from aiokafka import ConsumerRecord
 
 from schemas import (
-    RESPONSES_TOPIC,
     SAMPLES_TOPIC,
     ResponseReceived,
     SchemaError,
@@ -17,7 +16,6 @@ from schemas import (
     encode,
     encode_forwarding,
     sample_key,
-    topology,
 )
 from services.common.config import Settings
 from services.common.kafka import DeadLetter, Outgoing
@@ -30,7 +28,6 @@ from services.reconstruct.core import reconstruct_batch
 log = logging.getLogger(__name__)
 
 STAGE = "reconstruct"
-GROUP_ID = topology.GROUPS[STAGE]
 
 
 class ProfileCache:
@@ -122,13 +119,7 @@ class ReconstructService(RunnerService):
         self.settings = settings
         self.profiles = ProfileCache(settings, profiles)
         self._samples_topic = settings.kafka.topic(SAMPLES_TOPIC)
-        self.runner = StageRunner(
-            settings=settings,
-            stage=STAGE,
-            topics=[settings.kafka.topic(RESPONSES_TOPIC)],
-            group_id=settings.kafka.group(GROUP_ID),
-            handler=self._handle,
-        )
+        self.runner = StageRunner.of_stage(settings, STAGE, self._handle)
 
     async def _handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
         # Tokenizing is CPU work: keep the event loop (and the consumer heartbeat) free.

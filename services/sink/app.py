@@ -28,7 +28,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord
 
-from schemas import ACCEPTED_TOPIC, SampleAudited, SchemaError, decode, topology
+from schemas import SampleAudited, SchemaError, decode, topology
 from services.common.config import Settings
 from services.common.kafka import DeadLetter
 from services.common.stage import Result, RunnerService, StageRunner
@@ -61,14 +61,7 @@ class SinkService(RunnerService):
         self.io = AsyncShardWriter(self.writer)
         self.lock = OutputLock(self.writer.out_dir)
         self.scan_report: ScanReport | None = None
-        self.runner = StageRunner(
-            settings=settings,
-            stage=STAGE,
-            topics=[settings.kafka.topic(ACCEPTED_TOPIC)],
-            group_id=settings.kafka.group(GROUP_ID),
-            handler=self.handle,
-            producer=producer,
-        )
+        self.runner = StageRunner.of_stage(settings, STAGE, self.handle, producer=producer)
 
     async def handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
         """Write the batch's rows durably; dead-letter what is not an accepted sample."""
