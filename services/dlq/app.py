@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 from aiokafka import ConsumerRecord
 
@@ -29,6 +29,7 @@ from services.dlq.core import (
     DeadLetterRecord,
     Filters,
     PlannedReplay,
+    ReplayPlan,
     plan_replay,
 )
 
@@ -97,17 +98,16 @@ async def list_topics(kafka: KafkaSettings) -> set[str]:
 
 
 @dataclass
-class ReplayReport:
+class ReplayReport(ReplayPlan):
     """What a replay did (or, with ``dry_run``, would do) with each matching dead letter."""
 
-    replayed: list[PlannedReplay] = field(default_factory=list)
-    already_replayed: list[DeadLetterRecord] = field(default_factory=list)
-    over_max_replays: list[DeadLetterRecord] = field(default_factory=list)
-    missing_topic: list[tuple[DeadLetterRecord, str]] = field(default_factory=list)
-    no_target: list[DeadLetterRecord] = field(default_factory=list)
-    wrong_kind: list[DeadLetterRecord] = field(default_factory=list)
     matched: int = 0
     dry_run: bool = False
+
+    @property
+    def replayed(self) -> list[PlannedReplay]:
+        """The dead letters sent again (or that would be, on a dry run)."""
+        return self.send
 
 
 async def replay(
@@ -135,16 +135,8 @@ async def replay(
         to=to,
         max_replays=max_replays,
     )
-    report = ReplayReport(
-        replayed=plan.send,
-        already_replayed=plan.already_replayed,
-        over_max_replays=plan.over_max_replays,
-        missing_topic=plan.missing_topic,
-        no_target=plan.no_target,
-        wrong_kind=plan.wrong_kind,
-        matched=len(records),
-        dry_run=dry_run,
-    )
+    lists = {f.name: getattr(plan, f.name) for f in fields(plan)}
+    report = ReplayReport(**lists, matched=len(records), dry_run=dry_run)
     if dry_run or not plan.send:
         return report
 
