@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord
@@ -86,6 +87,7 @@ class AuditService(RunnerService):
     async def handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
         """Decide every record of a batch: outputs for passing samples, dead letters otherwise."""
         results: list[Result | None] = [None] * len(records)
+        checks: Counter[tuple[str, str, str]] = Counter()  # (dataset, check, result): one inc per batch
         groups: dict[str, list[tuple[int, SampleReconstructed]]] = {}
         for i, record in enumerate(records):
             try:
@@ -122,7 +124,11 @@ class AuditService(RunnerService):
             for (i, sample), verdict in zip(members, audited, strict=True):
                 if verdict is None:
                     continue
+                checks.update((verdict.dataset, r.code, "pass" if r.passed else "fail") for r in verdict.results)
                 results[i] = self._route(records[i], verdict, forward=verdict.sample is sample)
+        # Counted per batch: a labels() lookup per check and sample cost more than the checks.
+        for (dataset, code, outcome), n in checks.items():
+            AUDIT_CHECKS.labels(dataset=dataset, check=code, result=outcome).inc(n)
         return [r if r is not None else DeadLetter("internal_error", "no verdict") for r in results]
 
     def settings_thresholds(self, dataset: str) -> AuditThresholds:
@@ -131,9 +137,6 @@ class AuditService(RunnerService):
 
     def _route(self, record: ConsumerRecord[bytes, bytes], verdict: SampleAudited, *, forward: bool) -> Result:
         """Dead letter or ``accepted`` record; ``forward``: the verdict's sample is the one decoded from ``record``."""
-        for r in verdict.results:
-            AUDIT_CHECKS.labels(dataset=verdict.dataset, check=r.code,
-                                result="pass" if r.passed else "fail").inc()
         if not verdict.passed:
             return DeadLetter(verdict.reasons[0], failure_message(verdict), reasons=tuple(verdict.reasons))
         ACCEPTED.labels(dataset=verdict.dataset).inc()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol
 
 from schemas import CheckResult, SampleAudited, SampleReconstructed
@@ -153,8 +154,15 @@ def _ok(code: str, passed: bool, message: str = "", value: float | None = None) 
     return CheckResult(code=code, passed=passed, message=message, value=value)
 
 
+def _within(ids: Sequence[int], size: int) -> bool:
+    """Every id in ``range(size)`` (min and max run in C; a sample holds up to tens of thousands)."""
+    return not ids or (min(ids) >= 0 and max(ids) < size)
+
+
 def check_ids_in_vocab(p: Prepared, profile: AuditProfile) -> CheckResult:
     """Every prompt and output id is inside the tokenizer's vocabulary."""
+    if _within(p.sample.prompt_ids, profile.vocab_size) and _within(p.sample.output_ids, profile.vocab_size):
+        return _ok(IDS_IN_VOCAB, True)
     bad = [i for i in (*p.sample.prompt_ids, *p.sample.output_ids) if not 0 <= i < profile.vocab_size]
     if bad:
         return _ok(IDS_IN_VOCAB, False, f"{len(bad)} id(s) outside vocab {profile.vocab_size}, e.g. {bad[0]}",
@@ -255,12 +263,17 @@ def check_reasoning_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult 
     if state == "closed" or (state == "none" and not profile.thinks()):
         return None  # thinking is off for this prompt: there is no reasoning to require
     text = p.sample.response.reasoning
-    if not text.strip() and p.decoded is not None and profile.think_end:
+    if _blank(text) and p.decoded is not None and profile.think_end:
         text = p.decoded.split(profile.think_end, 1)[0] if profile.think_end in p.decoded else ""
         if profile.think_start:
             text = text.replace(profile.think_start, "")  # the block's own opener is not reasoning
-    ok = bool(text.strip())
+    ok = not _blank(text)
     return _ok(REASONING_NONEMPTY, ok, "" if ok else "reasoning is empty")
+
+
+def _blank(text: str) -> bool:
+    """``not text.strip()`` without copying the text."""
+    return not text or text.isspace()
 
 
 def _answer_text(p: Prepared, profile: AuditProfile) -> str:
@@ -274,7 +287,7 @@ def check_content_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult | 
     """The answer (content or a tool call) after the reasoning is not blank (truncation: finish_stop's job)."""
     if p.sample.response.finish_reason == "length":
         return None
-    ok = bool(_answer_text(p, profile).strip()) or bool(p.sample.response.tool_calls)
+    ok = not _blank(_answer_text(p, profile)) or bool(p.sample.response.tool_calls)
     return _ok(CONTENT_NONEMPTY, ok, "" if ok else "no content and no tool call")
 
 
@@ -389,20 +402,26 @@ def parse_tool_tokens(ids: Sequence[int], roles: dict[int, str]) -> tuple[int, s
     return calls, ""
 
 
+@lru_cache(maxsize=32)
+def _roles(tool_tokens: tuple[tuple[str, int], ...]) -> dict[int, str]:
+    return tool_token_roles(dict(tool_tokens))
+
+
 def check_tool_calls_well_formed(p: Prepared, profile: AuditProfile) -> CheckResult | None:
     """Tool-call tokens balanced, well formed, matching the structured calls, only if tools offered."""
-    roles = tool_token_roles(profile.tool_tokens)
+    roles = _roles(tuple(profile.tool_tokens.items()))  # read only: shared between samples
     r = p.sample.response
     if not roles:
         if r.tool_calls:
             return _ok(TOOL_CALLS_WELL_FORMED, False,
                        f"{len(r.tool_calls)} tool call(s) but profile {profile.name} has no tool tokens")
         return None
-    present = any(i in roles for i in p.sample.output_ids)
+    present = not roles.keys().isdisjoint(p.sample.output_ids)
     if present and not r.prompt.tools:
         return _ok(TOOL_CALLS_WELL_FORMED, False,
                    "tool-call tokens in output but the prompt offered no tools")
-    calls, error = parse_tool_tokens(p.sample.output_ids, roles)
+    # Without any tool token the parse has nothing to look at: no calls, well formed.
+    calls, error = parse_tool_tokens(p.sample.output_ids, roles) if present else (0, "")
     if error:
         return _ok(TOOL_CALLS_WELL_FORMED, False, error)
     if r.tool_calls and calls != len(r.tool_calls):
@@ -520,7 +539,7 @@ def _thresholds(t: ThresholdsFor, dataset: str) -> Thresholds:
 
 
 def _in_vocab(sample: SampleReconstructed, vocab_size: int) -> bool:
-    return all(0 <= i < vocab_size for i in sample.output_ids)
+    return _within(sample.output_ids, vocab_size)
 
 
 def prepare_batch(

@@ -381,10 +381,12 @@ def _check_output_ids(plan: _Plan, ids: list[int], profile: ReconstructProfile) 
         allowed.add(profile.think_end_id)
     if profile.think_start_id is not None and layout.think_start:
         allowed.add(profile.think_start_id)
-    for i in ids:
-        if i in profile.special_ids and i not in allowed:
-            (text,) = profile.token_strings([i])
-            return DeadLetter(SPECIAL_TOKEN_IN_TEXT, f"the text contains the special token {text!r} (id {i})")
+    # Set operations in C first; the first offending id in order only when there is one.
+    if not profile.special_ids.isdisjoint(ids) and not (profile.special_ids.intersection(ids) <= allowed):
+        for i in ids:
+            if i in profile.special_ids and i not in allowed:
+                (text,) = profile.token_strings([i])
+                return DeadLetter(SPECIAL_TOKEN_IN_TEXT, f"the text contains the special token {text!r} (id {i})")
     expected = (
         (profile.think_start_id, int(layout.think_start), "think-start"),
         (profile.think_end_id, int(layout.think_end), "think-end"),

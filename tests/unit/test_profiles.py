@@ -483,3 +483,28 @@ def test_kimi_from_a_toml_section(tmp_path: Path) -> None:
     p = load_profile("kimi-k2-thinking", load_settings(config))
     assert p.think_end_id == 163607 and p.tool_format == "kimi"
     assert p.encode("<think>x</think>") == [163606, ord("x"), 163607]
+
+
+def test_large_tiktoken_batches_split_over_threads_give_the_ids_of_one_by_one() -> None:
+    """A batch past PARALLEL_MIN_WORK goes to the thread pool in chunks; order and ids stay those of a loop."""
+    from services.profiles import backends
+
+    profile = qwen()
+    texts = [f"{i} " + "The quick brown fox jumps over the lazy dog. " * (40 + i % 7) for i in range(300)]
+    assert sum(map(len, texts)) >= backends.PARALLEL_MIN_WORK
+    ids = profile.encode_batch(texts)
+    assert ids == [profile.encode(t) for t in texts]
+    assert profile.decode_batch(ids) == texts
+    assert profile.encode_batch(texts[:3]) == ids[:3]  # small batches stay on the calling thread
+
+
+def test_balanced_slices_cover_every_item_once_in_order() -> None:
+    """Consecutive slices, no item lost or repeated, at most `parts` of them."""
+    from services.profiles.backends import _balanced_slices
+
+    for weights in ([5], [1, 1, 1, 1], [100, 1, 1, 1, 1, 1], [1, 1, 1, 1, 100], list(range(1, 50))):
+        for parts in (1, 2, 3, 4):
+            slices = _balanced_slices(weights, parts)
+            assert len(slices) <= parts
+            covered = [i for s in slices for i in range(len(weights))[s]]
+            assert covered == list(range(len(weights)))
