@@ -7,17 +7,24 @@ its requests wait at :meth:`HaltFollower.gate`. Its own control events (the pre-
 the outage probe's, a refused account's) are applied here at once and then published for
 every other worker. The budget listens to every event (``event_listeners``) to know
 which halts are its own and which a person published.
+
+The following runs on a thread of its own (its own event loop and consumer). A worker
+with thousands of requests in flight keeps its event loop saturated, and a halt read
+there waited seconds behind them; on its own thread the halt lands in the shared
+:class:`HaltState` within a GIL switch, where the provider client asks it before writing
+each request (``may_send``). The rest of a change (listeners, gauges, waking the gate)
+is handed to the main event loop, in topic order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
 from prometheus_client import Gauge
 
 from schemas import CONTROL_TOPIC, GLOBAL_SCOPE, Halt, Resume, SchemaError, decode_control, encode
@@ -73,28 +80,39 @@ class HaltFollower:
         """Called with every well-formed event read from the topic, in topic order."""
         self._changed = asyncio.Event()
         self._gauge_scopes: set[str] = {GLOBAL_SCOPE}
-        self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._lock = threading.Lock()  # the state is written by the follower thread and the loop
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, producer: AIOKafkaProducer) -> None:
-        """Read ``control`` to its end, then follow it in the background."""
+        """Read ``control`` to its end, then follow it on a thread of its own."""
         self._producer = producer
         consumer = make_consumer(self._kafka, group_id=None)
-        self._consumer = consumer
         await consumer.start()
-        tps = [TopicPartition(self._topic, p) for p in await ready_partitions(self._kafka, self._topic)]
-        consumer.assign(tps)
-        await catch_up(consumer, tps, self._apply_record, past_end=True)
+        try:
+            tps = [TopicPartition(self._topic, p) for p in await ready_partitions(self._kafka, self._topic)]
+            consumer.assign(tps)
+            await catch_up(consumer, tps, self._apply_record, past_end=True)
+            positions = {tp: await consumer.position(tp) for tp in tps}
+        finally:
+            await consumer.stop()
         # The global gauge exists from the start (0 unless halted), so the "halt in force"
         # annotation and alert see a series on a run that never halts.
         self._changed_now()
-        self._task = asyncio.create_task(self._follow(), name="inference-control")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._follow(positions),), name="control-follower", daemon=True
+        )
+        self._thread.start()
 
     async def close(self) -> None:
-        """Stop following and release the consumer."""
-        await release(self._task, self._consumer)
-        self._task = self._consumer = None
+        """Stop following (the thread ends within one poll) and wait for it."""
+        self._closing.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+            self._thread = None
 
     def is_halted(self, *scopes: str) -> bool:
         """True when a global halt stands or any of ``scopes`` is halted."""
@@ -124,7 +142,8 @@ class HaltFollower:
 
     def apply(self, event: Halt | Resume) -> bool:
         """Apply an event here at once; True when the halted scopes changed."""
-        changed = self.state.apply(event)
+        with self._lock:
+            changed = self.state.apply(event)
         if changed:
             self._changed_now()
         return changed
@@ -144,26 +163,62 @@ class HaltFollower:
             raise RuntimeError("start() the halt follower first")
         await (await self._producer.send(self._topic, encode(event), key=event.scope.encode()))
 
-    async def _follow(self) -> None:
-        consumer = self._consumer
-        assert consumer is not None  # noqa: S101 - start() assigned it
-        while True:
+    async def _follow(self, positions: dict[TopicPartition, int]) -> None:
+        """The follower thread's loop: its own consumer, from where the start-up read ended."""
+        consumer: AIOKafkaConsumer | None = None
+        while not self._closing.is_set():
             try:
-                batches = await consumer.getmany(timeout_ms=500)
-            except KafkaError:
-                log.exception("control consumer failed; retrying")
+                if consumer is None:
+                    consumer = make_consumer(self._kafka, group_id=None)
+                    await consumer.start()
+                    consumer.assign(list(positions))
+                    for tp, offset in positions.items():
+                        consumer.seek(tp, offset)
+                batches = await consumer.getmany(timeout_ms=200)
+            except Exception:  # noqa: BLE001 - the follower must outlive any broker trouble
+                log.exception("control follower failed; retrying")
+                await release(consumer)
+                consumer = None
                 await asyncio.sleep(1.0)
                 continue
-            changed = False
-            for records in batches.values():
+            for tp, records in batches.items():
                 for record in records:
-                    changed |= self._apply_record(record)
-            if changed:
-                self._changed_now()
+                    positions[tp] = record.offset + 1
+                    event = self._decode(record)
+                    if event is None:
+                        continue
+                    with self._lock:
+                        changed = self.state.apply(event)
+                    try:
+                        self._loop.call_soon_threadsafe(self._deliver, event, changed)  # type: ignore[union-attr]
+                    except RuntimeError:  # the main loop is closed: the process is ending
+                        self._closing.set()
+        await release(consumer)
+
+    def _deliver(self, event: Halt | Resume, changed: bool) -> None:
+        """On the main loop: what an event read by the follower thread means beyond the state."""
+        for listener in self.event_listeners:
+            listener(event)
+        if changed:
+            self._log_change(event)
+            self._changed_now()
 
     def _apply_record(self, record: Record) -> bool:
+        event = self._decode(record)
+        if event is None:
+            return False
+        for listener in self.event_listeners:
+            listener(event)
+        with self._lock:
+            changed = self.state.apply(event)
+        if changed:
+            self._log_change(event)
+        return changed
+
+    @staticmethod
+    def _decode(record: Record) -> Halt | Resume | None:
         try:
-            event = decode_control(record.value)
+            return decode_control(record.value)
         except SchemaError as exc:
             log.warning(
                 "ignoring control record at %s:%d offset %d: %s (%s)",
@@ -173,13 +228,11 @@ class HaltFollower:
                 exc.reason,
                 exc.message,
             )
-            return False
-        for listener in self.event_listeners:
-            listener(event)
-        changed = self.state.apply(event)
-        if changed:
-            log.warning("%s %s (by %s): %s", type(event).__name__.lower(), event.scope, event.by or "?", event.reason)
-        return changed
+            return None
+
+    @staticmethod
+    def _log_change(event: Halt | Resume) -> None:
+        log.warning("%s %s (by %s): %s", type(event).__name__.lower(), event.scope, event.by or "?", event.reason)
 
     def _changed_now(self) -> None:
         halted = set(self.state.scopes())
