@@ -91,6 +91,7 @@ from services.inference.core import (
     PREFLIGHT_ACTOR,
     STAGE,
     HaltState,
+    NotSent,
     OffsetTracker,
     OutageDetector,
     ProviderCheck,
@@ -739,6 +740,8 @@ class InferenceWorker:
                     continue
                 await self._dead_letter(record, failure_verdict(failure), dataset=prompt.dataset)
                 return
+            except NotSent:
+                continue  # a halt came before the request went out: back to the gate, nothing paid
             except _Stopped:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug in a provider adapter is one bad prompt
@@ -826,7 +829,12 @@ class InferenceWorker:
                 t0 = time.monotonic()
                 seq = self._outage.begin()
                 try:
-                    result = await provider.complete(prompt, dataset, max_tokens=max_tokens)
+                    result = await provider.complete(
+                        prompt,
+                        dataset,
+                        max_tokens=max_tokens,
+                        may_send=lambda: not self._halts.is_halted(*scopes) and not self._stopping.is_set(),
+                    )
                 except ProviderFailure as failure:
                     failure.attempt = number
                     REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
