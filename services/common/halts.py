@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 from prometheus_client import Gauge
 
 from schemas import CONTROL_TOPIC, GLOBAL_SCOPE, Halt, Resume, SchemaError, decode_control, encode
@@ -87,25 +87,22 @@ class HaltFollower:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, producer: AIOKafkaProducer) -> None:
-        """Read ``control`` to its end, then follow it on a thread of its own."""
+        """Read ``control`` to its end, then go on following it, on a thread of its own.
+
+        Returns once the standing state is read (and every event of it delivered here).
+        """
         self._producer = producer
-        consumer = make_consumer(self._kafka, group_id=None)
-        await consumer.start()
-        try:
-            tps = [TopicPartition(self._topic, p) for p in await ready_partitions(self._kafka, self._topic)]
-            consumer.assign(tps)
-            await catch_up(consumer, tps, self._apply_record, past_end=True)
-            positions = {tp: await consumer.position(tp) for tp in tps}
-        finally:
-            await consumer.stop()
+        self._loop = loop = asyncio.get_running_loop()
+        tps = [TopicPartition(self._topic, p) for p in await ready_partitions(self._kafka, self._topic)]
+        caught_up: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._follow(tps, caught_up),), name="control-follower", daemon=True
+        )
+        self._thread.start()
+        await caught_up
         # The global gauge exists from the start (0 unless halted), so the "halt in force"
         # annotation and alert see a series on a run that never halts.
         self._changed_now()
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(
-            target=asyncio.run, args=(self._follow(positions),), name="control-follower", daemon=True
-        )
-        self._thread.start()
 
     async def close(self) -> None:
         """Stop following (the thread ends within one poll) and wait for it."""
@@ -117,6 +114,11 @@ class HaltFollower:
     def is_halted(self, *scopes: str) -> bool:
         """True when a global halt stands or any of ``scopes`` is halted."""
         return self.state.is_halted(*scopes)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the owner is stopping (no request should start)."""
+        return self._stopping.is_set()
 
     def standing(self, scope: str) -> Halt | None:
         """The halt standing for ``scope`` exactly (not counting the global one), if any."""
@@ -163,15 +165,25 @@ class HaltFollower:
             raise RuntimeError("start() the halt follower first")
         await (await self._producer.send(self._topic, encode(event), key=event.scope.encode()))
 
-    async def _follow(self, positions: dict[TopicPartition, int]) -> None:
-        """The follower thread's loop: its own consumer, from where the start-up read ended."""
-        consumer: AIOKafkaConsumer | None = None
+    async def _follow(self, tps: list[TopicPartition], caught_up: asyncio.Future[None]) -> None:
+        """The follower thread: read to the end (then ``caught_up``), follow until closed."""
+        consumer = make_consumer(self._kafka, group_id=None)
+        try:
+            await consumer.start()
+            consumer.assign(tps)
+            await catch_up(consumer, tps, self._take, past_end=True)
+        except Exception as exc:  # noqa: BLE001 - handed to start(), which raises it
+            await release(consumer)
+            self._call_main(_settle, caught_up, exc)
+            return
+        self._call_main(_settle, caught_up, None)
+        positions = {tp: await consumer.position(tp) for tp in tps}
         while not self._closing.is_set():
             try:
                 if consumer is None:
                     consumer = make_consumer(self._kafka, group_id=None)
                     await consumer.start()
-                    consumer.assign(list(positions))
+                    consumer.assign(tps)
                     for tp, offset in positions.items():
                         consumer.seek(tp, offset)
                 batches = await consumer.getmany(timeout_ms=200)
@@ -184,16 +196,23 @@ class HaltFollower:
             for tp, records in batches.items():
                 for record in records:
                     positions[tp] = record.offset + 1
-                    event = self._decode(record)
-                    if event is None:
-                        continue
-                    with self._lock:
-                        changed = self.state.apply(event)
-                    try:
-                        self._loop.call_soon_threadsafe(self._deliver, event, changed)  # type: ignore[union-attr]
-                    except RuntimeError:  # the main loop is closed: the process is ending
-                        self._closing.set()
+                    self._take(record)
         await release(consumer)
+
+    def _take(self, record: Record) -> None:
+        """On the follower thread: the state at once, the rest handed to the main loop."""
+        event = self._decode(record)
+        if event is None:
+            return
+        with self._lock:
+            changed = self.state.apply(event)
+        self._call_main(self._deliver, event, changed)
+
+    def _call_main(self, callback: Callable[..., object], *args: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)  # type: ignore[union-attr]
+        except RuntimeError:  # the main loop is closed: the process is ending
+            self._closing.set()
 
     def _deliver(self, event: Halt | Resume, changed: bool) -> None:
         """On the main loop: what an event read by the follower thread means beyond the state."""
@@ -202,18 +221,6 @@ class HaltFollower:
         if changed:
             self._log_change(event)
             self._changed_now()
-
-    def _apply_record(self, record: Record) -> bool:
-        event = self._decode(record)
-        if event is None:
-            return False
-        for listener in self.event_listeners:
-            listener(event)
-        with self._lock:
-            changed = self.state.apply(event)
-        if changed:
-            self._log_change(event)
-        return changed
 
     @staticmethod
     def _decode(record: Record) -> Halt | Resume | None:
@@ -243,3 +250,12 @@ class HaltFollower:
         for listener in self.listeners:
             listener()
         self.wake()
+
+
+def _settle(future: asyncio.Future[None], exc: Exception | None) -> None:
+    if future.done():  # start() was cancelled meanwhile
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

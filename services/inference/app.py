@@ -155,12 +155,13 @@ class InferenceWorker:
         """Cancel what is left and release the Kafka and HTTP clients."""
         self._stopping.set()
         await self.inflight.cancel()
+        await release(self._consumer)  # leave the group first: no rebalance runs on meanwhile
         if self.guard is not None:
             await self.guard.close()
         await self.halts.close()
         if self.store is not None:
             await self.store.close()
-        await release(self._consumer, self._producer, self._http if self._own_http else None)
+        await release(self._producer, self._http if self._own_http else None)
 
     async def run(self) -> None:
         """Fetch prompts while there is room in flight; commit the completed prefix."""

@@ -23,6 +23,7 @@ from services.common.metrics import INFLIGHT, REQUEST_LATENCY, REQUESTS, RETRIES
 from services.common.records import DeadLetter
 from services.inference.adapters.providers import Provider
 from services.inference.core import (
+    NotSent,
     ProviderFailure,
     ProviderResult,
     backoff_for,
@@ -84,6 +85,8 @@ class ProviderCall:
                     )
                     continue
                 return dead_letter_for(failure, failure.attempt)
+            except NotSent:
+                continue  # a halt came before the request went out: back to the gate, nothing paid
             except Stopped:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug in a provider adapter is one bad prompt
@@ -100,6 +103,13 @@ class ProviderCall:
     ) -> Paid:
         """One provider call with retries (stamina: exponential backoff, jitter, Retry-After)."""
         cfg, provider, outage = self._cfg, self._provider, self._guard.outage
+        scopes, halts = (prompt.dataset,), self._halts
+
+        def may_send() -> bool:
+            # Asked by the HTTP client at the last moment before a byte goes out; the halt
+            # state is kept current by the control follower's own thread.
+            return not halts.is_halted(*scopes) and not halts.stopping
+
         async for attempt in stamina.retry_context(
             on=self._backoff,
             attempts=cfg.max_attempts,
@@ -115,8 +125,12 @@ class ProviderCall:
                 inflight.inc()
                 t0 = time.monotonic()
                 seq = outage.begin()
+                sent = True
                 try:
-                    result = await provider.complete(prompt, dataset, max_tokens=max_tokens)
+                    result = await provider.complete(prompt, dataset, max_tokens=max_tokens, may_send=may_send)
+                except NotSent:
+                    sent = False  # withheld at the last moment: no latency, no outcome to count
+                    raise
                 except ProviderFailure as failure:
                     failure.attempt = number
                     REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
@@ -131,7 +145,8 @@ class ProviderCall:
                 finally:
                     latency = time.monotonic() - t0
                     inflight.dec()
-                    REQUEST_LATENCY.labels(provider=provider.name).observe(latency)
+                    if sent:
+                        REQUEST_LATENCY.labels(provider=provider.name).observe(latency)
                 REQUESTS.labels(provider=provider.name, outcome="ok").inc()
                 outage.success(seq)
                 return result, number, latency

@@ -97,6 +97,14 @@ class ProviderFailure(Exception):  # noqa: N818 - reads better as a verdict than
         super().__init__(self.reason, self.message)
 
 
+class NotSent(Exception):  # noqa: N818 - a decision, not an error
+    """A request withheld at the last moment: its ``may_send`` said no before a byte went out.
+
+    Nothing reached the provider, so nothing is paid, retried or counted as a failure; the
+    caller goes back to its halt gate.
+    """
+
+
 def status_reason(status: int) -> str:
     """The dead-letter reason code for a non-success HTTP status."""
     if status == 429:

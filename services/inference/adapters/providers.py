@@ -5,28 +5,36 @@ into a :class:`~services.inference.core.ProviderResult`. The response parsers
 (:func:`parse_openrouter`, :func:`parse_openai`, :func:`parse_sglang`) are pure functions
 over the decoded JSON body, so each wire shape is unit-tested on its own. Every failure is
 raised as a classified :class:`~services.inference.core.ProviderFailure`; retrying is the
-worker's business, not the client's.
+worker's business, not the client's. A request may carry ``may_send``, asked once more at the
+last moment before its first byte is written: a halt that lands while a request waits for a
+connection or for the event loop still stops it (:class:`~services.inference.core.NotSent`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import json
 import logging
 import socket
 import ssl
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Annotated, Any, Protocol
 
+import aiohttp
 import httpx
 import msgspec
+from httpx_aiohttp import HttpxAiohttpClient
+from httpx_aiohttp.transport import AiohttpTransport
 from msgspec import Meta, Struct
 
 from schemas import LogprobToken, PromptPublished, ToolCall, ToolFunction, Usage, sample_key, wire_messages
 from services.common.config import DatasetSettings, Settings
 from services.inference.core import (
     FATAL_STATUSES,
+    NotSent,
     ProviderCheck,
     ProviderFailure,
     ProviderResult,
@@ -384,15 +392,22 @@ def chat_request_body(
     return body
 
 
+MaySend = Callable[[], bool]
+
+
 class Provider(Protocol):
     """One provider: sends a prompt, returns a :class:`ProviderResult` or raises ProviderFailure."""
 
     name: str
 
     async def complete(
-        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
+        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int, may_send: MaySend | None = None
     ) -> ProviderResult:
-        """Send one request for ``prompt``; raises ProviderFailure on any failure."""
+        """Send one request for ``prompt``; raises ProviderFailure on any failure.
+
+        ``may_send`` is asked at the last moment before the request's first byte is written
+        (a connection in hand); when it says no, nothing is sent and :class:`NotSent` is raised.
+        """
         ...
 
     def tools_sent(self, prompt: PromptPublished, dataset: DatasetSettings) -> bool:
@@ -450,18 +465,31 @@ class _HttpProvider:
             return text.replace(self._secret, "**********")
         return text
 
-    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
-        """POST JSON; returns the decoded body or raises a classified ProviderFailure."""
+    async def _post(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], may_send: MaySend | None = None
+    ) -> Any:
+        """POST JSON; returns the decoded body or raises a classified ProviderFailure.
+
+        ``may_send`` is asked now and, on the client of :func:`make_http_client`, again once a
+        connection is in hand, just before the first byte is written; a no raises :class:`NotSent`.
+        """
+        _withhold_unless(may_send)
+        asked = _MAY_SEND.set(may_send)
         try:
             response = await self._client.post(
                 f"{self._base}{path}", content=msgspec.json.encode(body), headers=headers
             )
         except (httpx.TransportError, OSError) as exc:
+            withheld = next((e for e in _causes(exc) if isinstance(e, NotSent)), None)
+            if withheld is not None:
+                raise withheld from None
             raise ProviderFailure(
                 reason=transport_reason(exc),
                 message=self._redact(f"{type(exc).__name__}: {exc}"),
                 retryable=True,
             ) from None
+        finally:
+            _MAY_SEND.reset(asked)
         if not 200 <= response.status_code < 300:
             text = response.text[:_MAX_ERROR_TEXT]
             try:
@@ -593,10 +621,12 @@ class OpenRouterProvider(_HttpProvider):
         return {"provider": self.name, "body": self._body(prompt, dataset, max_tokens)}
 
     async def complete(
-        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
+        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int, may_send: MaySend | None = None
     ) -> ProviderResult:
-        """Send one chat-completions request for ``prompt``."""
-        data = await self._post("/chat/completions", self._body(prompt, dataset, max_tokens), self._headers(prompt))
+        """Send one chat-completions request for ``prompt`` (unless ``may_send`` says no: :class:`NotSent`)."""
+        data = await self._post(
+            "/chat/completions", self._body(prompt, dataset, max_tokens), self._headers(prompt), may_send
+        )
         return self._parse(data)
 
     async def check(self) -> ProviderCheck:
@@ -756,14 +786,14 @@ class SGLangProvider(_HttpProvider):
         return await self._models_check(f"{self._base}/v1/models", require_model=False)
 
     async def complete(
-        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int
+        self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int, may_send: MaySend | None = None
     ) -> ProviderResult:
-        """Send one ``/generate`` request for ``prompt``."""
+        """Send one ``/generate`` request for ``prompt`` (unless ``may_send`` says no: :class:`NotSent`)."""
         ids = await self.input_ids(prompt, dataset)
         sampling, extra = self._sampling(max_tokens)
         body: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling, "stream": False}
         body.update(extra)
-        data = await self._post("/generate", body, self._headers(prompt))
+        data = await self._post("/generate", body, self._headers(prompt), may_send)
         try:
             return parse_sglang(data)
         except ProviderFailure as failure:
@@ -785,17 +815,68 @@ def make_provider(
     return SimulatorProvider(settings, client)
 
 
+# --- the last moment before a request is written ---
+
+# The ``may_send`` of the request being sent: set by _HttpProvider._post in the request's own
+# task, so aiohttp's trace callbacks (run in that task, or in the body-writing task it starts,
+# which copies the task's context) read the right one.
+_MAY_SEND: contextvars.ContextVar[MaySend | None] = contextvars.ContextVar("draftstream_may_send", default=None)
+
+
+def _withhold_unless(may_send: MaySend | None) -> None:
+    """Raise :class:`NotSent` when ``may_send`` says the request must not go out."""
+    if may_send is not None and not may_send():
+        raise NotSent("withheld before any byte of the request was written")
+
+
+async def _before_headers(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any) -> None:
+    """A connection is in hand; aiohttp is about to serialise the headers (nothing written yet)."""
+    _withhold_unless(_MAY_SEND.get())
+
+
+async def _before_first_chunk(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any) -> None:
+    """aiohttp is about to write the first body chunk; the headers still wait in its buffer.
+
+    On Python < 3.12 the body is written by a task of its own, one event-loop turn after the
+    headers were buffered: a halt applied meanwhile still stops the request here. aiohttp
+    reports the raised NotSent as a connection error caused by it and closes the connection.
+    """
+    if getattr(ctx, "asked", False):
+        return  # a later chunk: the request is on the wire already
+    ctx.asked = True
+    _withhold_unless(_MAY_SEND.get())
+
+
+class _LastMomentTransport(AiohttpTransport):
+    """httpx-aiohttp's transport whose session asks each request's ``may_send`` before writing it."""
+
+    def get_client(self) -> aiohttp.ClientSession:
+        """The aiohttp session (created once, on the first request): the pool plus the trace hooks."""
+        trace = aiohttp.TraceConfig()
+        trace.on_request_headers_sent.append(_before_headers)
+        trace.on_request_chunk_sent.append(_before_first_chunk)
+        connector = aiohttp.TCPConnector(
+            limit=self.limits.max_connections or 0,
+            keepalive_timeout=self.limits.keepalive_expiry,
+            ssl=self.ssl_context,
+        )
+        return aiohttp.ClientSession(connector=connector, trace_configs=[trace])
+
+
 def make_http_client(settings: Settings) -> httpx.AsyncClient:
     """An httpx client on aiohttp's connection pool, sized for ``provider.concurrency``.
 
     httpcore's pool scans every connection for every request it schedules (O(n) per
     request, worse with idle ones), which caps one process far below 1,000 requests in
-    flight; the ``httpx-aiohttp`` transport keeps httpx's API over aiohttp's pool.
+    flight; the ``httpx-aiohttp`` transport keeps httpx's API over aiohttp's pool. Its
+    requests ask their ``may_send`` once a connection is in hand, before any byte is written
+    (:meth:`_HttpProvider._post`), so a halt applied while a request waited for a connection
+    or for the event loop still stops it.
     """
-    from httpx_aiohttp import HttpxAiohttpClient
-
     p = settings.provider
+    limits = httpx.Limits(max_connections=p.concurrency, max_keepalive_connections=p.concurrency)
     return HttpxAiohttpClient(
         timeout=httpx.Timeout(p.timeout_s, connect=p.connect_timeout_s),
-        limits=httpx.Limits(max_connections=p.concurrency, max_keepalive_connections=p.concurrency),
+        limits=limits,
+        transport=_LastMomentTransport(limits=limits),
     )
