@@ -153,7 +153,12 @@ class PromptPublished(Struct, kw_only=True):
 
 
 class RequestStarted(Struct, kw_only=True):
-    """An inference worker sent a prompt to the provider: spend may follow (``requests``)."""
+    """An inference worker is sending a prompt to the provider: spend may follow (``requests``).
+
+    It is published, and acknowledged, before the request's first byte goes out. When a halt
+    lands in between, the request is held back and the same record follows again with
+    ``withheld`` set: that attempt was never sent, cost nothing and is no longer in flight.
+    """
 
     dataset: Name
     sample_id: Name
@@ -161,6 +166,7 @@ class RequestStarted(Struct, kw_only=True):
     worker: str = ""
     attempt: int = 1
     started_at: float = 0.0
+    withheld: bool = False
     schema_version: Version = SCHEMA_VERSION
 
 

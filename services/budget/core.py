@@ -238,7 +238,10 @@ class Ledger:
             self.offsets[position] = offset + 1
 
     def on_request(self, event: RequestStarted, position: str, offset: int, now: float) -> list[Halt]:
-        """Count a request sent to the provider and its worst case while it is in flight."""
+        """Count a request sent to the provider and its worst case while it is in flight.
+
+        A withheld record takes back the announcement it repeats (that attempt was never sent).
+        """
         self._advance(position, offset)
         key = sample_key(event.dataset, event.sample_id)
         dataset = self._scope(event.dataset)
@@ -247,8 +250,15 @@ class Ledger:
         for scope in (dataset, total):
             if not scope.counts(position, offset):
                 continue
-            scope.requests += 1
             self._dirty.add(scope.scope)
+            if event.withheld:
+                # The announced attempt never went out: it is not a request, nor in flight.
+                scope.requests -= 1
+                announced = dataset.inflight.get(key)
+                if scope is dataset and announced is not None and announced[1] == event.started_at:
+                    del dataset.inflight[key]
+                continue
+            scope.requests += 1
             if scope is dataset and (answered is None or event.attempt > answered):
                 started = event.started_at or now
                 dataset.inflight[key] = (event.max_tokens, started)

@@ -2,10 +2,12 @@
 
 Each attempt waits at the halt gate, announces itself on ``requests`` (what the budget
 counts as in flight) and re-checks the halt after the broker's acknowledgement, then calls
-the provider. Retries follow stamina (exponential backoff with jitter, capped, honouring
-``Retry-After``). After the last attempt a failure is one of: the account was refused
-(halt every worker, wait at the gate, start over), the provider answers nobody (wait out
-the outage, start over), or this request's own fault (a dead letter).
+the provider. An attempt a halt holds back before its first byte goes out is withdrawn on
+``requests`` (the same record, ``withheld``) and waits at the gate again. Retries follow
+stamina (exponential backoff with jitter, capped, honouring ``Retry-After``). After the
+last attempt a failure is one of: the account was refused (halt every worker, wait at the
+gate, start over), the provider answers nobody (wait out the outage, start over), or this
+request's own fault (a dead letter).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import stamina
 from aiokafka import AIOKafkaProducer
 
-from schemas import REQUESTS_TOPIC, PromptPublished, encode, sample_key
+from schemas import REQUESTS_TOPIC, PromptPublished, RequestStarted, encode, sample_key
 from services.common.config import DatasetSettings, Settings
 from services.common.halts import HaltFollower, Stopped
 from services.common.metrics import INFLIGHT, REQUEST_LATENCY, REQUESTS, RETRIES
@@ -120,7 +123,7 @@ class ProviderCall:
         ):
             with attempt:
                 number = attempt.num
-                await self._announce(prompt, max_tokens, number)
+                started = await self._announce(prompt, max_tokens, number)
                 inflight = INFLIGHT.labels(dataset=prompt.dataset)
                 inflight.inc()
                 t0 = time.monotonic()
@@ -130,6 +133,7 @@ class ProviderCall:
                     result = await provider.complete(prompt, dataset, max_tokens=max_tokens, may_send=may_send)
                 except NotSent:
                     sent = False  # withheld at the last moment: no latency, no outcome to count
+                    await self._withdraw(started)
                     raise
                 except ProviderFailure as failure:
                     failure.attempt = number
@@ -152,7 +156,7 @@ class ProviderCall:
                 return result, number, latency
         raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
 
-    async def _announce(self, prompt: PromptPublished, max_tokens: int, attempt: int) -> None:
+    async def _announce(self, prompt: PromptPublished, max_tokens: int, attempt: int) -> RequestStarted:
         """Pass the halt gate and publish the RequestStarted record the budget counts in flight."""
         scopes = (prompt.dataset,)
         key = sample_key(prompt.dataset, prompt.sample_id).encode()
@@ -164,4 +168,11 @@ class ProviderCall:
             await (await self._producer.send(self._requests_topic, encode(started), key=key))
             # A halt that arrived while the broker acknowledged must still stop this request.
             if not self._halts.is_halted(*scopes):
-                return
+                return started
+            await self._withdraw(started)
+
+    async def _withdraw(self, started: RequestStarted) -> None:
+        """Tell the budget (and any reader of ``requests``) that an announced request was never sent."""
+        key = sample_key(started.dataset, started.sample_id).encode()
+        withheld = msgspec.structs.replace(started, withheld=True)
+        await (await self._producer.send(self._requests_topic, encode(withheld), key=key))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from schemas import (
@@ -92,6 +93,30 @@ def test_totals_per_dataset_and_global() -> None:
     assert total.cost_usd == pytest.approx(0.75)
     assert math.requests == 1 and total.requests == 1
     assert math.inflight == {}
+
+
+def test_withheld_request_is_taken_back_and_no_longer_in_flight() -> None:
+    """A request a halt held back before it went out: announced, then withheld; then sent again."""
+    ledger = make_ledger()
+    feed = Feeder(ledger)
+    announced = msgspec.structs.replace(request("math", "a", max_tokens=300), started_at=10.0)
+    feed.req(announced)
+    feed.req(request("math", "b", max_tokens=50))
+    assert ledger.inflight_tokens("math") == 350
+    feed.req(msgspec.structs.replace(announced, withheld=True))
+    math, total = ledger.scopes["math"], ledger.scopes[GLOBAL_SCOPE]
+    assert (math.requests, total.requests) == (1, 1)
+    assert ledger.inflight_tokens("math") == 50
+    # The same attempt passes the gate again later: a new announcement, in flight again.
+    feed.req(msgspec.structs.replace(announced, started_at=20.0))
+    assert (math.requests, ledger.inflight_tokens("math")) == (2, 350)
+    # After a rebalance two workers announced the same prompt; the first one's withdrawal
+    # takes back its own request, never the other worker's still in flight.
+    first = RequestStarted(dataset="math", sample_id="c", max_tokens=7, worker="w1", started_at=30.0)
+    feed.req(first)
+    feed.req(msgspec.structs.replace(first, worker="w2", started_at=31.0))
+    feed.req(msgspec.structs.replace(first, withheld=True))
+    assert (math.requests, ledger.inflight_tokens("math")) == (3, 357)
 
 
 def test_price_table_used_when_cost_absent() -> None:
