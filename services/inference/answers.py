@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 from aiokafka import AIOKafkaProducer
@@ -77,8 +78,11 @@ class Answerer:
         """The dataset a prompts topic carries ('' for another topic)."""
         return dataset_of_topic(topic, self._prompts_prefix) or ""
 
-    async def answer(self, record: Record) -> None:
-        """Publish the answer to one prompt record (see the module docstring)."""
+    async def answer(self, record: Record, answered: Callable[[], None] = lambda: None) -> None:
+        """Publish the answer to one prompt record (see the module docstring).
+
+        ``answered`` is called once the provider's part is over, before publishing.
+        """
         topic_dataset = self.dataset_of(record.topic)
         verdict = check_prompt(
             record.value, max_prompt_chars=self._settings.provider.max_prompt_chars, topic_dataset=topic_dataset or None
@@ -105,6 +109,7 @@ class Answerer:
         self._pending[key] = mine
         try:
             paid = await self._call.pay(prompt, dataset, max_tokens)
+            answered()
             if isinstance(paid, DeadLetter):
                 await self._dead_letter(record, paid, dataset=prompt.dataset)
             else:

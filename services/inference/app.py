@@ -169,7 +169,7 @@ class InferenceWorker:
         progress = _Progress(self)
         try:
             while not self._stopping.is_set():
-                free = self.settings.provider.concurrency - len(self.inflight)
+                free = self.inflight.room(self.settings.provider.concurrency)
                 if free <= 0:
                     await self.inflight.wait_for_room(0.5)  # bounded memory: no fetch until one finishes
                 else:
@@ -190,7 +190,7 @@ class InferenceWorker:
 
     async def _process(self, tp: TopicPartition, record: Record) -> None:
         try:
-            await _started(self.answers).answer(record)
+            await _started(self.answers).answer(record, answered=self.inflight.answered)
         except Stopped:
             return  # left uncommitted: the next worker takes it
         except Exception as exc:  # a Kafka failure: stop the worker, commit nothing more
@@ -235,23 +235,47 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka s
 
 
 class InFlight:
-    """The prompts being answered, one task each: counted, waited for, drained, cancelled."""
+    """The prompts being answered, one task each: counted, waited for, drained, cancelled.
+
+    A task holds one of the provider's slots until its request is answered (or it needs
+    none); it then publishes without one, so the next prompt's request need not wait for
+    the broker's acknowledgements of the last one.
+    """
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
+        self._holding: set[asyncio.Task[None]] = set()
         self._freed = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._tasks)
 
+    @property
+    def at_provider(self) -> int:
+        """Tasks holding a provider slot: requests sent, or waiting to be."""
+        return len(self._holding)
+
+    def room(self, slots: int) -> int:
+        """How many more prompts may start with ``slots`` provider slots (and twice as many tasks)."""
+        return min(slots - len(self._holding), 2 * slots - len(self._tasks))
+
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run ``work`` as one task in flight."""
+        """Run ``work`` as one task in flight, holding a slot."""
         task = asyncio.create_task(work)
         self._tasks.add(task)
+        self._holding.add(task)
         task.add_done_callback(self._finished)
+
+    def answered(self) -> None:
+        """The calling task's request is answered: its slot is free for the next prompt."""
+        task = asyncio.current_task()
+        if task in self._holding:
+            self._holding.discard(task)
+            self._freed.set()
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        self._holding.discard(task)
         self._freed.set()
 
     def wake(self) -> None:

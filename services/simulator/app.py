@@ -173,6 +173,8 @@ class _Stats:
         self.faults: Counter[str] = Counter()
         self.key_faults: defaultdict[str, list[str]] = defaultdict(list)
         self.statuses: Counter[str] = Counter()
+        self.open = 0  # requests received and not yet answered (or abandoned)
+        self.peak_open = 0  # the most of those at once
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         # SHA-256 of each Authorization header seen (never the header itself), so a test can
         # prove a key reached the provider without the simulator ever storing the key.
@@ -202,6 +204,7 @@ class _Stats:
             "faults": dict(self.faults),
             "key_faults": dict(self.key_faults),
             "statuses": dict(self.statuses),
+            "peak_open_requests": self.peak_open,
             "last_request_at": self.times[-1] if self.times else None,
             "last_request_times": self.times[-_RECENT:],
             "recent": list(self.recent),
@@ -331,6 +334,15 @@ class SimulatorServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST .../chat/completions``: faults first, then the deterministic answer."""
+        stats = self.stats
+        stats.open += 1
+        stats.peak_open = max(stats.peak_open, stats.open)
+        try:
+            return await self._chat(request)
+        finally:
+            stats.open -= 1
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         at = time.time()
         key = request.headers.get(KEY_HEADER)
         self.stats.record(key, at, request.headers.get("Authorization"))

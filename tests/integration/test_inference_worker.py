@@ -472,9 +472,10 @@ async def test_holds_a_thousand_requests_in_flight_and_no_more(
             peak = 0
 
             def inflight(worker: InferenceWorker, target: int) -> bool:
+                # requests at the provider; a task publishing its answer holds no slot
                 nonlocal peak
-                peak = max(peak, len(worker.inflight))
-                return len(worker.inflight) >= target
+                peak = max(peak, worker.inflight.at_provider)
+                return worker.inflight.at_provider >= target
 
             async with Collector(settings, "responses", "dead-letter") as out, running(settings) as worker:
                 await wait_until(lambda: inflight(worker, 1000), timeout=90, interval=0.05, message="1000 in flight")
@@ -487,6 +488,7 @@ async def test_holds_a_thousand_requests_in_flight_and_no_more(
         proc.kill()
         await proc.wait()
     assert peak == 1000
+    assert stats["peak_open_requests"] == 1000  # as the provider saw it
     assert out.dead_letters() == []
     assert len({r.sample_id for r in out.responses()}) == 1100
     assert stats["total_requests"] >= 1100
