@@ -117,6 +117,9 @@ class InferenceSettings(BaseModel):
 
     # On SIGINT/SIGTERM, requests in flight get this long to finish and be published.
     drain_timeout_s: float = Field(default=60.0, ge=0)
+    # In a rebalance, a worker giving up partitions waits this long for their requests at
+    # the provider to be answered and committed, so that the next owner does not pay again.
+    handover_timeout_s: float = Field(default=30.0, ge=0)
     # A progress line (rate, in flight, lag) at INFO this often; 0 turns it off.
     progress_interval_s: float = Field(default=30.0, ge=0)
     # Answer a request seen before from the response store instead of paying again.

@@ -23,6 +23,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from prometheus_client import Gauge
@@ -79,6 +80,7 @@ class HaltFollower:
         self.event_listeners: list[Callable[[Halt | Resume], None]] = []
         """Called with every well-formed event read from the topic, in topic order."""
         self._changed = asyncio.Event()
+        self.held: set[asyncio.Task[Any]] = set()  # tasks waiting at the gate
         self._gauge_scopes: set[str] = {GLOBAL_SCOPE}
         self._producer: AIOKafkaProducer | None = None
         self._lock = threading.Lock()  # the state is written by the follower thread and the loop
@@ -129,13 +131,23 @@ class HaltFollower:
         return self.state.scopes()
 
     async def gate(self, *scopes: str) -> None:
-        """Wait while a halt stands for any of ``scopes``; raise :class:`Stopped` when stopping."""
+        """Wait while a halt stands for any of ``scopes``; raise :class:`Stopped` when stopping.
+
+        The tasks waiting here are in :attr:`held` meanwhile.
+        """
+        task = asyncio.current_task()
         while True:
             if self._stopping.is_set():
                 raise Stopped
             if not self.state.is_halted(*scopes):
                 return
-            await self._changed.wait()
+            if task is not None:
+                self.held.add(task)
+            try:
+                await self._changed.wait()
+            finally:
+                if task is not None:
+                    self.held.discard(task)
 
     def wake(self) -> None:
         """Wake every request waiting at the gate (to see a stop)."""

@@ -32,7 +32,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Collection, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import httpx
@@ -130,7 +130,9 @@ class InferenceWorker:
         call = ProviderCall(settings, provider, producer, self.halts, self.guard, self.worker_id)
         self.answers = Answerer(settings, provider, producer, call, self.guard, self.store, repay=self.repay)
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
-        consumer = self._consumer = make_consumer(kafka, group_id=self.group_id, metadata_max_age_ms=10_000)
+        consumer = self._consumer = make_consumer(  # the group waits for a hand-over (_Rebalance)
+            kafka, group_id=self.group_id, metadata_max_age_ms=10_000,
+            rebalance_timeout_ms=int((settings.inference.handover_timeout_s + 10) * 1000))
         self.checkpoint = Checkpoint(consumer, label=STAGE)
         consumer.subscribe(pattern=f"^{re.escape(kafka.topic(PROMPTS_TOPIC_PREFIX))}[A-Za-z0-9._-]+$",
                            listener=_Rebalance(self))
@@ -179,7 +181,7 @@ class InferenceWorker:
                     for tp, records in batches.items():
                         for record in records:
                             checkpoint.take(tp, record.offset)
-                            self.inflight.spawn(self._process(tp, record))
+                            self.inflight.spawn(self._process(tp, record), tp)
                 await checkpoint.commit()
                 await progress.tick(consumer)
             if self.failure is not None:
@@ -221,9 +223,20 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka s
         self._worker = worker
 
     async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
-        """Commit the completed prefix of the partitions being taken away."""
-        if self._worker.checkpoint is not None:
-            await self._worker.checkpoint.commit(only=set(revoked))
+        """Let their requests at the provider be answered, then commit the completed prefix.
+
+        The next owner starts at the committed offset: a prompt still being answered here
+        would be paid for again there. A request held at the halt gate sent nothing.
+        """
+        worker, gone = self._worker, set(revoked)
+        timeout_s = worker.settings.inference.handover_timeout_s
+        unanswered = await worker.inflight.hand_over(gone, timeout_s, worker.halts.held)
+        if unanswered:
+            log.warning("giving up %d partition(s) with %d request(s) unanswered after %.0f s "
+                        "([inference] handover_timeout_s): their next owner may pay for them again",
+                        len(gone), unanswered, timeout_s)
+        if worker.checkpoint is not None:
+            await worker.checkpoint.commit(only=gone)
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         """Keep the state of partitions still owned (skip their in-flight records), pause, catch up."""
@@ -243,7 +256,7 @@ class InFlight:
     """
 
     def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], TopicPartition] = {}  # each task's prompt partition
         self._holding: set[asyncio.Task[None]] = set()
         self._freed = asyncio.Event()
 
@@ -255,14 +268,18 @@ class InFlight:
         """Tasks holding a provider slot: requests sent, or waiting to be."""
         return len(self._holding)
 
+    def partitions(self) -> set[TopicPartition]:
+        """The partitions of the prompts in flight."""
+        return set(self._tasks.values())
+
     def room(self, slots: int) -> int:
         """How many more prompts may start with ``slots`` provider slots (and twice as many tasks)."""
         return min(slots - len(self._holding), 2 * slots - len(self._tasks))
 
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run ``work`` as one task in flight, holding a slot."""
+    def spawn(self, work: Coroutine[Any, Any, None], partition: TopicPartition) -> None:
+        """Run ``work`` (a prompt of ``partition``) as one task in flight, holding a slot."""
         task = asyncio.create_task(work)
-        self._tasks.add(task)
+        self._tasks[task] = partition
         self._holding.add(task)
         task.add_done_callback(self._finished)
 
@@ -274,9 +291,26 @@ class InFlight:
             self._freed.set()
 
     def _finished(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        self._tasks.pop(task, None)
         self._holding.discard(task)
         self._freed.set()
+
+    async def hand_over(self, partitions: Iterable[TopicPartition], timeout_s: float,
+                        held: Collection[asyncio.Task[Any]]) -> int:
+        """Let the requests of ``partitions`` be answered (up to ``timeout_s``); how many were not.
+
+        A task ``held`` at the halt gate sent nothing and is not waited for.
+        """
+        gone = set(partitions)
+        mine = {task for task, tp in self._tasks.items() if tp in gone}
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            busy = {task for task in mine if not task.done() and task not in held}
+            left = deadline - asyncio.get_running_loop().time()
+            if not busy or left <= 0:
+                return len(busy)
+            # Wake now and then: a request a halt holds back goes to the gate meanwhile.
+            await asyncio.wait(busy, timeout=min(left, 0.25), return_when=asyncio.ALL_COMPLETED)
 
     def wake(self) -> None:
         """End a :meth:`wait_for_room` early (to see a stop)."""
@@ -293,7 +327,7 @@ class InFlight:
         if self._tasks and not abort.is_set():
             log.info("stopping: letting %d request(s) in flight finish (up to %.0f s; signal again to stop at once)",
                      len(self._tasks), timeout_s)
-            finished = asyncio.ensure_future(asyncio.wait(set(self._tasks), timeout=timeout_s))
+            finished = asyncio.ensure_future(asyncio.wait(list(self._tasks), timeout=timeout_s))
             aborted = asyncio.ensure_future(abort.wait())
             await asyncio.wait({finished, aborted}, return_when=asyncio.FIRST_COMPLETED)
             for waiter in (finished, aborted):

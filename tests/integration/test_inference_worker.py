@@ -530,6 +530,33 @@ async def test_halt_pauses_survive_a_rebalance(
     assert out.dead_letters() == []
 
 
+async def test_a_worker_giving_up_partitions_lets_their_requests_finish_so_nobody_pays_twice(
+    settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]
+) -> None:
+    # Six partitions of about twelve prompts; the first worker takes sixty, so its requests
+    # span at least five partitions, and a second worker joining takes three of the six:
+    # partitions with requests at the provider move. Their new owner reads them again from
+    # the committed offset; the first worker lets those requests be answered and committed
+    # before it lets go, so none is paid for twice.
+    sim = await sim_factory(latency_s=2.0)
+    settings = settings_factory(kafka={"partitions": 6}, provider=provider_cfg(sim, concurrency=60))
+    await ensure_topics(settings.kafka, ["chat"])
+    prompts = [prompt("chat", i) for i in range(72)]
+    await publish(settings, "chat", [(p.sample_id, encode(p)) for p in prompts])
+    async with Collector(settings, "responses", "dead-letter") as out, running(settings) as first:
+        await wait_until(lambda: sim.stats()["total_requests"] >= 60, timeout=60, message="sixty requests sent")
+        busy = first.inflight.partitions()
+        async with running(settings) as second:  # joins the group: partitions move
+            await wait_until(second.assigned_partitions, timeout=60, message="the second worker's partitions")
+            moved = busy & second.assigned_partitions()
+            await wait_until(lambda: len(out.finished_keys()) >= 72, timeout=120, message="all 72")
+    keys = sim.stats()["keys"]
+    assert out.dead_letters() == []
+    assert moved  # partitions with requests at the provider went to the second worker
+    assert set(keys) == {sample_key("chat", p.sample_id) for p in prompts}
+    assert {k: n for k, n in keys.items() if n > 1} == {}  # no prompt paid for twice
+
+
 async def test_a_paid_request_is_answered_from_the_store_unless_repay_is_asked(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]
 ) -> None:
