@@ -139,3 +139,35 @@ async def test_sglang_withheld_by_may_send_sends_nothing(yes: int) -> None:
     finally:
         await client.aclose()
         await runner.cleanup()
+
+
+async def test_the_worker_client_keeps_no_cookie_a_provider_sets() -> None:
+    # A provider (or the CDN in front of it) sets a cookie on every answer; the worker's client
+    # keeps none and never sends one back: each request is authenticated by its key alone.
+    seen: list[str | None] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Cookie"))
+        response = web.json_response({"ok": True})
+        response.set_cookie("__cf_bm", "tracking", path="/")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = make_http_client(_settings("openai", f"http://127.0.0.1:{port}/v1"))
+    try:
+        for _ in range(2):
+            response = await client.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", content=b"{}", headers={}
+            )
+            assert response.status_code == 200 and "set-cookie" in response.headers
+        assert len(client.cookies) == 0
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+    assert seen == [None, None]
