@@ -94,6 +94,7 @@ class InferenceWorker:
         self.guard: ProviderGuard | None = None
         self.answers: Answerer | None = None
         self._producer: AIOKafkaProducer | None = None
+        self._announcer: AIOKafkaProducer | None = None  # RequestStarted records only
         self._consumer: AIOKafkaConsumer | None = None
         self.checkpoint: Checkpoint | None = None  # what may be committed
         self.store: ResponseStore | None = None  # paid responses, by request
@@ -117,9 +118,11 @@ class InferenceWorker:
         await ensure_topics(kafka, settings.datasets, needed=used_topics(STAGE))
         self._http = self._http or make_http_client(settings)
         provider = self._provider = self._provider or make_provider(settings, self._http)
-        producer = self._producer = make_producer(kafka)
+        # RequestStarted records go alone: aiokafka sends one request at a time per broker and
+        # producer, and behind the responses' batches a request waited 80-150 ms for its ack.
+        producer, announcer = self._producer, self._announcer = make_producer(kafka), make_producer(kafka)
         with refused_as(kafka, "WRITE"):
-            await producer.start()
+            await asyncio.gather(producer.start(), announcer.start())
         with refused_as(kafka, "READ"):
             await self.halts.start(producer)
         self.guard = ProviderGuard(settings, provider, self.halts)
@@ -127,7 +130,7 @@ class InferenceWorker:
         with refused_as(kafka, "READ"):
             self.store = await open_store(settings, producer)
         self.guard.start_probe()
-        call = ProviderCall(settings, provider, producer, self.halts, self.guard, self.worker_id)
+        call = ProviderCall(settings, provider, announcer, self.halts, self.guard, self.worker_id)
         self.answers = Answerer(settings, provider, producer, call, self.guard, self.store, repay=self.repay)
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
         consumer = self._consumer = make_consumer(  # the group waits for a hand-over (_Rebalance)
@@ -163,7 +166,7 @@ class InferenceWorker:
         await self.halts.close()
         if self.store is not None:
             await self.store.close()
-        await release(self._producer, self._http if self._own_http else None)
+        await release(self._announcer, self._producer, self._http if self._own_http else None)
 
     async def run(self) -> None:
         """Fetch prompts while there is room in flight; commit the completed prefix."""
