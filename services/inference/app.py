@@ -242,8 +242,14 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka s
             await worker.checkpoint.commit(only=gone)
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
-        """Keep the state of partitions still owned (skip their in-flight records), pause, catch up."""
-        _started(self._worker.checkpoint).reassigned(assigned)
+        """Keep the state of partitions still owned (skip their in-flight records), pause, catch up.
+
+        A prompt of a partition gone elsewhere that waits at the halt gate is dropped: its new
+        owner reads it again, and both would pay for it after the resume.
+        """
+        owned = set(assigned)
+        self._worker.inflight.drop_held(owned, self._worker.halts.held)
+        _started(self._worker.checkpoint).reassigned(owned)
         self._worker.apply_pauses()
         if self._worker.store is not None:
             # Responses another worker paid for just before handing these partitions over.
@@ -314,6 +320,15 @@ class InFlight:
                 return len(busy)
             # Wake now and then: a request a halt holds back goes to the gate meanwhile.
             await asyncio.wait(busy, timeout=min(left, 0.25), return_when=asyncio.ALL_COMPLETED)
+
+    def drop_held(self, owned: Collection[TopicPartition], held: Collection[asyncio.Task[Any]]) -> int:
+        """Cancel the tasks ``held`` at the halt gate whose partition is not ``owned``; how many."""
+        gone = [task for task, tp in self._tasks.items() if tp not in owned and task in held]
+        for task in gone:
+            task.cancel()
+        if gone:
+            log.info("dropped %d prompt(s) held by a halt: their partitions went to another worker", len(gone))
+        return len(gone)
 
     def wake(self) -> None:
         """End a :meth:`wait_for_room` early (to see a stop)."""
