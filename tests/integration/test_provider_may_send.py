@@ -107,6 +107,16 @@ async def test_a_request_that_may_go_is_asked_at_every_stage_and_sent(sim: Runni
     assert _chat_requests(sim) == 1
 
 
+async def _serve(path: str, handler: Callable[[web.Request], Any]) -> tuple[web.AppRunner, int]:
+    """A bare aiohttp server answering POST ``path`` on a free local port: (runner, port)."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
 @pytest.mark.parametrize("yes", [0, 1, 2])
 async def test_sglang_withheld_by_may_send_sends_nothing(yes: int) -> None:
     received: list[str] = []
@@ -117,13 +127,7 @@ async def test_sglang_withheld_by_may_send_sends_nothing(yes: int) -> None:
         reply = {"text": "4", "output_ids": [19], "meta_info": {"finish_reason": {"type": "stop"}}}
         return web.json_response(reply)
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await _serve("/generate", generate)
     settings = _settings("sglang", f"http://127.0.0.1:{port}")
     client = make_http_client(settings)
     try:
@@ -152,13 +156,7 @@ async def test_the_worker_client_keeps_no_cookie_a_provider_sets() -> None:
         response.set_cookie("__cf_bm", "tracking", path="/")
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await _serve("/v1/chat/completions", handler)
     client = make_http_client(_settings("openai", f"http://127.0.0.1:{port}/v1"))
     try:
         for _ in range(2):
