@@ -174,7 +174,11 @@ def test_ctrl_c_on_the_cli_reports_the_rows_sent_and_a_rerun_sends_the_rest(sett
     """SIGINT to a real ``draftstream publish`` process mid-send: exit 130, the count printed is
     the count on the topic, and the same command again sends exactly the rest."""
     settings = settings_factory()
-    rows = 150_000
+    # Enough rows that sending lasts well past the first poll that sees it started: publish
+    # sends about 30,000 rows/s here, and one poll of the topic (an admin client and a
+    # consumer) can take seconds on a loaded machine; at 150,000 rows CI once saw every
+    # row sent before the signal.
+    rows = 500_000
     path = big_file(tmp_path / "big.jsonl", rows)
     topic = settings.kafka.prompts_topic("sigint")
     env = {
