@@ -174,10 +174,8 @@ def test_ctrl_c_on_the_cli_reports_the_rows_sent_and_a_rerun_sends_the_rest(sett
     """SIGINT to a real ``draftstream publish`` process mid-send: exit 130, the count printed is
     the count on the topic, and the same command again sends exactly the rest."""
     settings = settings_factory()
-    # Enough rows that sending lasts well past the first poll that sees it started: publish
-    # sends about 30,000 rows/s here, and one poll of the topic (an admin client and a
-    # consumer) can take seconds on a loaded machine; at 150,000 rows CI once saw every
-    # row sent before the signal.
+    # Enough rows that sending lasts well past the first poll that sees it started (publish
+    # sends about 30,000 rows/s here; CI once saw all of 150,000 sent before the signal).
     rows = 500_000
     path = big_file(tmp_path / "big.jsonl", rows)
     topic = settings.kafka.prompts_topic("sigint")
@@ -187,7 +185,10 @@ def test_ctrl_c_on_the_cli_reports_the_rows_sent_and_a_rerun_sends_the_rest(sett
         "DRAFTSTREAM_KAFKA__TOPIC_PREFIX": settings.kafka.topic_prefix,
     }
     command = [sys.executable, "-m", "services.cli", "publish", str(path), "-d", "sigint"]
-    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The child hears SIGINT whatever the suite was started from (a background job of a
+    # shell without job control inherits SIGINT ignored, and Python keeps it ignored).
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while topic_size(settings, topic) < 1000:  # sending has started
