@@ -1,13 +1,13 @@
 """One prompt's paid request: the halt gate, the request record, the retry policy, the verdict.
 
 Each attempt waits at the halt gate, announces itself on ``requests`` (what the budget
-counts as in flight) and re-checks the halt after the broker's acknowledgement, then calls
-the provider. An attempt a halt holds back before its first byte goes out is withdrawn on
-``requests`` (the same record, ``withheld``) and waits at the gate again. Retries follow
-stamina (exponential backoff with jitter, capped, honouring ``Retry-After``). After the
-last attempt a failure is one of: the account was refused (halt every worker, wait at the
-gate, start over), the provider answers nobody (wait out the outage, start over), or this
-request's own fault (a dead letter).
+counts as in flight) and, once the broker acknowledged, calls the provider. An attempt a
+halt holds back before its first byte goes out is withdrawn on ``requests`` (the same
+record, ``withheld``) and waits at the gate again. Retries follow stamina (exponential
+backoff with jitter, capped, honouring ``Retry-After``). After the last attempt a failure
+is one of: the account was refused (halt every worker, wait at the gate, start over), the
+provider answers nobody (wait out the outage, start over), or this request's own fault (a
+dead letter).
 """
 
 from __future__ import annotations
@@ -157,19 +157,18 @@ class ProviderCall:
         raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
 
     async def _announce(self, prompt: PromptPublished, max_tokens: int, attempt: int) -> RequestStarted:
-        """Pass the halt gate and publish the RequestStarted record the budget counts in flight."""
-        scopes = (prompt.dataset,)
+        """Pass the halt gate and publish the RequestStarted record the budget counts in flight.
+
+        A halt that arrives while the broker acknowledges is caught by ``may_send``, asked
+        before the client is called: the attempt is withdrawn and goes back to the gate.
+        """
+        await self._halts.gate(prompt.dataset)
+        started = request_started(
+            prompt, max_tokens=max_tokens, worker=self._worker_id, attempt=attempt, now=time.time()
+        )
         key = sample_key(prompt.dataset, prompt.sample_id).encode()
-        while True:
-            await self._halts.gate(*scopes)
-            started = request_started(
-                prompt, max_tokens=max_tokens, worker=self._worker_id, attempt=attempt, now=time.time()
-            )
-            await (await self._producer.send(self._requests_topic, encode(started), key=key))
-            # A halt that arrived while the broker acknowledged must still stop this request.
-            if not self._halts.is_halted(*scopes):
-                return started
-            await self._withdraw(started)
+        await (await self._producer.send(self._requests_topic, encode(started), key=key))
+        return started
 
     async def _withdraw(self, started: RequestStarted) -> None:
         """Tell the budget (and any reader of ``requests``) that an announced request was never sent."""
