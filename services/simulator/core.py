@@ -1128,18 +1128,32 @@ def build_response_body(
         )
     if request.return_token_ids:
         choice["token_ids"] = generation.true_ids
-    body: dict[str, Any] = {
+    body = _envelope("chat.completion", choice, generation, request, params, provider, response_id, created)
+    if request.return_token_ids:
+        body["prompt_token_ids"] = generation.prompt_ids
+    return body
+
+
+def _envelope(
+    kind: str,
+    choice: dict[str, Any],
+    generation: Generation,
+    request: ChatRequest,
+    params: GenerationParams,
+    provider: str,
+    response_id: str,
+    created: int,
+) -> dict[str, Any]:
+    """The body around one choice, chat or text completion alike: ids, model, usage."""
+    return {
         "id": response_id,
         "provider": provider,
         "model": request.model,
-        "object": "chat.completion",
+        "object": kind,
         "created": created,
         "choices": [choice],
         "usage": _usage_body(generation, params),
     }
-    if request.return_token_ids:
-        body["prompt_token_ids"] = generation.prompt_ids
-    return body
 
 
 def _usage_body(generation: Generation, params: GenerationParams) -> dict[str, Any]:
@@ -1190,15 +1204,7 @@ def build_completion_body(
         "logprobs": None,
         "finish_reason": "length" if generation.finish_reason == "length" else "stop",
     }
-    return {
-        "id": response_id,
-        "provider": provider,
-        "model": request.model,
-        "object": "text_completion",
-        "created": created,
-        "choices": [choice],
-        "usage": _usage_body(generation, params),
-    }
+    return _envelope("text_completion", choice, generation, request, params, provider, response_id, created)
 
 
 def error_body(code: int, message: str) -> dict[str, Any]:

@@ -28,13 +28,12 @@ from schemas import ResponseReceived, SampleAudited, decode
 from services.audit.app import create_app as audit_app
 from services.common.kafka import ensure_topics
 from services.inference.app import create_app as inference_app
-from services.publish.app import publish
 from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import SimulatorOptions, start_simulator
 from services.sink.app import create_app as sink_app
 from tests.conformance import truth as T
 from tests.e2e.harness import Pipeline, dead_letters, read_all
-from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3, sink_rows
+from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3, publish_and_settle, sink_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -88,14 +87,7 @@ async def test_completions_mode_tool_use_matches_the_truth(
         for name, factory in (("inference", inference_app), ("reconstruct", reconstruct_app),
                               ("audit", audit_app), ("sink", sink_app)):
             await pipeline.start(name, factory(settings))
-        published = await publish(settings, [prompts_file], dataset=DATASET)
-        assert published.published == N_PROMPTS, published
-
-        async def settled() -> bool:
-            done = {r["id"] for r in sink_rows(out_dir)} | {d.key for d in await dead_letters(settings)}
-            return len(done) >= N_PROMPTS
-
-        await pipeline.wait(settled, 200, "every prompt accepted or dead-lettered")
+        await publish_and_settle(pipeline, settings, prompts_file, DATASET, N_PROMPTS)
     finally:
         await pipeline.stop()
         truths = sim.truth()
