@@ -13,7 +13,8 @@ a server's detokenizer drops. So:
   there is no place where the text may have lost something (no gaps to prove).
 
 Reasoning, content and tool calls are derived from the raw text with the profile's own
-markers (think-start/-end, the native tool-call syntax) so that the audit's checks and the
+markers (think-start/-end, the native tool-call syntax: Qwen3's Hermes, DeepSeek-R1's and
+V3.1's, Kimi's; a block that does not parse stays in the content) so that the audit's checks and the
 training rows read them as they read a chat response's fields. Pure: no I/O.
 """
 
@@ -38,10 +39,28 @@ from services.reconstruct.core import (
 
 __all__ = ["RawParts", "plan_raw", "split_raw"]
 
-# Native tool calls a raw text can be split into structured calls (the Hermes format of
-# Qwen3's templates: ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``). Other
-# formats stay in the content as the model wrote them; the audit reads their tool tokens.
-_QWEN_CALL = re.compile(r"<tool_call>\n?(?P<body>.*?)\n?</tool_call>", re.DOTALL)
+# Where each native tool-call format's block starts, and one call inside it (the formats the
+# profiles write; the patterns of vLLM's hermes, deepseekv3, deepseekv31 and kimi_k2 parsers,
+# PARSERS.md, without their whitespace trimming: the arguments are the model's own text).
+_TOOL_BLOCK_START = {
+    "qwen": "<tool_call>",
+    "deepseek-r1": "<｜tool▁calls▁begin｜>",
+    "deepseek-v3.1": "<｜tool▁calls▁begin｜>",
+    "kimi": "<|tool_calls_section_begin|>",
+}
+_TOOL_CALL = {
+    "qwen": re.compile(r"<tool_call>\n?(?P<body>.*?)\n?</tool_call>", re.DOTALL),
+    "deepseek-r1": re.compile(
+        r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<args>.*?)\n```<｜tool▁call▁end｜>",
+        re.DOTALL,
+    ),
+    "deepseek-v3.1": re.compile(
+        r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>", re.DOTALL
+    ),
+    "kimi": re.compile(
+        r"<\|tool_call_begin\|>(?P<id>[^<]+?)<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>", re.DOTALL
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -54,21 +73,32 @@ class RawParts:
     closed: bool = True  # False: the text ends inside the think block
 
 
-def _qwen_calls(text: str, call_id: str) -> tuple[str, list[ToolCall]]:
-    """(content before the first tool block, calls); the text unchanged when a block does not parse."""
-    start = text.find("<tool_call>")
-    if start < 0:
+def _call(tool_format: str, match: re.Match[str], call_id: str) -> ToolCall:
+    """One structured call from a native call's match; raises ValueError/KeyError/TypeError when it is not one."""
+    if tool_format == "qwen":
+        obj = json.loads(match["body"])
+        name, arguments = obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
+    elif tool_format == "kimi":
+        call_id = match["id"]  # "functions.NAME:INDEX", the id the model itself writes
+        name, arguments = call_id.split(":")[0].split(".")[-1], match["args"]
+    else:
+        name, arguments = match["name"], match["args"]
+    json.loads(arguments)
+    if not isinstance(name, str) or not name:
+        raise TypeError("no function name")
+    return ToolCall(function=ToolFunction(name=name, arguments=arguments), id=call_id)
+
+
+def _tool_calls(tool_format: str, text: str, call_id: str) -> tuple[str, list[ToolCall]]:
+    """(content before the tool block, calls); the text unchanged when no call in the block parses."""
+    start_token, pattern = _TOOL_BLOCK_START.get(tool_format), _TOOL_CALL.get(tool_format)
+    start = text.find(start_token) if start_token else -1
+    if start < 0 or pattern is None:
         return text, []
-    calls: list[ToolCall] = []
-    for index, match in enumerate(_QWEN_CALL.finditer(text, start)):
-        try:
-            obj = json.loads(match["body"])
-            name, arguments = obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
-        except (ValueError, KeyError, TypeError):
-            return text, []
-        if not isinstance(name, str):
-            return text, []
-        calls.append(ToolCall(function=ToolFunction(name=name, arguments=arguments), id=f"{call_id}_{index}"))
+    try:
+        calls = [_call(tool_format, m, f"{call_id}_{i}") for i, m in enumerate(pattern.finditer(text, start))]
+    except (ValueError, KeyError, TypeError):  # not JSON, or not a call object: kept as text
+        return text, []
     return (text[:start], calls) if calls else (text, [])
 
 
@@ -90,9 +120,7 @@ def split_raw(text: str, profile: ReconstructProfile, prompt_state: str, *, call
                 reasoning, _, body = body.partition(think_end)
             else:
                 reasoning, body, closed = body, "", False
-    calls: list[ToolCall] = []
-    if profile.tool_format == "qwen":
-        body, calls = _qwen_calls(body, call_id)
+    body, calls = _tool_calls(profile.tool_format, body, call_id)
     return RawParts(reasoning=reasoning, content=body, tool_calls=calls, closed=closed)
 
 

@@ -10,13 +10,14 @@ tokenizer over the prompt text it received and ``usage.completion_tokens`` over 
 generated. Each response then goes through reconstruct and audit. Required: 0 accepted with
 ids that differ from the truth (prompt ids included: our render against the official one),
 and at least 98 % accepted for every model, tool calls included, of the answers that stopped by
-themselves. An answer cut at ``max_tokens`` is printed apart: its text may end in a character
+themselves; the tool calls derived from the raw text are the model's (names and arguments). An answer cut at ``max_tokens`` is printed apart: its text may end in a character
 the server holds back (a last token the text cannot pin, ``truncated_tail_*``), in every mode
 alike; a dataset with ``require_stop`` (the default) refuses it anyway.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache
@@ -46,6 +47,7 @@ class Column:
     stopped: int = 0  # answers that ended by themselves (not cut at max_tokens)
     accepted_stopped: int = 0
     wrong: list[str] = field(default_factory=list)
+    calls_differ: list[str] = field(default_factory=list)  # derived tool calls that are not the model's
     reasons: Counter[str] = field(default_factory=Counter)
 
 
@@ -67,6 +69,11 @@ def _completions_response(case: Any, index: int, sent_prompt: str, prompt: Promp
         text=text,
         sent_prompt=sent_prompt,
     )
+
+
+def _calls(sample: SampleReconstructed) -> list[tuple[str, Any]]:
+    """The tool calls derived from the raw text: (name, arguments as JSON)."""
+    return [(c.function.name, json.loads(c.function.arguments)) for c in sample.response.tool_calls]
 
 
 def run_column(model: str) -> Column:
@@ -105,6 +112,9 @@ def run_column(model: str) -> Column:
             wrong = _differences(verdict, case)
             if wrong:
                 column.wrong.append(f"{response.sample_id} ({'+'.join(wrong)})")
+            if case.finished and _calls(verdict) != [(c.name, json.loads(c.arguments))
+                                                      for c in case.conversation.generation.calls]:
+                column.calls_differ.append(response.sample_id)
     return column
 
 
@@ -139,6 +149,8 @@ def test_completions_column_accepts_98_percent(model: str) -> None:
 
 def test_completions_column_covers_tool_calls() -> None:
     cols = columns()
+    differ = {m: c.calls_differ for m, c in cols.items() if c.calls_differ}
+    assert not differ, f"tool calls derived from the raw text are not the ones the model wrote: {differ}"
     with_tools = sum(c.with_tools for c in cols.values())
     assert with_tools > 0, "no conversation with a tool call: the column would say nothing about tools"
     assert sum(c.accepted_with_tools for c in cols.values()) / with_tools >= 0.98
