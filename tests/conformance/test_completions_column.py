@@ -10,8 +10,9 @@ tokenizer over the prompt text it received and ``usage.completion_tokens`` over 
 generated. Each response then goes through reconstruct and audit. Required: 0 accepted with
 ids that differ from the truth (prompt ids included: our render against the official one),
 and at least 98 % accepted for every model, tool calls included, of the answers that stopped by
-themselves; the tool calls derived from the raw text are the model's (names and arguments). An answer cut at ``max_tokens`` is printed apart: its text may end in a character
-the server holds back (a last token the text cannot pin, ``truncated_tail_*``), in every mode
+themselves; the tool calls derived from the raw text are the model's (names and arguments).
+An answer cut at ``max_tokens`` is printed apart: its text may end in a character the
+server holds back (a last token the text cannot pin, ``truncated_tail_*``), in every mode
 alike; a dataset with ``require_stop`` (the default) refuses it anyway.
 """
 
