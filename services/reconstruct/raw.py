@@ -42,6 +42,8 @@ __all__ = ["RawParts", "plan_raw", "split_raw"]
 # Where each native tool-call format's block starts, and one call inside it (the formats the
 # profiles write; the patterns of vLLM's hermes, deepseekv3, deepseekv31 and kimi_k2 parsers,
 # PARSERS.md, without their whitespace trimming: the arguments are the model's own text).
+# The simulator holds its own copy on purpose: it stands for the server, and a test's truth
+# must not come from the code under test.
 _TOOL_BLOCK_START = {
     "qwen": "<tool_call>",
     "deepseek-r1": "<｜tool▁calls▁begin｜>",
