@@ -220,6 +220,13 @@ class ResponseReceived(Struct, kw_only=True):
     # True when this record re-sends a response already paid for (from the response
     # store) rather than a new provider answer: the budget does not count it again.
     reused: bool = False
+    # "completions": the prompt was rendered by the profile's template and sent as text to
+    # the provider's text-completions endpoint; ``text`` is the model's raw output (specials
+    # kept, the stop token dropped by the server's detokenizer) and ``sent_prompt`` the exact
+    # prompt text sent. "chat": ``reasoning``/``content``/``tool_calls`` as the server parsed them.
+    mode: Literal["chat", "completions"] = "chat"
+    text: str = ""
+    sent_prompt: str = ""
 
 
 class SampleReconstructed(Struct, kw_only=True):

@@ -87,6 +87,10 @@ class ProviderSettings(BaseModel):
     model_config = _frozen
 
     kind: Literal["simulator", "openrouter", "openai", "sglang"] = "simulator"
+    # "completions": the prompt is rendered with the dataset profile's template (tools in the
+    # model's native format) and sent as text to POST <base_url>/completions; the answer is the
+    # model's raw text, with no reasoning or tool parser in between. A dataset may override it.
+    mode: Literal["chat", "completions"] = "chat"
     base_url: str = "http://127.0.0.1:8099/api/v1"  # where `draftstream simulate-provider` answers
     model: str = "qwen/qwen3-8b"
     api_key: SecretStr | None = None
@@ -152,6 +156,8 @@ class DatasetSettings(BaseModel):
 
     profile: str = "qwen3"
     send_tools: bool = False
+    # None: [provider] mode.
+    mode: Literal["chat", "completions"] | None = None
     max_tokens: int = Field(default=4096, gt=0)
     cap_completion_tokens: int | None = Field(default=10_000_000, gt=0)
     cap_usd: float | None = Field(default=None, gt=0)
@@ -304,6 +310,10 @@ class Settings(BaseSettings):
     def dataset(self, name: str) -> DatasetSettings:
         """The settings of one dataset: its own section, else ``[defaults]``."""
         return self.datasets.get(name, self.defaults)
+
+    def mode_of(self, dataset: DatasetSettings) -> Literal["chat", "completions"]:
+        """How a dataset's requests are sent: its own ``mode``, else ``[provider] mode``."""
+        return dataset.mode or self.provider.mode
 
     def redacted(self) -> dict[str, Any]:
         """The settings as plain data with every secret masked (for printing)."""

@@ -72,6 +72,10 @@ class ProviderResult:
     native_output_ids: list[int] | None = None
     native_prompt_ids: list[int] | None = None
     logprobs: list[LogprobToken] | None = None
+    # Completions mode: the model's raw text and the exact prompt text that was sent.
+    mode: str = "chat"
+    text: str = ""
+    sent_prompt: str = ""
 
 
 @dataclass(eq=False)
@@ -275,6 +279,9 @@ def response_event(
         native_prompt_ids=result.native_prompt_ids,
         logprobs=result.logprobs,
         tools_sent=tools_sent,
+        mode="completions" if result.mode == "completions" else "chat",
+        text=result.text,
+        sent_prompt=result.sent_prompt,
         request_max_tokens=max_tokens,
         latency_s=max(0.0, latency_s),
         attempt=attempt,

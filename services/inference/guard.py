@@ -45,6 +45,7 @@ class ProviderGuard:
         self.outage = OutageDetector(settings.provider.outage_after)
         self.preflight: dict[str, ProviderCheck] = {}
         self._checked: dict[str, bool] = {}
+        self._completions_check: ProviderCheck | None = None
         self._check_lock = asyncio.Lock()
         self._outage_published = False
         self._account_halt_published = False
@@ -97,14 +98,39 @@ class ProviderGuard:
                 message = f"pre-flight: dataset {name}: profile {profile!r} cannot be used ({code}): {exc}"
                 self.preflight[name] = ProviderCheck(ok=False, reason=str(code), message=message)
                 self._checked[name] = False
-                standing = self._halts.standing(name)
-                if standing is None or standing.by == PREFLIGHT_ACTOR:
-                    await self._halts.publish(Halt(scope=name, reason=message, by=PREFLIGHT_ACTOR, at=time.time()))
+                await self._halt_dataset(name, message)
                 return False
+            if self._settings.mode_of(self._settings.dataset(name)) == "completions":
+                refused = await self._completions_refused(name)
+                if refused is not None:
+                    self.preflight[name], self._checked[name] = refused, False
+                    return False
             self.preflight[name] = ProviderCheck(ok=True, detail=f"profile {profile} loaded")
             self._checked[name] = True
             await self._resume_own(name, (PREFLIGHT_ACTOR,), f"pre-flight passed: profile {profile} loads")
             return True
+
+    async def _completions_refused(self, name: str) -> ProviderCheck | None:
+        """Completions mode: halt ``name`` when the provider refuses its text-completions endpoint.
+
+        The endpoint is asked once per worker (one 1-token request); the answer holds for
+        every dataset in completions mode.
+        """
+        if self._completions_check is None:
+            self._completions_check = await self._provider.check_completions()
+        check = self._completions_check
+        log.info("pre-flight: completions mode: %s", check.message or check.detail)
+        if check.ok:
+            return None
+        message = f"pre-flight: dataset {name}: {check.message}"
+        await self._halt_dataset(name, message)
+        return ProviderCheck(ok=False, reason=check.reason, message=message)
+
+    async def _halt_dataset(self, name: str, message: str) -> None:
+        """Halt one dataset for a pre-flight failure, unless someone else's halt stands."""
+        standing = self._halts.standing(name)
+        if standing is None or standing.by == PREFLIGHT_ACTOR:
+            await self._halts.publish(Halt(scope=name, reason=message, by=PREFLIGHT_ACTOR, at=time.time()))
 
     async def _resume_own(self, scope: str, actors: tuple[str, ...], reason: str) -> None:
         """Lift a standing halt of ``scope`` when one of ``actors`` published it (never a person's)."""

@@ -341,6 +341,10 @@ def _reencode_plan(
 
 def _plan(response: ResponseReceived, profile: ReconstructProfile, convention: Convention) -> _Plan | DeadLetter:
     """Decide the method and the texts to encode for one response."""
+    if response.mode == "completions":  # the model's raw text: services/reconstruct/raw.py
+        from services.reconstruct.raw import plan_raw
+
+        return plan_raw(response, profile)
     # The prompt ids must be what the model saw: tool definitions reach the template only
     # when the request carried them as `tools`; otherwise they are in the message text or
     # the model never saw them.

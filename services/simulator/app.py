@@ -41,12 +41,14 @@ from services.simulator.core import (
     GenerationParams,
     ProfileLike,
     RequestError,
+    build_completion_body,
     build_response_body,
     choose_content_faults,
     choose_transient_fault,
     compile_chat_template,
     error_body,
     generate,
+    parse_completion_request,
     parse_fault_header,
     parse_request,
     profile_prompt_text,
@@ -239,6 +241,9 @@ class SimulatorServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/api/v1/chat/completions", self.chat)
         app.router.add_post("/v1/chat/completions", self.chat)
+        # Text completions (``prompt`` rendered by the client): the same handler, the raw text back.
+        app.router.add_post("/api/v1/completions", self.chat)
+        app.router.add_post("/v1/completions", self.chat)
         app.router.add_get("/health", self.health)
         app.router.add_get("/_sim/stats", self.stats_view)
         app.router.add_get("/_sim/truth", self.truth_view)
@@ -300,7 +305,7 @@ class SimulatorServer:
             self._prompt_texts[key] = text
         return self._prompt_texts[key]
 
-    def _generation(self, request: ChatRequest, forced: list[str]) -> Generation:
+    def _generation(self, request: ChatRequest, forced: list[str], prompt_text: str | None = None) -> Generation:
         digest = prompt_digest(request)
         faults = sorted(set(choose_content_faults(digest, self.options.seed, self.rates)) | set(forced))
         kwargs_key = json.dumps(request.chat_template_kwargs or {}, sort_keys=True, default=str)
@@ -321,7 +326,7 @@ class SimulatorServer:
                 request,
                 self.params,
                 content_faults=faults,
-                prompt_text=self._prompt_text(request, digest, kwargs_key),
+                prompt_text=prompt_text if prompt_text is not None else self._prompt_text(request, digest, kwargs_key),
             )
             self._cache[cache_key] = cached
         return cached
@@ -346,9 +351,14 @@ class SimulatorServer:
         at = time.time()
         key = request.headers.get(KEY_HEADER)
         self.stats.record(key, at, request.headers.get("Authorization"))
+        completions = not request.path.endswith("/chat/completions")  # POST .../completions: a rendered prompt
+        prompt_text: str | None = None
         try:
             forced = parse_fault_header(request.headers.get(FAULT_HEADER))
-            chat = parse_request(await request.read())
+            if completions:
+                chat, prompt_text = parse_completion_request(await request.read())
+            else:
+                chat = parse_request(await request.read())
         except RequestError as exc:
             SIMULATOR_REQUESTS.labels("bad_request").inc()
             return self._reply(exc.status, error_body(exc.status, exc.message), key)
@@ -383,7 +393,7 @@ class SimulatorServer:
             return self._reply(200, error_body(502, "Provider returned error (simulated)"), key)
 
         try:
-            generation = self._generation(chat, [f for f in forced if f in CONTENT_FAULTS])
+            generation = self._generation(chat, [f for f in forced if f in CONTENT_FAULTS], prompt_text)
         except RequestError as exc:
             return self._reply(exc.status, error_body(exc.status, exc.message), key)
         for name in generation.faults:
@@ -392,18 +402,23 @@ class SimulatorServer:
         for name in generation.fallbacks:
             self.stats.fault(key, f"{name}_fallback")
 
-        body = msgspec.json.encode(
-            build_response_body(
+        provider, response_id = self.options.provider_name, f"gen-sim-{uuid.uuid4().hex[:20]}"
+        if completions:
+            reply = build_completion_body(
+                self.profile, generation, chat, self.params, provider=provider, response_id=response_id, created=int(at)
+            )
+        else:
+            reply = build_response_body(
                 self.profile,
                 generation,
                 chat,
                 self.params,
-                provider=self.options.provider_name,
-                response_id=f"gen-sim-{uuid.uuid4().hex[:20]}",
+                provider=provider,
+                response_id=response_id,
                 created=int(at),
                 logprobs=chat.logprobs or self.options.logprobs,
             )
-        )
+        body = msgspec.json.encode(reply)
         if transient == "malformed":
             self.stats.statuses["200"] += 1
             broken = body[: max(1, len(body) // 2)] + b"\x00<html>oops"

@@ -240,15 +240,10 @@ def parse_request(body: bytes) -> ChatRequest:
     tools = data.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise RequestError("'tools' must be a list of objects")
-    max_tokens = data.get("max_tokens", data.get("max_completion_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise RequestError("'max_tokens' must be a positive integer")
+    model, max_tokens = _model_and_max_tokens(data)
     top = data.get("top_logprobs") or 0
     if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
         raise RequestError("'top_logprobs' must be an integer in 0..20")
-    model = data.get("model") or "simulator/model"
-    if not isinstance(model, str):
-        raise RequestError("'model' must be a string")
     template_kwargs = data.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise RequestError("'chat_template_kwargs' must be an object")
@@ -263,6 +258,62 @@ def parse_request(body: bytes) -> ChatRequest:
         chat_template_kwargs=template_kwargs or None,
         return_token_ids=bool(data.get("return_token_ids")),
     )
+
+
+def _model_and_max_tokens(data: dict[str, Any]) -> tuple[str, int | None]:
+    """The ``model`` and ``max_tokens`` of a request body, validated as a provider does."""
+    max_tokens = data.get("max_tokens", data.get("max_completion_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise RequestError("'max_tokens' must be a positive integer")
+    model = data.get("model") or "simulator/model"
+    if not isinstance(model, str):
+        raise RequestError("'model' must be a string")
+    return model, max_tokens
+
+
+# The tool definitions a Hermes-style template (Qwen3) renders into the prompt: one JSON per line.
+_PROMPT_TOOLS = re.compile(r"<tools>\n(?P<lines>.*?)\n</tools>", re.DOTALL)
+
+
+def prompt_tools(prompt: str) -> list[dict[str, Any]] | None:
+    """The tools a rendered prompt offers in the native ``<tools>`` block (Qwen3's templates), else None."""
+    match = _PROMPT_TOOLS.search(prompt)
+    if match is None:
+        return None
+    tools = []
+    for line in match["lines"].splitlines():
+        try:
+            tool = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(tool, dict):
+            tools.append(tool)
+    return tools or None
+
+
+def parse_completion_request(body: bytes) -> tuple[ChatRequest, str]:
+    """Parse a text-completions body (``prompt`` already rendered): the request the generator reads, and the prompt.
+
+    The prompt stands as one system message (so tool text in it is seen as a system prompt's
+    is), and the tools the prompt offers natively are the request's tools: the model answers
+    them with tool calls in its own format. Raises :class:`RequestError`.
+    """
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object")
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("'prompt' must be a non-empty string")
+    model, max_tokens = _model_and_max_tokens(data)
+    request = ChatRequest(
+        model=model, messages=[{"role": "system", "content": prompt}], tools=prompt_tools(prompt), max_tokens=max_tokens
+    )
+    return request, prompt
 
 
 def parse_fault_header(value: str | None) -> list[str]:
@@ -1077,28 +1128,83 @@ def build_response_body(
         )
     if request.return_token_ids:
         choice["token_ids"] = generation.true_ids
-    cost = (
-        generation.completion_tokens * params.price_per_token + generation.prompt_tokens * params.prompt_price_per_token
-    )
-    body: dict[str, Any] = {
-        "id": response_id,
-        "provider": provider,
-        "model": request.model,
-        "object": "chat.completion",
-        "created": created,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": generation.prompt_tokens,
-            "completion_tokens": generation.completion_tokens,
-            "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-            "cost": round(cost, 12),
-            "completion_tokens_details": {"reasoning_tokens": generation.reasoning_tokens},
-            "prompt_tokens_details": {"cached_tokens": 0},
-        },
-    }
+    body = _envelope("chat.completion", choice, generation, request, params, provider, response_id, created)
     if request.return_token_ids:
         body["prompt_token_ids"] = generation.prompt_ids
     return body
+
+
+def _envelope(
+    kind: str,
+    choice: dict[str, Any],
+    generation: Generation,
+    request: ChatRequest,
+    params: GenerationParams,
+    provider: str,
+    response_id: str,
+    created: int,
+) -> dict[str, Any]:
+    """The body around one choice, chat or text completion alike: ids, model, usage."""
+    return {
+        "id": response_id,
+        "provider": provider,
+        "model": request.model,
+        "object": kind,
+        "created": created,
+        "choices": [choice],
+        "usage": _usage_body(generation, params),
+    }
+
+
+def _usage_body(generation: Generation, params: GenerationParams) -> dict[str, Any]:
+    cost = (
+        generation.completion_tokens * params.price_per_token + generation.prompt_tokens * params.prompt_price_per_token
+    )
+    return {
+        "prompt_tokens": generation.prompt_tokens,
+        "completion_tokens": generation.completion_tokens,
+        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+        "cost": round(cost, 12),
+        "completion_tokens_details": {"reasoning_tokens": generation.reasoning_tokens},
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def raw_completion_text(profile: ProfileLike, ids: Sequence[int]) -> str:
+    """The text a completions server returns for ``ids`` with ``skip_special_tokens: false``.
+
+    Every special is kept except the final end-of-turn (the stop token, which the
+    detokenizer drops); a trailing incomplete UTF-8 character is held back, as an
+    incremental detokenizer does.
+    """
+    shown = list(ids[:-1]) if ids and ids[-1] == profile.end_of_turn_id else list(ids)
+    data = b"".join(profile.token_bytes(i) for i in shown)
+    for drop in range(min(4, len(data)) + 1):
+        try:
+            return data[: len(data) - drop].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", errors="replace")
+
+
+def build_completion_body(
+    profile: ProfileLike,
+    generation: Generation,
+    request: ChatRequest,
+    params: GenerationParams,
+    *,
+    provider: str,
+    response_id: str,
+    created: int,
+) -> dict[str, Any]:
+    """The OpenAI text-completions body for one generation: the raw text, no reasoning or tool parser."""
+    choice = {
+        "index": 0,
+        "text": raw_completion_text(profile, generation.true_ids),
+        "logprobs": None,
+        "finish_reason": "length" if generation.finish_reason == "length" else "stop",
+    }
+    return _envelope("text_completion", choice, generation, request, params, provider, response_id, created)
 
 
 def error_body(code: int, message: str) -> dict[str, Any]:

@@ -88,6 +88,19 @@ def sink_rows(out_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+async def publish_and_settle(pipeline: Pipeline, settings: Any, prompts_file: Path, dataset: str, n: int) -> None:
+    """Publish ``n`` prompts and wait until each has a sink row or a dead letter."""
+    published = await publish(settings, [prompts_file], dataset=dataset)
+    assert published.published == n, published
+    out_dir = Path(settings.sink.out_dir)
+
+    async def settled() -> bool:
+        done = {r["id"] for r in sink_rows(out_dir)} | {d.key for d in await dead_letters(settings)}
+        return len(done) >= n
+
+    await pipeline.wait(settled, 200, "every prompt accepted or dead-lettered")
+
+
 def effective_faults(recorded: list[str]) -> set[str]:
     """The content faults that really changed a generation (a ``<name>_fallback`` cancels ``<name>``)."""
     names = set(recorded)
@@ -145,14 +158,7 @@ async def test_pipeline_accounts_for_every_prompt_and_matches_ground_truth(
         await pipeline.start("reconstruct", reconstruct_app(settings))
         await pipeline.start("audit", audit_app(settings))
         await pipeline.start("sink", sink_app(settings))
-        published = await publish(settings, [prompts_file], dataset=DATASET)
-        assert published.published == N_PROMPTS, published
-
-        async def settled() -> bool:
-            done = {r["id"] for r in sink_rows(out_dir)} | {d.key for d in await dead_letters(settings)}
-            return len(done) >= N_PROMPTS
-
-        await pipeline.wait(settled, 200, "every prompt accepted or dead-lettered")
+        await publish_and_settle(pipeline, settings, prompts_file, DATASET, N_PROMPTS)
         n_responses = len((await read_all(settings, responses_topic))[responses_topic])
         await pipeline.wait(
             lambda: DATASET in budget.ledger.scopes and budget.ledger.scopes[DATASET].responses >= n_responses,

@@ -124,6 +124,26 @@ class _ChatCompletion(Struct):
     prompt_token_ids: list[TokenId] | None = None
 
 
+# --- OpenAI text-completions wire shape (``POST /completions`` with ``prompt``) ---
+
+
+class _TextChoice(Struct):
+    text: str | None = None
+    finish_reason: str | None = None
+    native_finish_reason: str | None = None
+    token_ids: list[TokenId] | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    error: Any = None
+
+
+class _TextCompletion(Struct):
+    choices: list[_TextChoice]
+    model: str | None = None
+    provider: str | None = None
+    usage: _ChatUsage | None = None
+    prompt_token_ids: list[TokenId] | None = None
+
+
 # --- SGLang native /generate wire shape ---
 
 
@@ -214,16 +234,17 @@ def _reasoning_from_details(details: list[_ReasoningDetail] | None) -> str:
     return "".join(parts)
 
 
-def _parse_chat(body: Any, *, native_ids: bool) -> ProviderResult:
+def _first_choice(body: Any, shape: type[_ChatCompletion] | type[_TextCompletion]) -> tuple[Any, Any]:
+    """(the decoded body, its first choice); errors in the body or in the choice raised classified."""
     if isinstance(body, dict) and body.get("error"):
         raise _body_error(body["error"])
     try:
-        chat = msgspec.convert(body, _ChatCompletion)
+        reply = msgspec.convert(body, shape)
     except msgspec.ValidationError as exc:
         raise _shape_error(exc) from None
-    if not chat.choices:
+    if not reply.choices:
         raise _shape_error(ValueError("no choices"))
-    choice = chat.choices[0]
+    choice = reply.choices[0]
     if choice.error:
         raise _body_error(choice.error)
     if choice.finish_reason == "error":
@@ -233,19 +254,49 @@ def _parse_chat(body: Any, *, native_ids: bool) -> ProviderResult:
             retryable=True,
             http_status=200,
         )
+    return reply, choice
+
+
+def _usage(usage: _ChatUsage | None) -> Usage:
+    if usage is None:
+        return Usage()
+    details = usage.completion_tokens_details
+    return Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        reasoning_tokens=details.reasoning_tokens if details else None,
+        cost=usage.cost,
+    )
+
+
+def parse_completions(body: Any, *, native_ids: bool = False, sent_prompt: str = "") -> ProviderResult:
+    """Parse a text-completions body: ``choices[0].text`` is the model's raw output.
+
+    ``sent_prompt`` (the rendered prompt that was sent) travels with the result, so
+    reconstruction encodes exactly that text as the prompt.
+    """
+    reply, choice = _first_choice(body, _TextCompletion)
+    return ProviderResult(
+        finish_reason=choice.finish_reason,
+        native_finish_reason=choice.native_finish_reason,
+        usage=_usage(reply.usage),
+        model=reply.model,
+        upstream_provider=reply.provider,
+        native_output_ids=choice.token_ids if native_ids else None,
+        native_prompt_ids=(reply.prompt_token_ids or choice.prompt_token_ids) if native_ids else None,
+        mode="completions",
+        text=choice.text or "",
+        sent_prompt=sent_prompt,
+    )
+
+
+def _parse_chat(body: Any, *, native_ids: bool) -> ProviderResult:
+    chat, choice = _first_choice(body, _ChatCompletion)
     message = choice.message
     reasoning = message.reasoning or message.reasoning_content or _reasoning_from_details(
         message.reasoning_details
     )
-    usage = Usage()
-    if chat.usage is not None:
-        details = chat.usage.completion_tokens_details
-        usage = Usage(
-            prompt_tokens=chat.usage.prompt_tokens,
-            completion_tokens=chat.usage.completion_tokens,
-            reasoning_tokens=details.reasoning_tokens if details else None,
-            cost=chat.usage.cost,
-        )
+    usage = _usage(chat.usage)
     logprobs = None
     if choice.logprobs is not None and choice.logprobs.content is not None:
         logprobs = [
@@ -392,6 +443,41 @@ def chat_request_body(
     return body
 
 
+def completions_request_body(
+    prompt_text: str,
+    *,
+    model: str,
+    max_tokens: int,
+    extra_body: dict[str, Any],
+    vllm_style: bool,
+    native_ids: bool = False,
+) -> dict[str, Any]:
+    """The text-completions request body for a prompt already rendered by the profile's template.
+
+    ``skip_special_tokens: false`` keeps the think and tool tokens in the text (vLLM, SGLang
+    and the simulator take it; OpenRouter passes it on where an upstream does). A vLLM-style
+    server (``vllm_style``) also gets ``add_special_tokens: false``: the rendered template
+    already carries the BOS where the model has one, and the server's tokenizer would add a
+    second. ``extra_body`` is merged last.
+    """
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt_text,
+        "max_tokens": max_tokens,
+        "skip_special_tokens": False,
+    }
+    if vllm_style:
+        body["add_special_tokens"] = False
+    if native_ids:
+        body["return_token_ids"] = True
+    body.update(extra_body)
+    return body
+
+
+COMPLETIONS_PATH = "/completions"
+# Statuses that say "this server has no text-completions endpoint" (not "this request failed").
+COMPLETIONS_REFUSED = frozenset({404, 405, 501})
+
 MaySend = Callable[[], bool]
 
 
@@ -420,6 +506,10 @@ class Provider(Protocol):
 
     async def check(self) -> ProviderCheck:
         """Whether the provider is reachable, the key valid and the model served (no cost)."""
+        ...
+
+    async def check_completions(self) -> ProviderCheck:
+        """Completions mode: whether the provider serves ``POST .../completions`` (one 1-token request)."""
         ...
 
 
@@ -584,6 +674,32 @@ class _HttpProvider:
         """``GET <base_url>/models`` answers (the model listed is checked by OpenAI-compatible kinds)."""
         return await self._models_check(f"{self._base}/models", require_model=False)
 
+    async def check_completions(self) -> ProviderCheck:
+        """Completions mode: one 1-token ``POST <base_url>/completions``; 404/405/501 mean not served.
+
+        Which upstreams serve text completions is not documented for every provider: only a
+        request shows it (``OPENROUTER.md``). Any other failure says nothing about the
+        endpoint (the outage checks deal with it) and passes.
+        """
+        url = f"{self._base}{COMPLETIONS_PATH}"
+        body = {"model": self._provider.model, "prompt": "Hello", "max_tokens": 1}
+        headers = {"Content-Type": "application/json", **self._auth_headers()}
+        try:
+            await self._post(COMPLETIONS_PATH, body, headers)
+        except ProviderFailure as failure:
+            if failure.http_status in COMPLETIONS_REFUSED:
+                return ProviderCheck(
+                    ok=False,
+                    reason="completions_unsupported",
+                    message=(
+                        f"completions mode: the provider refuses POST {url} (HTTP {failure.http_status}: "
+                        f"{failure.message[:200]}); set mode = \"chat\" for this dataset or use a provider "
+                        "that serves text completions"
+                    ),
+                )
+            return ProviderCheck(ok=True, detail=f"POST {url}: {failure} (not a refusal of the endpoint)")
+        return ProviderCheck(ok=True, detail=f"POST {url} answers")
+
 
 class OpenRouterProvider(_HttpProvider):
     """OpenRouter's chat completions (reasoning, routing options passed through)."""
@@ -592,6 +708,31 @@ class OpenRouterProvider(_HttpProvider):
     native_ids = False
     # OpenRouter takes thinking switches through its own `reasoning` parameter (extra_body).
     sends_template_kwargs = False
+    # vLLM-style servers take `add_special_tokens` on text completions (OpenRouter does not).
+    vllm_style = False
+    _load_profile: ProfileLoader | None = None
+
+    def completion_prompt(self, prompt: PromptPublished, dataset: DatasetSettings) -> str:
+        """Completions mode: the prompt rendered by the dataset profile's template, tools included.
+
+        A template that cannot render this prompt is the prompt's fault: a final
+        ``chat_template_error`` (a dead letter), never a crash.
+        """
+        if self._load_profile is None:
+            self._load_profile = default_profile_loader(self._settings)
+        tools = prompt.tools if sends_tools(prompt, dataset) else None
+        try:
+            return self._load_profile(dataset.profile).render_prompt(prompt.messages, tools)
+        except Exception as exc:  # noqa: BLE001 - jinja2 and profile errors alike: this prompt cannot be sent
+            raise ProviderFailure(
+                reason="chat_template_error",
+                message=f"completions mode: profile {dataset.profile!r} cannot render the prompt: "
+                f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT],
+                retryable=False,
+            ) from None
+
+    def _completions(self, dataset: DatasetSettings) -> bool:
+        return self._settings.mode_of(dataset) == "completions"
 
     def template_kwargs(self, dataset: DatasetSettings) -> dict[str, Any] | None:
         """The dataset profile's ``chat_template_kwargs`` (thinking on/off), for servers that take them."""
@@ -605,6 +746,15 @@ class OpenRouterProvider(_HttpProvider):
             return None  # an unknown profile is refused by pre-flight and reconstruct, not here
 
     def _body(self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int) -> dict[str, Any]:
+        if self._completions(dataset):
+            return completions_request_body(
+                self.completion_prompt(prompt, dataset),
+                model=self._provider.model,
+                max_tokens=max_tokens,
+                extra_body=self._provider.extra_body,
+                vllm_style=self.vllm_style,
+                native_ids=self.native_ids,
+            )
         return chat_request_body(
             prompt,
             dataset,
@@ -617,17 +767,33 @@ class OpenRouterProvider(_HttpProvider):
         )
 
     def request_identity(self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int) -> dict[str, Any]:
-        """The request body exactly as sent (messages, tools, model, sampling, max_tokens)."""
-        return {"provider": self.name, "body": self._body(prompt, dataset, max_tokens)}
+        """The request body exactly as sent (messages or the rendered prompt, tools, model, sampling, max_tokens).
+
+        In completions mode the identity also names the mode: a chat and a completions request
+        for the same prompt are different requests (their bodies differ too: ``prompt`` text).
+        """
+        if not self._completions(dataset):
+            return {"provider": self.name, "body": self._body(prompt, dataset, max_tokens)}
+        try:
+            return {"provider": self.name, "mode": "completions", "body": self._body(prompt, dataset, max_tokens)}
+        except ProviderFailure as failure:  # complete() raises it again: a dead letter, nothing paid
+            return {"provider": self.name, "mode": "completions", "unrenderable": failure.message}
 
     async def complete(
         self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int, may_send: MaySend | None = None
     ) -> ProviderResult:
-        """Send one chat-completions request for ``prompt`` (unless ``may_send`` says no: :class:`NotSent`)."""
-        data = await self._post(
-            "/chat/completions", self._body(prompt, dataset, max_tokens), self._headers(prompt), may_send
-        )
-        return self._parse(data)
+        """Send one chat- or text-completions request for ``prompt`` (unless ``may_send`` says no: :class:`NotSent`)."""
+        body = self._body(prompt, dataset, max_tokens)
+        completions = self._completions(dataset)
+        path = COMPLETIONS_PATH if completions else "/chat/completions"
+        data = await self._post(path, body, self._headers(prompt), may_send)
+        if not completions:
+            return self._parse(data)
+        try:
+            return parse_completions(data, native_ids=self.native_ids, sent_prompt=body["prompt"])
+        except ProviderFailure as failure:
+            failure.message = self._redact(failure.message)
+            raise
 
     async def check(self) -> ProviderCheck:
         """A key is set and valid (``GET /key``: its credit limit and usage are logged)."""
@@ -674,6 +840,7 @@ class OpenAIProvider(OpenRouterProvider):
     name = "openai"
     native_ids = True
     sends_template_kwargs = True
+    vllm_style = True
     parse_body = staticmethod(parse_openai)
 
     async def check(self) -> ProviderCheck:
@@ -686,6 +853,7 @@ class SimulatorProvider(OpenRouterProvider):
 
     name = "simulator"
     sends_template_kwargs = True
+    vllm_style = True
 
     async def check(self) -> ProviderCheck:
         """``GET <base_url>/models`` answers (the simulator serves any model name)."""
@@ -784,6 +952,10 @@ class SGLangProvider(_HttpProvider):
     async def check(self) -> ProviderCheck:
         """``GET <base_url>/v1/models`` answers (SGLang names the model by its path)."""
         return await self._models_check(f"{self._base}/v1/models", require_model=False)
+
+    async def check_completions(self) -> ProviderCheck:
+        """SGLang's native ``/generate`` is raw text from ``input_ids`` already: nothing to check."""
+        return ProviderCheck(ok=True, detail="sglang /generate takes rendered input_ids: raw text by construction")
 
     async def complete(
         self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int, may_send: MaySend | None = None
