@@ -76,21 +76,6 @@ class _StubMeta(abc.ABCMeta):
     def __getitem__(cls, item: Any) -> Any:
         return cls
 
-    def __setitem__(cls, key: Any, value: Any) -> None:
-        return None
-
-    def __iter__(cls) -> Any:
-        return iter(())
-
-    def __contains__(cls, item: Any) -> bool:
-        return False
-
-    def __len__(cls) -> int:
-        return 0
-
-    def __bool__(cls) -> bool:
-        return False
-
 
 class _Stub(metaclass=_StubMeta):
     """Base of every stand-in class; its instances are as permissive as the classes."""
@@ -107,23 +92,8 @@ class _Stub(metaclass=_StubMeta):
         kept = _called(type(self).__name__ + "()", args, kwargs)
         return kept if kept is not None else _Stub()
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        return None
-
     def __getitem__(self, key: Any) -> Any:
         return _Stub()
-
-    def __iter__(self) -> Any:
-        return iter(())
-
-    def __contains__(self, item: Any) -> bool:
-        return False
-
-    def __len__(self) -> int:
-        return 0
-
-    def __bool__(self) -> bool:
-        return False
 
     def __int__(self) -> int:
         return 0
@@ -150,6 +120,19 @@ class _Stub(metaclass=_StubMeta):
 
 def _operator(self: Any, *args: Any) -> Any:
     return _Stub()
+
+
+# Empty-container behaviour, for the classes (via the metaclass) and their instances alike.
+_EMPTY = {
+    "__setitem__": lambda self, key, value: None,
+    "__iter__": lambda self: iter(()),
+    "__contains__": lambda self, item: False,
+    "__len__": lambda self: 0,
+    "__bool__": lambda self: False,
+}
+for _name, _method in _EMPTY.items():
+    setattr(_Stub, _name, _method)
+    setattr(_StubMeta, _name, _method)
 
 
 for _op in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "mod", "pow",
