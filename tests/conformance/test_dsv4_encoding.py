@@ -11,7 +11,8 @@ encoder's default ("low", no effort preamble).
 Checked: our ``deepseek-v4`` profile renders every conversation shape (tools, assistant tool calls, tool
 results out of call order, a user message right after results, thinking on and off) to the encoder's exact
 text and ids; structured tool calls are rebuilt into the DSML the encoder writes for that call; and a V4
-tool-call answer comes back from reconstruct with the ids of the encoder's text.
+tool-call answer comes back from reconstruct with the ids of the encoder's text; and vLLM 0.33.0's own
+deepseek_v4 parsers, run on encoder-written answers, return fields that reassemble to that text with our DSML.
 """
 
 from __future__ import annotations
@@ -186,3 +187,37 @@ def test_v4_broken_dsml_block_fails_the_audit() -> None:
     assert isinstance(sample, SampleReconstructed), sample
     (verdict,) = audit_batch([sample], profile, AuditThresholds())
     assert "tool_calls_well_formed" in verdict.reasons
+
+
+ANSWER_CALLS = {"one_call": [WEATHER], "json_values": [SEARCH], "two_calls": [WEATHER, SEARCH]}
+
+
+@cache
+def vllm_parses() -> dict[str, Any]:
+    """vLLM 0.33.0's deepseek_v4 parsers over encoder-written answers (``engines.run_dsv4``, a child process)."""
+    answers = []
+    for calls in ANSWER_CALLS.values():
+        for content in ("Checking.", ""):
+            text = "The user wants the weather.</think>" + content + _encoder_block(calls)
+            fields = {"messages": SHAPES["single_turn"], "tools": T._TOOLS, "chat_template_kwargs": {"thinking": True}}
+            answers.append({"text": text, "fields": fields, "content": content, "calls": calls})
+    return {"answers": answers, **E.run_dsv4(answers)}
+
+
+def test_vllm_deepseek_v4_answers_reassemble_from_our_dsml() -> None:
+    """Content as vLLM returns it + our DSML for its structured calls == the text the model wrote, whenever
+    the model's arguments are what the encoder writes (the "\\n\\n" before the block stays in the content;
+    whitespace-only content next to calls comes back null, as PARSERS.md says of vLLM's serving layer)."""
+    run = vllm_parses()
+    assert all("/vllm/distributed/parallel_state.py:" in c for c in run["stub_calls"]), run["stub_calls"]
+    for answer, got in zip(run["answers"], run["responses"], strict=True):
+        assert got["reasoning"] == "The user wants the weather."
+        assert got["content"] == (answer["content"] + "\n\n" if answer["content"] else None)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["tool_calls"]] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer["calls"]
+        ]
+        structured = [msgspec.convert(c, ToolCall) for c in got["tool_calls"]]
+        pieces = "".join(p for p in v4(True).tool_call_pieces(structured) if isinstance(p, str))
+        rebuilt = got["reasoning"] + "</think>" + (got["content"] or "\n\n") + pieces
+        assert rebuilt == answer["text"]
+        assert got["finish_reason"] == "tool_calls"
