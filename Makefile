@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-unit conformance lint bench bench-quick chaos kafka-up kafka-down schemas clean
+.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-unit engines conformance lint bench bench-quick chaos kafka-up kafka-down schemas clean
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -42,7 +42,13 @@ test: setup system-deps asyncapi-deps ## Every test tier against a real Kafka 4.
 test-unit: setup ## Unit tests only (no broker)
 	$(PY) -m pytest tests/unit -q
 
-conformance: setup ## The fidelity matrix: reconstruct + audit vs the official chat templates (prints the table)
+ENGINES := .run/engines/.installed
+$(ENGINES): deploy/engines/requirements.txt deploy/engines/build.sh | $(VENV)/.installed
+	@PYTHON=$(PY) ENGINES_DIR=.run/engines bash deploy/engines/build.sh
+
+engines: $(ENGINES) ## Test-only env of the real engines (vLLM, SGLang wheels, hash-pinned, no torch) in .run/engines
+
+conformance: setup engines ## The fidelity matrix: reconstruct + audit vs the official chat templates and the real engines (prints the tables)
 	$(PY) -m pytest tests/conformance -q -s -p no:cacheprovider
 
 lint: setup ## ruff, mypy strict on schemas/ and services/, dashboard linter

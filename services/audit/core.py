@@ -13,6 +13,7 @@ constant reconstruction error (a newline lost on every sample becomes "the conve
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -407,21 +408,38 @@ def _roles(tool_tokens: tuple[tuple[str, int], ...]) -> dict[int, str]:
     return tool_token_roles(dict(tool_tokens))
 
 
+# DeepSeek-V4's DSML marks its blocks with text around one token (``<｜DSML｜tool_calls>``,
+# ``<｜DSML｜invoke name=…>``): the roles are read off the decoded text, in order, then checked by the
+# same state machine as token roles (the tag's index in this tuple stands for its id).
+_DSML_TAGS = re.compile(r"<(/?)｜DSML｜(tool_calls|invoke)\b")
+_DSML_ROLES = {0: _SECTION_OPEN, 1: _SECTION_CLOSE, 2: _CALL_OPEN, 3: _CALL_CLOSE}
+
+
+def parse_dsml(text: str) -> tuple[int, str]:
+    """Count the DSML invokes in ``text``; returns (calls, error) with error '' when well formed."""
+    order = [(2 if m.group(2) == "invoke" else 0) + (1 if m.group(1) else 0) for m in _DSML_TAGS.finditer(text)]
+    return parse_tool_tokens(order, _DSML_ROLES)
+
+
 def check_tool_calls_well_formed(p: Prepared, profile: AuditProfile) -> CheckResult | None:
     """Tool-call tokens balanced, well formed, matching the structured calls, only if tools offered."""
-    roles = _roles(tuple(profile.tool_tokens.items()))  # read only: shared between samples
     r = p.sample.response
-    if not roles:
-        if r.tool_calls:
-            return _ok(TOOL_CALLS_WELL_FORMED, False,
-                       f"{len(r.tool_calls)} tool call(s) but profile {profile.name} has no tool tokens")
-        return None
-    present = not roles.keys().isdisjoint(p.sample.output_ids)
+    if profile.tool_format == "dsml" and p.decoded is not None:
+        calls, error = parse_dsml(p.decoded)
+        present = bool(calls or error)
+    else:
+        roles = _roles(tuple(profile.tool_tokens.items()))  # read only: shared between samples
+        if not roles:
+            if r.tool_calls:
+                return _ok(TOOL_CALLS_WELL_FORMED, False,
+                           f"{len(r.tool_calls)} tool call(s) but profile {profile.name} has no tool tokens")
+            return None
+        present = not roles.keys().isdisjoint(p.sample.output_ids)
+        # Without any tool token the parse has nothing to look at: no calls, well formed.
+        calls, error = parse_tool_tokens(p.sample.output_ids, roles) if present else (0, "")
     if present and not r.prompt.tools:
         return _ok(TOOL_CALLS_WELL_FORMED, False,
                    "tool-call tokens in output but the prompt offered no tools")
-    # Without any tool token the parse has nothing to look at: no calls, well formed.
-    calls, error = parse_tool_tokens(p.sample.output_ids, roles) if present else (0, "")
     if error:
         return _ok(TOOL_CALLS_WELL_FORMED, False, error)
     if r.tool_calls and calls != len(r.tool_calls):

