@@ -50,6 +50,8 @@ SIMULATOR_FAULT_METADATA = "simulator_fault"
 SIMULATOR_HEADERS_METADATA = "simulator_headers"
 
 _MAX_ERROR_TEXT = 2000
+MODELS_NOT_IMPLEMENTED = frozenset({404, 405, 501})
+"""Statuses of ``GET /models`` from a server that has no model list: unknown, not down."""
 
 NonNeg = Annotated[int, Meta(ge=0, le=50_000_000)]
 TokenId = Annotated[int, Meta(ge=0, le=10_000_000)]
@@ -509,12 +511,14 @@ class _HttpProvider:
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._secret}"} if self._secret else {}
 
-    async def _get_data(self, url: str) -> Any:
-        """GET ``url`` and return the ``data`` field of its JSON answer (None when absent or not JSON).
+    async def _get_data(self, url: str, got: httpx.Response | ProviderCheck | None = None) -> Any:
+        """GET ``url`` (unless ``got`` is its answer already) and return the ``data`` field of its
+        JSON answer (None when absent or not JSON).
 
         A transport failure or a non-2xx answer comes back as the failed :class:`ProviderCheck`.
         """
-        got = await self._get(url)
+        if got is None:
+            got = await self._get(url)
         if isinstance(got, ProviderCheck):
             return got
         failed = self._status_check(url, got)
@@ -565,8 +569,20 @@ class _HttpProvider:
         )
 
     async def _models_check(self, url: str, *, require_model: bool) -> ProviderCheck:
-        """``GET .../models`` answers, and (when asked) lists the configured model."""
-        data = await self._get_data(url)
+        """``GET .../models`` answers, and (when asked) lists the configured model.
+
+        A server that does not implement the list (404, 405, 501) is not down: the check
+        passes as ``unknown`` and the first real request decides.
+        """
+        got = await self._get(url)
+        if not isinstance(got, ProviderCheck) and got.status_code in MODELS_NOT_IMPLEMENTED:
+            return ProviderCheck(
+                ok=True,
+                unknown=True,
+                reason=f"provider_models_http_{got.status_code}",
+                detail=f"GET {url} answered HTTP {got.status_code} (no model list): the first request decides",
+            )
+        data = await self._get_data(url, got)
         if isinstance(data, ProviderCheck):
             return data
         listed = [str(m.get("id")) for m in data or [] if isinstance(m, dict)] if isinstance(data, list | None) else []
