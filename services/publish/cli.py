@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
 
 from services.common.config import Settings
+from services.common.console import data_console, styled
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -21,10 +21,10 @@ _MAX_LISTED = 20
 
 def _print_rejections(console: Console, report: PublishReport) -> None:
     for rejection in report.rejections[:_MAX_LISTED]:
-        console.print(f"[yellow]skipped[/] {escape(str(rejection))}", highlight=False, soft_wrap=True)
+        console.print(styled("skipped", "yellow", f" {rejection}"), soft_wrap=True)
     extra = len(report.rejections) - _MAX_LISTED
     if extra > 0:
-        console.print(f"[yellow]... and {extra} more bad row(s)[/]")
+        console.print(styled(f"... and {extra} more bad row(s)", "yellow"))
 
 
 def _summary(report: PublishReport) -> object:
@@ -99,7 +99,6 @@ def publish_command(
     """
     import asyncio
 
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -118,13 +117,13 @@ def publish_command(
 
     settings = settings_from(config)
     _preflight_profile(settings, dataset)
-    console = Console()
+    console = data_console()
     columns = (
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TaskProgressColumn(),
-        TextColumn("[cyan]{task.fields[rate]}"),
+        TextColumn("{task.fields[rate]}", style="cyan", markup=False),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
@@ -135,7 +134,7 @@ def publish_command(
         sent = 0
 
         def start(self, total: int) -> None:
-            self.task = bar.add_task(f"publishing {escape(dataset)}", total=total, rate="")
+            self.task = bar.add_task(f"publishing {dataset}", total=total, rate="")
 
         def advance(self, n: int) -> None:
             self.sent += n
@@ -175,9 +174,8 @@ def publish_command(
             done = exc.report
             left = max(done.to_send - done.published, 0) if done.to_send else "the rest"
             console.print(
-                f"interrupted: {done.published} prompt(s) sent to {escape(done.topic)}, {left} not sent; "
+                f"interrupted: {done.published} prompt(s) sent to {done.topic}, {left} not sent; "
                 "run the same command again to send only what is missing",
-                highlight=False,
                 soft_wrap=True,
             )
             raise typer.Exit(130) from None
@@ -186,7 +184,6 @@ def publish_command(
             console.print(
                 f"interrupted twice: at least {sink.sent} prompt(s) were sent, more may have been; "
                 "run the same command again to send only what is missing",
-                highlight=False,
                 soft_wrap=True,
             )
             raise typer.Exit(130) from None
@@ -194,7 +191,7 @@ def publish_command(
     console.print(_summary(report))
     if estimate is not None and report.to_send:
         print_estimate(console, settings, estimate)
-    console.print(escape(summary_line(report)), highlight=False, soft_wrap=True)
+    console.print(summary_line(report), soft_wrap=True)
     if report.valid == 0:
         fail(f"no usable prompt in {len(paths)} file(s): {len(report.rejections)} bad row(s)", 1)
 
