@@ -6,7 +6,8 @@ What came from the wire (scopes, halt reasons, dead-letter reasons) goes into th
 Five panels: the halts standing on ``control`` (scope, who, why: a pre-flight or outage
 halt says what to fix), the budget table (latest :class:`schemas.BudgetSnapshot` per
 scope), records per stage topic (end offsets, with a rate between two snapshots under
-``--watch``), consumer lag per stage group, and dead letters by stage and reason.
+``--watch``), consumer lag per stage group, and dead letters by stage and reason; then the
+accepted answers that were truncated (``accept_truncated``), counted apart per dataset.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class StatusSnapshot:
     dead_letters: Counter[tuple[str, str]] = field(default_factory=Counter)
     unreadable_budget_records: int = 0
     halts: list[Halt] = field(default_factory=list)  # standing halts on the control topic
+    # Accepted answers cut at the token limit (accept_truncated), per dataset: counted apart.
+    accepted_truncated: Counter[str] = field(default_factory=Counter)
     topic_prefix: str = ""
     groups: tuple[str, ...] = tuple(GROUP_INPUTS)
 
@@ -179,6 +182,10 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         lag_table(snapshot),
         dead_letter_table(snapshot),
     ]
+    if snapshot.accepted_truncated:
+        per_dataset = ", ".join(f"{d} {n:,}" for d, n in sorted(snapshot.accepted_truncated.items()))
+        total = sum(snapshot.accepted_truncated.values())
+        parts.append(Text(f"accepted truncated (finish_reason length, accept_truncated): {total:,} ({per_dataset})"))
     if snapshot.unreadable_budget_records:
         parts.append(Text(f"{snapshot.unreadable_budget_records} unreadable budget-state record(s)", style="yellow"))
     return Group(*parts)

@@ -150,7 +150,7 @@ def test_speculators_refuses_rows_a_trainer_would_drop_or_misalign(tmp_path: Pat
     assert report.rows_written == 1
     assert sorted(r.split(":")[1] for r in report.refused) == ["short", "zero"]
     assert read_jsonl(tmp_path / "out") == [{"id": "chat:good", "input_ids": good.input_ids,
-                                             "loss_mask": good.loss_mask}]  # fmt: skip
+                                             "loss_mask": good.loss_mask, "truncated": False}]  # fmt: skip
 
 
 def two_dataset_sink(sink: Path) -> list[TrainingRow]:
