@@ -356,7 +356,20 @@ def _register_contributors() -> None:
         module.register(app, run_app)
 
 
+def _hand_over() -> None:
+    """Give one stage's command what another stage provides, from here, above both: no stage's
+    CLI imports another stage (publish --dry-run prices with the estimate stage, which reads
+    files through publish)."""
+    try:
+        from services.estimate.cli import DryRunPricing
+        from services.publish import cli as publish_cli
+    except ModuleNotFoundError:
+        return  # one of them is not built in this checkout
+    publish_cli.dry_run_pricing = DryRunPricing
+
+
 _register_contributors()
+_hand_over()
 
 
 def main() -> None:

@@ -15,9 +15,10 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 def run_audit(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Audit samples: passing ones to accepted, failing ones to dead-letter with every reason."""
     from services.audit.app import create_app
+    from services.cli import settings_from
     from services.common.service import run_from_cli
 
-    run_from_cli("audit", create_app, config=config, log_level=log_level)
+    run_from_cli("audit", create_app, settings=settings_from(config), log_level=log_level)
 
 
 def audit_file(

@@ -212,9 +212,10 @@ def budget_command(config: ConfigOption = None) -> None:
 def run_budget(config: ConfigOption = None, log_level: LogLevelOption = None) -> None:
     """Run the budget service: count spend, halt scopes over their caps."""
     from services.budget.app import create_app
+    from services.cli import settings_from
     from services.common.service import run_from_cli
 
-    run_from_cli("budget", create_app, config=config, log_level=log_level)
+    run_from_cli("budget", create_app, settings=settings_from(config), log_level=log_level)
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

@@ -10,10 +10,14 @@ import typer
 from services.common.console import data_console
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
+    from schemas import PromptPublished
     from services.common.config import Settings
-    from services.estimate.core import EstimateReport
+    from services.estimate.app import Estimator
+    from services.estimate.core import EstimateReport, Observed
 
 
 def _int(value: float) -> str:
@@ -87,6 +91,30 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
         console.print("broker not reachable: expected completion = the max_tokens bound, spend so far unknown")
     elif not any(e.has_observations for e in report.datasets):
         console.print("no responses observed yet: expected completion = the max_tokens bound")
+
+
+class DryRunPricing:
+    """``publish --dry-run``'s pricing (``services.publish.cli.DryRunPricing``), handed to it by services.cli."""
+
+    def __init__(self) -> None:
+        self._estimator: Estimator | None = None
+        self._spent: dict[str, Observed] | None = None
+
+    async def prepare(self, settings: Settings, dataset: str) -> Callable[[PromptPublished], None]:
+        """Read the budget's counts and load the dataset's profile; returns the per-prompt counter."""
+        from services.estimate.app import Estimator, read_observed
+
+        self._spent = await read_observed(settings)
+        self._estimator = Estimator(settings, dataset, (self._spent or {}).get(dataset))
+        return self._estimator.add
+
+    def show(self, console: Console, settings: Settings) -> None:
+        """Print the estimate of every prompt counted."""
+        from services.estimate.app import report_for
+
+        if self._estimator is None:
+            raise RuntimeError("show() before prepare()")
+        print_estimate(console, settings, report_for(settings, [self._estimator.flush()], self._spent))
 
 
 def estimate_command(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Protocol
 
 import typer
 
@@ -13,10 +14,31 @@ from services.common.console import data_console, styled
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from services.estimate.core import EstimateReport
+    from schemas import PromptPublished
     from services.publish.app import PublishReport
 
 _MAX_LISTED = 20
+
+
+class DryRunPricing(Protocol):
+    """Prices what ``publish --dry-run`` would send.
+
+    The estimate stage provides it and the root CLI (``services.cli``, the one module above
+    both) hands it over by setting :data:`dry_run_pricing`: publish never imports estimate,
+    which reads dataset files through publish.
+    """
+
+    async def prepare(self, settings: Settings, dataset: str) -> Callable[[PromptPublished], None]:
+        """Read what was spent so far; returns the callback that counts each prompt a run would send."""
+        ...
+
+    def show(self, console: Console, settings: Settings) -> None:
+        """Print the estimate of the prompts counted."""
+        ...
+
+
+dry_run_pricing: Callable[[], DryRunPricing] | None = None
+"""Set by ``services.cli``; None: a dry run validates and counts, and prices nothing."""
 
 
 def _print_rejections(console: Console, report: PublishReport) -> None:
@@ -111,8 +133,6 @@ def publish_command(
     )
 
     from services.cli import fail, settings_from
-    from services.estimate.app import Estimator, read_observed, report_for
-    from services.estimate.cli import print_estimate
     from services.publish.app import PublishError, PublishInterrupted, publish
 
     settings = settings_from(config)
@@ -144,7 +164,7 @@ def publish_command(
             speed = bar.tasks[self.task].speed
             bar.update(self.task, rate=f"{speed:,.0f}/s" if speed else "")
 
-    async def run() -> tuple[PublishReport, EstimateReport | None]:
+    async def run() -> tuple[PublishReport, DryRunPricing | None]:
         if not dry_run:
             report = await publish(
                 settings, paths, dataset=dataset, fmt=fmt, limit=limit, system=system, tools_field=tools_field,
@@ -152,18 +172,18 @@ def publish_command(
             )  # fmt: skip
             return report, None
         # A dry run also prices what it would send: the profile loads first (a bad one fails here).
-        spent = await read_observed(settings)
-        estimator = Estimator(settings, dataset, (spent or {}).get(dataset))
+        pricing = dry_run_pricing() if dry_run_pricing is not None else None
+        examine = await pricing.prepare(settings, dataset) if pricing is not None else None
         report = await publish(
             settings, paths, dataset=dataset, fmt=fmt, limit=limit, system=system, tools_field=tools_field,
-            strict=strict, dry_run=True, force=force, examine=estimator.add,
+            strict=strict, dry_run=True, force=force, examine=examine,
         )  # fmt: skip
-        return report, report_for(settings, [estimator.flush()], spent)
+        return report, pricing
 
     sink = _Sink()
     with Progress(*columns, console=console, transient=False) as bar:
         try:
-            report, estimate = asyncio.run(run())
+            report, pricing = asyncio.run(run())
         except PublishError as exc:
             bar.stop()
             if exc.report is not None:
@@ -189,8 +209,8 @@ def publish_command(
             raise typer.Exit(130) from None
     _print_rejections(console, report)
     console.print(_summary(report))
-    if estimate is not None and report.to_send:
-        print_estimate(console, settings, estimate)
+    if pricing is not None and report.to_send:
+        pricing.show(console, settings)
     console.print(summary_line(report), soft_wrap=True)
     if report.valid == 0:
         fail(f"no usable prompt in {len(paths)} file(s): {len(report.rejections)} bad row(s)", 1)

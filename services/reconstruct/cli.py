@@ -14,10 +14,11 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 
 def run_reconstruct(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Rebuild token ids: responses in, samples (or dead letters) out."""
+    from services.cli import settings_from
     from services.common.service import run_from_cli
     from services.reconstruct.app import create_app
 
-    run_from_cli("reconstruct", create_app, config=config, log_level=log_level)
+    run_from_cli("reconstruct", create_app, settings=settings_from(config), log_level=log_level)
 
 
 def reconstruct_file(
