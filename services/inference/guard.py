@@ -6,8 +6,9 @@ used, and a halt the check published earlier is lifted once it passes. An outage
 (``provider.outage_after`` connection errors, timeouts, 5xx or 404s in a row) halts every
 worker instead of draining the topic into dead letters; a probe resumes by itself when
 the provider answers again. A 401/402 halts every worker until a person resumes. A
-provider that does not implement the check (``GET /models`` answering 404, 405 or 501) is
-unknown, not down: pre-flight goes on and the first real request decides.
+provider that does not implement the check (``GET /models`` answering 404, 405 or 501) but
+serves its completion endpoint is unknown, not down: pre-flight goes on and the first real
+request decides.
 """
 
 from __future__ import annotations

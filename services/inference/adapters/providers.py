@@ -441,6 +441,7 @@ class _HttpProvider:
     """Shared HTTP plumbing: auth, the key header, status and transport classification."""
 
     name = "openrouter"
+    completion_path = "/chat/completions"  # where requests are POSTed, under base_url
 
     def __init__(self, settings: Settings, client: HttpPoster) -> None:
         self._settings = settings
@@ -571,17 +572,31 @@ class _HttpProvider:
     async def _models_check(self, url: str, *, require_model: bool) -> ProviderCheck:
         """``GET .../models`` answers, and (when asked) lists the configured model.
 
-        A server that does not implement the list (404, 405, 501) is not down: the check
-        passes as ``unknown`` and the first real request decides.
+        A server that does not implement the list (404, 405, 501) is not down: when its
+        completion endpoint is there, the check passes as ``unknown`` and the first real
+        request decides. Whether it is there costs nothing to ask: a ``GET`` of the path
+        the requests are POSTed to answers 405 (or any status but 404) on a server that
+        serves it, and 404 under a wrong base URL, which is an outage as before.
         """
         got = await self._get(url)
         if not isinstance(got, ProviderCheck) and got.status_code in MODELS_NOT_IMPLEMENTED:
-            return ProviderCheck(
-                ok=True,
-                unknown=True,
-                reason=f"provider_models_http_{got.status_code}",
-                detail=f"GET {url} answered HTTP {got.status_code} (no model list): the first request decides",
-            )
+            endpoint = f"{self._base}{self.completion_path}"
+            served = await self._get(endpoint)
+            if isinstance(served, ProviderCheck):
+                return served
+            if served.status_code != 404:
+                return ProviderCheck(
+                    ok=True,
+                    unknown=True,
+                    reason=f"provider_models_http_{got.status_code}",
+                    detail=(
+                        f"GET {url} answered HTTP {got.status_code} (no model list), GET {endpoint} HTTP "
+                        f"{served.status_code} (the endpoint is there): the first request decides"
+                    ),
+                )
+            failed = self._status_check(endpoint, served)  # a 404: the base URL is wrong
+            if failed is not None:
+                return failed
         data = await self._get_data(url, got)
         if isinstance(data, ProviderCheck):
             return data
@@ -641,7 +656,7 @@ class OpenRouterProvider(_HttpProvider):
     ) -> ProviderResult:
         """Send one chat-completions request for ``prompt`` (unless ``may_send`` says no: :class:`NotSent`)."""
         data = await self._post(
-            "/chat/completions", self._body(prompt, dataset, max_tokens), self._headers(prompt), may_send
+            self.completion_path, self._body(prompt, dataset, max_tokens), self._headers(prompt), may_send
         )
         return self._parse(data)
 
@@ -753,6 +768,7 @@ class SGLangProvider(_HttpProvider):
     """SGLang's native ``/generate`` with ``input_ids`` from the profile's chat template."""
 
     name = "sglang"
+    completion_path = "/generate"
 
     def __init__(
         self, settings: Settings, client: HttpPoster, profile_loader: ProfileLoader | None = None
@@ -809,7 +825,7 @@ class SGLangProvider(_HttpProvider):
         sampling, extra = self._sampling(max_tokens)
         body: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling, "stream": False}
         body.update(extra)
-        data = await self._post("/generate", body, self._headers(prompt), may_send)
+        data = await self._post(self.completion_path, body, self._headers(prompt), may_send)
         try:
             return parse_sglang(data)
         except ProviderFailure as failure:
