@@ -121,6 +121,8 @@ def _message(topic: topology.Topic, name: str, replayable: bool) -> dict[str, An
         extra = {}
         if topic.name == topology.PROMPTS:
             extra[topology.REPAY_HEADER] = "Set to 1: send the prompt to the provider again even if already paid for."
+        if topic.name == topology.ACCEPTED:
+            extra[topology.TRUNCATED_HEADER] = "1: the answer was cut at the token limit, accepted (accept_truncated)."
         if replayable or extra:
             message["headers"] = _headers_schema(_REPLAY_HEADERS if replayable else (), (), "RecordHeaders", extra)
     message["bindings"] = {"kafka": {"key": key, "bindingVersion": KAFKA_BINDING_VERSION}}

@@ -80,6 +80,8 @@ PROMPTS_PREFIX: Final = PROMPTS.removesuffix("*")
 SAMPLE_KEY: Final = "<dataset>:<sample_id>"
 REPAY_HEADER: Final = "draftstream.inference.repay"
 """A prompt record with this header set to ``1`` is sent to the provider again even if already paid for."""
+TRUNCATED_HEADER: Final = "draftstream.audit.truncated"
+"""Set to ``1`` on an ``accepted`` record whose answer was cut at the token limit (``accept_truncated``)."""
 DEAD_LETTER_MESSAGE: Final = "DeadLetter"
 """A dead letter's value is the failed record's value, byte for byte: any event above."""
 
@@ -342,6 +344,7 @@ __all__ = [
     "PROMPTS_PREFIX",
     "RECONSTRUCT_GROUP",
     "REPAY_HEADER",
+    "TRUNCATED_HEADER",
     "REQUESTS",
     "RESPONSES",
     "RESPONSE_STORE",

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from typer.core import TyperGroup
 
 from services.common.config import ConfigError, Settings, load_settings
+from services.common.console import data_console, styled
 from services.common.errors import CommandError
 
 if TYPE_CHECKING:
@@ -91,7 +90,7 @@ app.add_typer(config_app, name="config")
 acls_app = typer.Typer(help="Least-privilege Kafka ACLs, one SASL user per service.", no_args_is_help=True)
 app.add_typer(acls_app, name="acls")
 
-err = Console(stderr=True)
+err = data_console(stderr=True)
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML config file (default: ./draftstream.toml if present)")
@@ -110,7 +109,7 @@ def settings_from(config: Path | None) -> Settings:
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print one clear error line (the message verbatim: no Rich markup) and exit non-zero."""
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err.print(styled("error:", "bold red", f" {message}"), soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -357,7 +356,20 @@ def _register_contributors() -> None:
         module.register(app, run_app)
 
 
+def _hand_over() -> None:
+    """Give one stage's command what another stage provides, from here, above both: no stage's
+    CLI imports another stage (publish --dry-run prices with the estimate stage, which reads
+    files through publish)."""
+    try:
+        from services.estimate.cli import DryRunPricing
+        from services.publish import cli as publish_cli
+    except ModuleNotFoundError:
+        return  # one of them is not built in this checkout
+    publish_cli.dry_run_pricing = DryRunPricing
+
+
 _register_contributors()
+_hand_over()
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from schemas import (
     decode,
     encode,
     encode_forwarding,
+    topology,
 )
 from services.audit.core import AuditProfile, audit_batch, failure_message
 from services.common.config import AuditThresholds, Settings
@@ -143,7 +144,9 @@ class AuditService(RunnerService):
         key = record.key if record.key is not None else f"{verdict.dataset}:{verdict.sample_id}".encode()
         # The sample goes on inside the verdict as the bytes it arrived as, not encoded again.
         value = encode_forwarding(verdict, "sample", record.value) if forward and record.value else encode(verdict)
-        return [Outgoing(topic=self.accepted_topic, value=value, key=key)]
+        # A truncated answer accepted (accept_truncated) says so in a header: status counts them.
+        headers = [(topology.TRUNCATED_HEADER, b"1")] if verdict.sample.response.finish_reason == "length" else []
+        return [Outgoing(topic=self.accepted_topic, value=value, key=key, headers=headers)]
 
 
 

@@ -15,9 +15,10 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 def run_audit(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Audit samples: passing ones to accepted, failing ones to dead-letter with every reason."""
     from services.audit.app import create_app
+    from services.cli import settings_from
     from services.common.service import run_from_cli
 
-    run_from_cli("audit", create_app, config=config, log_level=log_level)
+    run_from_cli("audit", create_app, settings=settings_from(config), log_level=log_level)
 
 
 def audit_file(
@@ -41,12 +42,12 @@ def audit_file(
     printing the table, whatever it shows; 1 with --strict when any sample failed; 2 when
     the file or the configuration cannot be used.
     """
-    from rich.console import Console
     from rich.table import Table
 
     from services.audit.app import default_profile_loader
     from services.audit.core import offline_audit
     from services.cli import fail, settings_from
+    from services.common.console import data_console
 
     settings = settings_from(config)
     if not file.is_file():
@@ -65,7 +66,7 @@ def audit_file(
                 row = {"line": line, "key": key, "verdict": verdict,
                        "reasons": reasons, "message": message}
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
-    console = Console()
+    console = data_console()
     table = Table(title=f"audit {file}: {report.passed}/{report.total} passed, {report.failed} failed")
     table.add_column("code")
     table.add_column("failures", justify="right")
@@ -77,7 +78,7 @@ def audit_file(
     for code, count in sorted(report.notes.items()):
         console.print(f"note: {code}: {count} sample(s) with a difference (reported, not failed)")
     if out is not None:
-        console.print(f"verdicts of {len(report.verdicts)} sample(s): {out / 'verdicts.jsonl'}", highlight=False)
+        console.print(f"verdicts of {len(report.verdicts)} sample(s): {out / 'verdicts.jsonl'}")
     if strict and report.failed:
         raise typer.Exit(1)
 

@@ -32,6 +32,7 @@ NO_THINK_START = "think_start_placement"
 REASONING_NONEMPTY = "reasoning_nonempty"
 CONTENT_NONEMPTY = "content_nonempty"
 FINISH_STOP = "finish_stop"
+TRUNCATED_ACCEPTED = "truncated at the token limit: accepted (accept_truncated)"
 USAGE_MATCHES = "usage_matches"
 PROMPT_MATCHES = "prompt_matches"
 TOOL_CALLS_WELL_FORMED = "tool_calls_well_formed"
@@ -104,6 +105,11 @@ class Thresholds(Protocol):
     @property
     def require_stop(self) -> bool:
         """Whether the provider must have stopped by itself rather than at the token limit."""
+        ...
+
+    @property
+    def accept_truncated(self) -> bool:
+        """Whether an answer cut at the token limit (``length``) passes ``finish_stop``, flagged truncated."""
         ...
 
 
@@ -293,11 +299,17 @@ def check_content_nonempty(p: Prepared, profile: AuditProfile) -> CheckResult | 
 
 
 def check_finish_stop(p: Prepared, _: AuditProfile) -> CheckResult | None:
-    """The provider stopped by itself (``stop``, or ``tool_calls`` with tool calls), not truncated."""
+    """The provider stopped by itself (``stop``, or ``tool_calls`` with tool calls), not truncated.
+
+    With ``accept_truncated`` an answer cut at the token limit passes, saying so: its ids are
+    exact up to the cut (the other checks already hold a ``length`` output to that shape).
+    """
     if not p.thresholds.require_stop:
         return None
     r = p.sample.response
     reason = r.finish_reason
+    if reason == "length" and p.thresholds.accept_truncated:
+        return _ok(FINISH_STOP, True, TRUNCATED_ACCEPTED)
     ok = reason == "stop" or (reason == "tool_calls" and bool(r.tool_calls or r.tools_sent or r.prompt.tools))
     return _ok(FINISH_STOP, ok, "" if ok else f"finish reason {reason!r}")
 
@@ -616,6 +628,7 @@ __all__ = [
     "CHECKS",
     "CHECK_CODES",
     "REPORT_ONLY",
+    "TRUNCATED_ACCEPTED",
     "AuditProfile",
     "OfflineReport",
     "Prepared",

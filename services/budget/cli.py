@@ -119,6 +119,7 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
     from rich.table import Table
 
     from schemas import GLOBAL_SCOPE, Halt
+    from services.common.console import styled
 
     table = Table(title="draftstream budget")
     for name, justify in (
@@ -165,13 +166,13 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
             )
         event = control.get(scope)
         if isinstance(event, Halt):
-            state = f"[red]halted[/] by {event.by}: {event.reason}"
+            state = styled("halted", "red", f" by {event.by}: {event.reason}")
         elif scope != GLOBAL_SCOPE and isinstance(global_halt, Halt):
-            state = f"[red]halted[/] (global) by {global_halt.by}: {global_halt.reason}"
+            state = styled("halted", "red", f" (global) by {global_halt.by}: {global_halt.reason}")
         elif snap and snap.state == "soft-limit":
-            state = "[yellow]soft-limit[/]"
+            state = styled("soft-limit", "yellow")
         else:
-            state = "[green]running[/]"
+            state = styled("running", "green")
         table.add_row(
             scope,
             f"{tokens:,}",
@@ -192,9 +193,8 @@ def budget_command(config: ConfigOption = None) -> None:
     """Print spend, caps, rate, projection and state per dataset (from Kafka)."""
     import asyncio
 
-    from rich.console import Console
-
     from services.cli import fail, settings_from
+    from services.common.console import data_console
     from services.control import read_budget_snapshots, read_control_state
 
     settings = settings_from(config)
@@ -206,15 +206,16 @@ def budget_command(config: ConfigOption = None) -> None:
         snapshots, control = asyncio.run(asyncio.wait_for(read(), timeout=60))
     except Exception as exc:  # noqa: BLE001 - one line, whatever aiokafka raised
         fail(f"could not read from {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
-    Console(width=200).print(budget_table(snapshots, control, settings))
+    data_console(width=200).print(budget_table(snapshots, control, settings))
 
 
 def run_budget(config: ConfigOption = None, log_level: LogLevelOption = None) -> None:
     """Run the budget service: count spend, halt scopes over their caps."""
     from services.budget.app import create_app
+    from services.cli import settings_from
     from services.common.service import run_from_cli
 
-    run_from_cli("budget", create_app, config=config, log_level=log_level)
+    run_from_cli("budget", create_app, settings=settings_from(config), log_level=log_level)
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

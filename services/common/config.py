@@ -147,6 +147,10 @@ class AuditThresholds(BaseModel):
     usage_tolerance: int = Field(default=0, ge=0)
     require_reasoning: bool = True
     require_stop: bool = True
+    # An answer cut at max_tokens (finish_reason "length") has exact ids up to the cut: with
+    # this on it is accepted, flagged metadata.truncated in every export, instead of paid for
+    # and dead-lettered finish_stop (speculators and ModelOpt keep such rows flagged).
+    accept_truncated: bool = False
 
 
 class DatasetSettings(BaseModel):

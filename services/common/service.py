@@ -9,7 +9,6 @@ import signal
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from aiokafka.errors import (
@@ -142,16 +141,16 @@ async def run_service(
 
 
 def run_from_cli(
-    name: str, build: Callable[[Settings], Service], *, config: Path | None, log_level: str | None
+    name: str, build: Callable[[Settings], Service], *, settings: Settings, log_level: str | None
 ) -> None:
-    """The body of every ``draftstream run <name>``: settings, logging, then :func:`run_service`.
+    """The body of every ``draftstream run <name>``: logging, then :func:`run_service`.
 
-    The metrics port is the ``[metrics] <name>_port`` setting, as the port-in-use error says.
+    The command loads ``settings`` (``services.cli.settings_from``) and hands them over: this
+    module sits below the CLI and never imports it. The metrics port is the ``[metrics]
+    <name>_port`` setting, as the port-in-use error says.
     """
-    from services.cli import settings_from  # the CLI registers the commands: import when one runs
     from services.common.logs import setup_logging
 
-    settings = settings_from(config)
     setup_logging(settings, log_level)
     port = int(getattr(settings.metrics, f"{name}_port"))
     collect_garbage_for_a_service()

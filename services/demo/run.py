@@ -24,19 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import schemas as s
 from services.common.config import Settings, load_settings
+from services.common.console import data_console, styled
 
 DATA = Path(__file__).parent / "data"
 DATASETS = ("math", "code", "tools")
 SERVICES = ("inference", "reconstruct", "audit", "budget", "sink")
 REPO = Path(__file__).resolve().parents[2]
 
-console = Console()
+console = data_console()
 
 
 def free_port() -> int:
@@ -205,7 +205,7 @@ def count_prompts(files: dict[str, Path]) -> dict[str, int]:
 def wait_accounted(settings: Settings, out_dir: Path, expected: int, procs: Processes, timeout: float) -> None:
     """Block until accepted keys plus dead-lettered keys cover every published prompt."""
     with Progress(
-        TextColumn("[bold]accounted for"),
+        TextColumn("accounted for", style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -268,7 +268,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     if not bootstrap:
         from services.common import broker
 
-        console.print("[bold]starting the local Kafka broker[/] (first run downloads its jars)")
+        console.print(styled("starting the local Kafka broker", "bold", " (first run downloads its jars)"))
         status = broker.start()
         console.print(f"Kafka {status.version} at {status.bootstrap}")
         own_broker = True
@@ -282,7 +282,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     files = {name: DATA / f"{name}.jsonl" for name in DATASETS}
     published = count_prompts(files)
     try:
-        console.print(f"[bold]config[/] {config}")
+        console.print(styled("config", "bold", f" {config}"))
         run_cli(
             cli("topics", "create", "--config", str(config), *sum((["-d", d] for d in DATASETS), [])), env, "topics"
         )
@@ -310,7 +310,8 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
         wait_http(f"http://127.0.0.1:{sim_port}/health", 60)
         for name in SERVICES:
             procs.start(name, cli("run", name, "--config", str(config)), env)
-        console.print(f"[bold]started[/] simulator on :{sim_port} and {', '.join(SERVICES)} (logs in {procs.log_dir})")
+        started_what = f" simulator on :{sim_port} and {', '.join(SERVICES)} (logs in {procs.log_dir})"
+        console.print(styled("started", "bold", started_what))
         for name, path in files.items():
             out = run_cli(cli("publish", str(path), "--dataset", name, "--config", str(config)), env, f"publish {name}")
             console.print(out.strip().splitlines()[-1] if out.strip() else f"published {name}")
@@ -322,7 +323,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
         # Replay: inference dead letters were transient provider failures; send them again.
         retryable = {k for k, stage, _ in view.records if stage == "inference"} - set(accepted)
         if retryable:
-            console.print(f"[bold]replaying[/] {len(retryable)} inference dead letter(s)")
+            console.print(styled("replaying", "bold", f" {len(retryable)} inference dead letter(s)"))
             before = Counter(k for k, _, _ in view.records)
             show(run_cli(cli("dlq", "replay", "--stage", "inference", "--config", str(config)), env, "replay"))
             deadline = time.monotonic() + 120
@@ -348,10 +349,10 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
             )
         else:
             console.print("no inference dead letters to replay this time")
-        console.print(f"[bold green]demo finished[/] in {time.monotonic() - started:.0f} s")
+        console.print(styled("demo finished", "bold green", f" in {time.monotonic() - started:.0f} s"))
         return 0
     except RuntimeError as exc:
-        console.print(f"[bold red]demo failed:[/] {exc}")
+        console.print(styled("demo failed:", "bold red", f" {exc}"))
         return 1
     finally:
         if not keep:

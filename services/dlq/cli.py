@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
+
+from services.common.console import data_console, styled
 
 if TYPE_CHECKING:
     from services.dlq.core import Filters
@@ -77,7 +78,6 @@ def dlq_list(
     config: ConfigOpt = None,
 ) -> None:
     """Dead letters grouped by stage and reason, with counts and one example key each."""
-    from rich.console import Console
     from rich.table import Table
 
     from schemas import DEAD_LETTER_TOPIC
@@ -96,14 +96,10 @@ def dlq_list(
     table.add_column("datasets")
     table.add_column("example key", overflow="fold")
     for group in groups:
-        table.add_row(  # dead-letter text is data: shown verbatim, never read as Rich markup
-            escape(group.stage),
-            escape(group.reason),
-            str(group.count),
-            escape(", ".join(group.datasets)),
-            escape(group.example_key),
+        table.add_row(  # dead-letter text is data: the console shows it verbatim
+            group.stage, group.reason, str(group.count), ", ".join(group.datasets), group.example_key
         )
-    Console().print(table)
+    data_console().print(table)
 
 
 @dlq_app.command("show")
@@ -119,9 +115,9 @@ def dlq_show(
     config: ConfigOpt = None,
 ) -> None:
     """Print matching dead letters: their headers and a preview of the value."""
-    from rich.console import Console
     from rich.panel import Panel
     from rich.table import Table
+    from rich.text import Text
 
     from services.cli import settings_from
     from services.dlq.app import read_dead_letters
@@ -130,20 +126,19 @@ def dlq_show(
     settings = settings_from(config)
     filters = _filters_or_fail(stage, reason, dataset, since, until, key)
     records = asyncio.run(read_dead_letters(settings, filters))
-    console = Console()
+    console = data_console()
     for record in records[:limit]:
         grid = Table.grid(padding=(0, 1))
         grid.add_column(style="bold")
         grid.add_column(overflow="fold")
-        grid.add_row("key", escape(record.key_text))
+        grid.add_row("key", record.key_text)
         grid.add_row("failed at", format_ms(record.failed_at_ms))
         for name, value in record.headers:
-            grid.add_row(escape(name), escape(value.decode("utf-8", "replace")))
-        grid.add_row("value", escape(preview(record.value, preview_chars)))
-        console.print(
-            Panel(grid, title=escape(f"{record.id}  {record.stage}/{record.reason}"), title_align="left"),
-            soft_wrap=False,
-        )
+            grid.add_row(name, value.decode("utf-8", "replace"))
+        grid.add_row("value", preview(record.value, preview_chars))
+        # A Panel reads a str title as markup whatever the console says: the title is a Text.
+        title = Text(f"{record.id}  {record.stage}/{record.reason}")
+        console.print(Panel(grid, title=title, title_align="left"), soft_wrap=False)
     shown = min(limit, len(records))
     console.print(f"{shown} of {len(records)} matching dead letter(s) shown")
 
@@ -169,7 +164,6 @@ def dlq_replay(
     config: ConfigOpt = None,
 ) -> None:
     """Re-send matching dead letters to their original topic (each at most once)."""
-    from rich.console import Console
     from rich.table import Table
 
     from services.cli import fail, settings_from
@@ -184,7 +178,7 @@ def dlq_replay(
         report = asyncio.run(replay(settings, filters, to=to, max_replays=max_replays, dry_run=dry_run))
     except FilterError as exc:
         fail(str(exc))
-    console = Console()
+    console = data_console()
     verb = "would replay" if dry_run else "replayed"
     table = Table(title=f"{verb} {len(report.replayed)} of {report.matched} matching dead letter(s)")
     table.add_column("dlq id")
@@ -193,38 +187,22 @@ def dlq_replay(
     table.add_column("to topic")
     table.add_column("replay #", justify="right")
     for p in report.replayed:
-        table.add_row(
-            p.record.id,
-            escape(p.record.key_text),
-            escape(f"{p.record.stage}/{p.record.reason}"),
-            escape(p.topic),
-            str(p.record.replay_count + 1),
-        )
+        r = p.record
+        table.add_row(r.id, r.key_text, f"{r.stage}/{r.reason}", p.topic, str(r.replay_count + 1))
     console.print(table)
     if report.already_replayed:
         console.print(f"skipped {len(report.already_replayed)} already replayed record(s)")
     for record in report.over_max_replays:
-        console.print(
-            f"[yellow]refused[/] {record.id} {escape(record.key_text)}: replayed {record.replay_count} time(s) "
-            f"(--max-replays {max_replays})",
-            highlight=False,
-        )
+        why = f"replayed {record.replay_count} time(s) (--max-replays {max_replays})"
+        console.print(styled("refused", "yellow", f" {record.id} {record.key_text}: {why}"))
     for record, topic in report.missing_topic:
-        console.print(
-            f"[yellow]skipped[/] {record.id} {escape(record.key_text)}: topic {escape(topic)} does not exist",
-            highlight=False,
-        )
+        console.print(styled("skipped", "yellow", f" {record.id} {record.key_text}: topic {topic} does not exist"))
     for record in report.wrong_kind:
-        console.print(
-            f"[yellow]skipped[/] {record.id} {escape(record.key_text)}: value holds nothing the {to} stage reads",
-            highlight=False,
-        )
+        why = f"value holds nothing the {to} stage reads"
+        console.print(styled("skipped", "yellow", f" {record.id} {record.key_text}: {why}"))
     for record in report.no_target:
-        console.print(
-            f"[yellow]skipped[/] {record.id} {escape(record.key_text)}: "
-            "no target topic (no original topic or dataset)",
-            highlight=False,
-        )
+        why = "no target topic (no original topic or dataset)"
+        console.print(styled("skipped", "yellow", f" {record.id} {record.key_text}: {why}"))
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

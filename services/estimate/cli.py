@@ -6,13 +6,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
+
+from services.common.console import data_console
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
+    from schemas import PromptPublished
     from services.common.config import Settings
-    from services.estimate.core import EstimateReport
+    from services.estimate.app import Estimator
+    from services.estimate.core import EstimateReport, Observed
 
 
 def _int(value: float) -> str:
@@ -25,11 +30,10 @@ def _usd(value: float | None) -> str:
 
 def print_estimate(console: Console, settings: Settings, report: EstimateReport) -> None:
     """The per-dataset table, the cap checks, and what the numbers rest on."""
-    from rich.console import Console
     from rich.table import Table
 
     # Wide enough that numbers are never cut to "…" in a narrow terminal or a pipe.
-    console = Console(file=console.file, width=max(console.width, 140), highlight=False)
+    console = data_console(file=console.file, width=max(console.width, 140))
 
     table = Table(title="cost estimate (nothing sent)")
     for name in ("dataset", "profile", "prompts", "prompt tok (exact)", "tools sent"):
@@ -40,8 +44,8 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
         usd_bound, usd_expected = report.usd[est.dataset]
         expected = _int(est.completion_expected) if est.has_observations else "= bound"
         table.add_row(
-            escape(est.dataset),
-            escape(est.profile),
+            est.dataset,
+            est.profile,
             _int(est.prompts),
             _int(est.prompt_tokens),
             _int(est.tools_sent),
@@ -64,7 +68,7 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
         for check in report.checks:
             fmt = _usd if check.measure == "USD" else _int
             caps.add_row(
-                escape(check.scope),
+                check.scope,
                 f"{fmt(check.cap)}{'' if check.measure == 'USD' else ' tok'}",
                 fmt(check.spent),
                 "?" if check.expected is None else fmt(check.expected),
@@ -77,18 +81,40 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
     price = settings.budget.prices.get(report.model)
     if price is None:
         console.print(
-            f"no price for model {escape(report.model)} in [budget] prices: dollars unknown", highlight=False
-        )
+            f"no price for model {report.model} in [budget] prices: dollars unknown")
     else:
         console.print(
-            f"prices of {escape(report.model)}: ${price.get('prompt', 0.0)} prompt, "
-            f"${price.get('completion', 0.0)} completion per million tokens",
-            highlight=False,
+            f"prices of {report.model}: ${price.get('prompt', 0.0)} prompt, "
+            f"${price.get('completion', 0.0)} completion per million tokens"
         )
     if not report.observations_read:
         console.print("broker not reachable: expected completion = the max_tokens bound, spend so far unknown")
     elif not any(e.has_observations for e in report.datasets):
         console.print("no responses observed yet: expected completion = the max_tokens bound")
+
+
+class DryRunPricing:
+    """``publish --dry-run``'s pricing (``services.publish.cli.DryRunPricing``), handed to it by services.cli."""
+
+    def __init__(self) -> None:
+        self._estimator: Estimator | None = None
+        self._spent: dict[str, Observed] | None = None
+
+    async def prepare(self, settings: Settings, dataset: str) -> Callable[[PromptPublished], None]:
+        """Read the budget's counts and load the dataset's profile; returns the per-prompt counter."""
+        from services.estimate.app import Estimator, read_observed
+
+        self._spent = await read_observed(settings)
+        self._estimator = Estimator(settings, dataset, (self._spent or {}).get(dataset))
+        return self._estimator.add
+
+    def show(self, console: Console, settings: Settings) -> None:
+        """Print the estimate of every prompt counted."""
+        from services.estimate.app import report_for
+
+        if self._estimator is None:
+            raise RuntimeError("show() before prepare()")
+        print_estimate(console, settings, report_for(settings, [self._estimator.flush()], self._spent))
 
 
 def estimate_command(
@@ -107,8 +133,6 @@ def estimate_command(
 ) -> None:
     """Estimate prompts, exact prompt tokens, completion tokens, dollars and caps, before paying."""
     import asyncio
-
-    from rich.console import Console
 
     from services.cli import settings_from
     from services.estimate.app import DatasetFiles, estimate_files, read_observed, report_for
@@ -129,7 +153,7 @@ def estimate_command(
         )
         for name, files in groups.items()
     ]
-    print_estimate(Console(), settings, report_for(settings, estimates, spent))
+    print_estimate(data_console(), settings, report_for(settings, estimates, spent))
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

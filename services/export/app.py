@@ -3,7 +3,8 @@
 Reads every ``<dataset>/part-NNNNN.{jsonl,parquet}`` of a sink folder (the current row
 schema, or the sink's earlier layout, upgraded), converts each row with
 :mod:`services.export.core` and writes ``OUT/<dataset>/part-NNNNN.<ext>``, one output
-part per input part, plus a ``README.md`` saying how to load the folder. A row that
+part per input part (SpecForge, and speculators with ``merge``: one ``OUT/<target>.jsonl``),
+plus a ``README.md`` saying how to load it, and into SpecForge the measured way. A row that
 cannot be exported (unreadable, ids and mask disagreeing, or for SpecForge a text that
 does not re-encode to its ids) is never written: it is listed in the report, and the
 command exits non-zero.
@@ -16,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -56,6 +57,12 @@ class ExportReport:
     mask_rows: Counter[str] = field(default_factory=Counter)
     profiles: set[str] = field(default_factory=set)
     files: list[Path] = field(default_factory=list)
+    merged: bool = False  # every row in one OUT/<target>.jsonl (merged_name)
+
+
+def merged_name(target: str) -> str:
+    """The one file a merged export writes: ``speculators.jsonl``, ``specforge.jsonl``."""
+    return f"{target}.jsonl"
 
 
 def sink_parts(sink_dir: Path) -> list[Path]:
@@ -143,38 +150,49 @@ class SpecforgeTokenizers:
 
 
 class _PartWriter:
-    """One output part, written to ``<name>.tmp`` and renamed when complete."""
+    """One output file, written to ``<name>.tmp`` and renamed when complete.
+
+    JSONL rows are written as they come (a merged file of a whole sink folder is never held
+    in memory); Parquet rows are kept until :meth:`close` writes the one table.
+    """
 
     def __init__(self, path: Path, fmt: str) -> None:
         self.path = path
         self.fmt = fmt
+        self.tmp = path.with_name(path.name + ".tmp")
         self.rows: list[Any] = []
+        self.written = 0
+        self._file: BinaryIO | None = None
 
     def add(self, row: Any) -> None:
-        self.rows.append(row)
+        if self.fmt == "parquet":
+            self.rows.append(row)
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.tmp.open("wb")
+        self._file.write(row_line(row) if isinstance(row, TrainingRow) else _encoder.encode(row) + b"\n")
+        self.written += 1
 
     def close(self) -> bool:
-        """Write the part (False, and no file, when it holds no row)."""
-        if not self.rows:
+        """Finish the file (False, and no file, when it holds no row)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+        elif not self.rows:
             return False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        if self.fmt == "parquet":
+        else:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             if isinstance(self.rows[0], TrainingRow):
                 table = pa.Table.from_pylist([row_builtins(r) for r in self.rows], schema=row_arrow_schema())
             else:
                 table = pa.Table.from_pylist(self.rows)
-            pq.write_table(table, tmp)
-        else:
-            with tmp.open("wb") as f:
-                for r in self.rows:
-                    f.write(row_line(r) if isinstance(r, TrainingRow) else _encoder.encode(r) + b"\n")
-                f.flush()
-                os.fsync(f.fileno())
-        tmp.rename(self.path)
+            pq.write_table(table, self.tmp)
+        self.tmp.rename(self.path)
         return True
 
 
@@ -212,12 +230,15 @@ def export(
     out_dir: Path,
     *,
     fmt: str = "jsonl",
+    merge: bool = False,
     settings: Settings | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ExportReport:
     """Export every row of ``sink_dir`` to ``out_dir`` for ``target``; see the module docstring.
 
-    ``progress(n)`` is called after every part with the rows it held.
+    ``merge`` (always for SpecForge, which takes one file) writes every row into one
+    ``OUT/<target>.jsonl`` instead of one part per input part. ``progress(n)`` is called
+    after every part with the rows it held.
     """
     if target not in TARGETS:
         raise CommandError(f"--to {target!r}: choose one of {', '.join(TARGETS)}")
@@ -225,16 +246,19 @@ def export(
         raise CommandError(f"--format {fmt!r}: choose jsonl or parquet")
     if fmt == "parquet" and target != "hf":
         raise CommandError(f"--format parquet is for --to hf; {target} reads JSONL")
+    if merge and target == "hf":
+        raise CommandError("--merge is for --to speculators (--to specforge always writes one file)")
     parts = sink_parts(sink_dir)
     _check_out_dir(out_dir, sink_dir)
-    report = ExportReport(target=target, out_dir=out_dir)
+    report = ExportReport(target=target, out_dir=out_dir, merged=merge or target == "specforge")
     tokenizers = SpecforgeTokenizers(settings)
+    merged = _PartWriter(out_dir / merged_name(target), fmt) if report.merged else None
     for part in parts:
         refused_before = len(report.refused)
         rows = list(read_part(part, report))
         report.parts_read += 1
         report.rows_read += len(rows) + len(report.refused) - refused_before
-        writer = _PartWriter(out_dir / part.parent.name / part.with_suffix(f".{fmt}").name, fmt)
+        writer = merged or _PartWriter(out_dir / part.parent.name / part.with_suffix(f".{fmt}").name, fmt)
         if target == "specforge":
             _specforge_convert(rows, tokenizers, report, writer)
         else:
@@ -247,18 +271,57 @@ def export(
                     continue
                 report.rows_written += 1
                 report.per_dataset[row.dataset] += 1
-        if writer.close():
+        if merged is None and writer.close():
             report.files.append(writer.path)
         if progress is not None:
             progress(len(rows))
+    if merged is not None and merged.close():
+        report.files.append(merged.path)
     if report.files:
         (out_dir / "README.md").write_text(readme(report, fmt), encoding="utf-8")
     return report
 
 
+SPECFORGE_CHECKED = "sgl-project/SpecForge @ a6b6b02"
+"""The SpecForge code the training route below was read in and run against."""
+
+
+def prompts_path_yaml(speculators_file: str) -> str:
+    """SpecForge's config for pre-tokenized rows: the merged speculators file as ``data.prompts_path``."""
+    return f"```yaml\ndata:\n  prompts_path: {speculators_file}\n```\n"
+
+
+def specforge_route(*, speculators_file: str, specforge_file: str, template: str) -> str:
+    """The two ways into SpecForge that were measured to train on exactly our ids, with their YAML."""
+    return (
+        f"Measured against {SPECFORGE_CHECKED}: both routes below trained on 243/243 rows with exactly the "
+        "exported ids and loss masks. Give them to `specforge train --config train.yaml`; the rest of the "
+        "config (model, output, hyper-parameters) is as in SpecForge's examples.\n\n"
+        "1. Pre-tokenized, independent of any chat template: the one file of "
+        "`draftstream export --to speculators --merge` as `data.prompts_path`.\n\n"
+        + prompts_path_yaml(speculators_file)
+        + "\n2. Preformatted text: the one file `draftstream export --to specforge` writes, with the chat "
+        "template that locates the supervised spans. Without `train_only_last_turn: true` the masks of rows "
+        "whose prompts hold earlier assistant turns differ (198/243 in the measured run).\n\n"
+        f"```yaml\ndata:\n  train_data_path: {specforge_file}\n  is_preformatted: true\n"
+        f"  chat_template: {template}\n  train_only_last_turn: true\n```\n\n"
+        "What does not work there: the offline `scripts/prepare_hidden_states.py --is-preformatted` "
+        "(its loader keeps only `conversations`/`tools`: \"Expected 'text' column\"), the command-line flag "
+        "`--train-only-last-turn` (now the YAML key above), and a folder as `data.train_data_path` (one file "
+        "only). The conversation path re-renders `conversations` and loses the reasoning.\n"
+    )
+
+
+_SPECULATORS_HEAD = (
+    "# draftstream rows for vLLM speculators\n\nPre-tokenized rows (`input_ids`, `loss_mask`): speculators "
+    "passes them through without re-rendering. "
+)
+
+
 def readme(report: ExportReport, fmt: str) -> str:
-    """The README.md written beside the exported parts: what they are and how to load them."""
-    pattern = f"*/part-*.{fmt}"
+    """The README.md written beside the exported files: what they are and how to load them."""
+    out = report.out_dir.resolve()
+    pattern = merged_name(report.target) if report.merged else f"*/part-*.{fmt}"
     head = (
         "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
         f'    path: "{pattern}"\n---\n\n'
@@ -267,22 +330,30 @@ def readme(report: ExportReport, fmt: str) -> str:
         builder = "parquet" if fmt == "parquet" else "json"
         return head + (
             "# draftstream training rows\n\nEvery part has the same row schema (see draftstream's docs/audit.md, "
-            f"\"The sink\").\n\n```python\nimport datasets\nds = datasets.load_dataset(\"{builder}\", "
-            f"data_files=\"{pattern}\", split=\"train\")\n```\n"
+            f"\"The sink\").\n\n```python\nimport datasets\nOUT = \"{out}\"  # this folder\n"
+            "ds = datasets.load_dataset(OUT, split=\"train\")  # by the configs above\n"
+            f"ds = datasets.load_dataset(\"{builder}\", data_files=f\"{{OUT}}/{pattern}\", split=\"train\")\n```\n"
         )
     if report.target == "speculators":
-        return head + (
-            "# draftstream rows for vLLM speculators\n\nPre-tokenized rows (`input_ids`, `loss_mask`): speculators "
-            "passes them through without re-rendering. Give this folder as the training data path (its directory "
-            "input loads every `*.jsonl` under it).\n"
+        if report.merged:
+            where = f"`{out / pattern}` holds every row; for SpecForge (`specforge train --config`):\n\n"
+            return head + _SPECULATORS_HEAD + where + prompts_path_yaml(str(out / pattern))
+        return head + _SPECULATORS_HEAD + (
+            "Give this folder as vLLM speculators' training data path (its directory input loads every "
+            "`*.jsonl` under it). SpecForge takes one file: export with `--merge`.\n"
         )
+    templates = sorted({SPECFORGE_TEMPLATES[p].name for p in report.mask_rows})
     lines = [
         "# draftstream rows for SpecForge\n",
-        "`text` is the decode of the sample's exact token ids; every row was checked to re-encode to those ids "
-        "with the model's tokenizer (no special tokens added). Train with SpecForge's preformatted input "
-        "(`--is-preformatted`, `build_eagle3_dataset(..., is_preformatted=True)`) and the chat template below "
-        "(`--chat-template`), which locates the supervised spans; add `--train-only-last-turn` when only that "
-        "column reproduces every row's loss mask (prompts holding earlier assistant turns).\n",
+        f"`{out / pattern}` holds every row. `text` is the decode of the sample's exact token ids; every row was "
+        "checked to re-encode to those ids with the model's tokenizer (no special tokens added). The table says "
+        "which SpecForge chat template locates the supervised spans of each profile's rows, and for how many rows "
+        "its rule reproduces `loss_mask`, for every assistant turn and for the last one only.\n",
+        specforge_route(
+            speculators_file="SPEC_OUT/speculators.jsonl",
+            specforge_file=str(out / pattern),
+            template=templates[0] if len(templates) == 1 else "<the template of the table below>",
+        ),
         "| profile | SpecForge chat template | loss mask reproduced | with train_only_last_turn |",
         "|---|---|---|---|",
     ]

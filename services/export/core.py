@@ -152,7 +152,7 @@ def hf_row(row: TrainingRow) -> TrainingRow:
 def speculators_row(row: TrainingRow) -> dict[str, Any]:
     """The row for speculators' pre-tokenized pass-through."""
     check_row(row)
-    return {"id": row.id, "input_ids": row.input_ids, "loss_mask": row.loss_mask}
+    return {"id": row.id, "input_ids": row.input_ids, "loss_mask": row.loss_mask, "truncated": row.metadata.truncated}
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -176,7 +176,7 @@ def specforge_row(row: TrainingRow, text: str, encoded: Sequence[int]) -> dict[s
             f"{row.id}: its text does not re-encode to its input_ids (first difference at position {at} of "
             f"{len(row.input_ids)}: {row.input_ids[at:at + 3]} became {list(encoded[at:at + 3])})"
         )
-    return {"id": row.id, "text": text}
+    return {"id": row.id, "text": text, "truncated": row.metadata.truncated}
 
 
 # ---- SpecForge's loss mask over preformatted text ------------------------------------------------------------------

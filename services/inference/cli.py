@@ -29,9 +29,13 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """Consume prompts.*, call the provider with many requests in flight, publish responses."""
+        from services.cli import settings_from
         from services.common.service import run_from_cli
         from services.inference.app import create_app
 
         run_from_cli(
-            "inference", lambda settings: create_app(settings, repay=repay), config=config, log_level=log_level
+            "inference",
+            lambda settings: create_app(settings, repay=repay),
+            settings=settings_from(config),
+            log_level=log_level,
         )

@@ -396,7 +396,9 @@ class ProviderCheck:
 
     ``outage`` is True when the cause may go away by itself (unreachable, 5xx, 404 from a
     server still starting): the probe resumes the halt once the provider answers; False
-    when a person must act (no key, key refused, model not served).
+    when a person must act (no key, key refused, model not served). ``unknown`` is True
+    with ``ok`` when the provider does not implement the checked endpoint (``GET /models``
+    answered 404, 405 or 501): nothing says it is down, so the first real request decides.
     """
 
     ok: bool
@@ -404,3 +406,4 @@ class ProviderCheck:
     message: str = ""
     outage: bool = False
     detail: str = ""
+    unknown: bool = False

@@ -5,7 +5,10 @@ failure halts the scope on ``control`` instead of paying for answers that cannot
 used, and a halt the check published earlier is lifted once it passes. An outage
 (``provider.outage_after`` connection errors, timeouts, 5xx or 404s in a row) halts every
 worker instead of draining the topic into dead letters; a probe resumes by itself when
-the provider answers again. A 401/402 halts every worker until a person resumes.
+the provider answers again. A 401/402 halts every worker until a person resumes. A
+provider that does not implement the check (``GET /models`` answering 404, 405 or 501) but
+serves its completion endpoint is unknown, not down: pre-flight goes on and the first real
+request decides.
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ class ProviderGuard:
         self.preflight[GLOBAL_SCOPE] = check
         base = self._settings.provider.base_url
         if check.ok:
-            log.info("pre-flight: provider %s at %s answers: %s", self._provider.name, base, check.detail or "ok")
+            if check.unknown:
+                log.warning("pre-flight: provider %s at %s: %s", self._provider.name, base, check.detail)
+            else:
+                log.info("pre-flight: provider %s at %s answers: %s", self._provider.name, base, check.detail or "ok")
             await self._resume_own(GLOBAL_SCOPE, (PREFLIGHT_ACTOR, OUTAGE_ACTOR), "pre-flight passed")
             return
         log.error("pre-flight: provider %s at %s: %s", self._provider.name, base, check.message)
@@ -174,7 +180,9 @@ class ProviderGuard:
 
         Down while the global halt stands. Up when a request sent after this prompt's first
         failure was answered. Otherwise a free check (``GET /models``, OpenRouter ``GET /key``)
-        decides; a failed check counts towards the outage halt.
+        decides; a failed check counts towards the outage halt. A provider without the check
+        (``unknown``) tells nothing: the failure is the request's own, and the failed requests
+        themselves count towards the outage halt.
         """
         if self._halts.standing(GLOBAL_SCOPE) is not None:
             return True
@@ -185,6 +193,8 @@ class ProviderGuard:
             check = await self._provider.check()
         except Exception:  # noqa: BLE001 - a check that crashes says nothing about the provider
             log.exception("provider check failed")
+            return False
+        if check.unknown:
             return False
         if check.ok:
             self.outage.success(seq)
@@ -222,10 +232,14 @@ class ProviderGuard:
                 )
                 continue
             # The probe's answer counts as one: a prompt that still fails after it fails
-            # on its own (a dead letter), not because the provider is down.
-            self.outage.success(self.outage.begin())
+            # on its own (a dead letter), not because the provider is down. A provider without
+            # the check (unknown) is resumed with its failure streak kept: the first real
+            # request decides, and one more failure halts again at once.
+            if not check.unknown:
+                self.outage.success(self.outage.begin())
             self._outage_published = False
-            resume = Resume(scope=GLOBAL_SCOPE, reason=f"provider answers again: {check.detail or 'ok'}",
+            said = "the next request decides" if check.unknown else "provider answers again"
+            resume = Resume(scope=GLOBAL_SCOPE, reason=f"{said}: {check.detail or 'ok'}",
                             by=OUTAGE_ACTOR, at=time.time())
             try:
                 await self._halts.publish(resume)

@@ -2,29 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Protocol
 
 import typer
-from rich.markup import escape
 
 from services.common.config import Settings
+from services.common.console import data_console, styled
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from services.estimate.core import EstimateReport
+    from schemas import PromptPublished
     from services.publish.app import PublishReport
 
 _MAX_LISTED = 20
 
 
+class DryRunPricing(Protocol):
+    """Prices what ``publish --dry-run`` would send.
+
+    The estimate stage provides it and the root CLI (``services.cli``, the one module above
+    both) hands it over by setting :data:`dry_run_pricing`: publish never imports estimate,
+    which reads dataset files through publish.
+    """
+
+    async def prepare(self, settings: Settings, dataset: str) -> Callable[[PromptPublished], None]:
+        """Read what was spent so far; returns the callback that counts each prompt a run would send."""
+        ...
+
+    def show(self, console: Console, settings: Settings) -> None:
+        """Print the estimate of the prompts counted."""
+        ...
+
+
+dry_run_pricing: Callable[[], DryRunPricing] | None = None
+"""Set by ``services.cli``; None: a dry run validates and counts, and prices nothing."""
+
+
 def _print_rejections(console: Console, report: PublishReport) -> None:
     for rejection in report.rejections[:_MAX_LISTED]:
-        console.print(f"[yellow]skipped[/] {escape(str(rejection))}", highlight=False, soft_wrap=True)
+        console.print(styled("skipped", "yellow", f" {rejection}"), soft_wrap=True)
     extra = len(report.rejections) - _MAX_LISTED
     if extra > 0:
-        console.print(f"[yellow]... and {extra} more bad row(s)[/]")
+        console.print(styled(f"... and {extra} more bad row(s)", "yellow"))
 
 
 def _summary(report: PublishReport) -> object:
@@ -99,7 +121,6 @@ def publish_command(
     """
     import asyncio
 
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -112,19 +133,17 @@ def publish_command(
     )
 
     from services.cli import fail, settings_from
-    from services.estimate.app import Estimator, read_observed, report_for
-    from services.estimate.cli import print_estimate
     from services.publish.app import PublishError, PublishInterrupted, publish
 
     settings = settings_from(config)
     _preflight_profile(settings, dataset)
-    console = Console()
+    console = data_console()
     columns = (
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TaskProgressColumn(),
-        TextColumn("[cyan]{task.fields[rate]}"),
+        TextColumn("{task.fields[rate]}", style="cyan", markup=False),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
@@ -135,7 +154,7 @@ def publish_command(
         sent = 0
 
         def start(self, total: int) -> None:
-            self.task = bar.add_task(f"publishing {escape(dataset)}", total=total, rate="")
+            self.task = bar.add_task(f"publishing {dataset}", total=total, rate="")
 
         def advance(self, n: int) -> None:
             self.sent += n
@@ -145,7 +164,7 @@ def publish_command(
             speed = bar.tasks[self.task].speed
             bar.update(self.task, rate=f"{speed:,.0f}/s" if speed else "")
 
-    async def run() -> tuple[PublishReport, EstimateReport | None]:
+    async def run() -> tuple[PublishReport, DryRunPricing | None]:
         if not dry_run:
             report = await publish(
                 settings, paths, dataset=dataset, fmt=fmt, limit=limit, system=system, tools_field=tools_field,
@@ -153,18 +172,18 @@ def publish_command(
             )  # fmt: skip
             return report, None
         # A dry run also prices what it would send: the profile loads first (a bad one fails here).
-        spent = await read_observed(settings)
-        estimator = Estimator(settings, dataset, (spent or {}).get(dataset))
+        pricing = dry_run_pricing() if dry_run_pricing is not None else None
+        examine = await pricing.prepare(settings, dataset) if pricing is not None else None
         report = await publish(
             settings, paths, dataset=dataset, fmt=fmt, limit=limit, system=system, tools_field=tools_field,
-            strict=strict, dry_run=True, force=force, examine=estimator.add,
+            strict=strict, dry_run=True, force=force, examine=examine,
         )  # fmt: skip
-        return report, report_for(settings, [estimator.flush()], spent)
+        return report, pricing
 
     sink = _Sink()
     with Progress(*columns, console=console, transient=False) as bar:
         try:
-            report, estimate = asyncio.run(run())
+            report, pricing = asyncio.run(run())
         except PublishError as exc:
             bar.stop()
             if exc.report is not None:
@@ -175,9 +194,8 @@ def publish_command(
             done = exc.report
             left = max(done.to_send - done.published, 0) if done.to_send else "the rest"
             console.print(
-                f"interrupted: {done.published} prompt(s) sent to {escape(done.topic)}, {left} not sent; "
+                f"interrupted: {done.published} prompt(s) sent to {done.topic}, {left} not sent; "
                 "run the same command again to send only what is missing",
-                highlight=False,
                 soft_wrap=True,
             )
             raise typer.Exit(130) from None
@@ -186,15 +204,14 @@ def publish_command(
             console.print(
                 f"interrupted twice: at least {sink.sent} prompt(s) were sent, more may have been; "
                 "run the same command again to send only what is missing",
-                highlight=False,
                 soft_wrap=True,
             )
             raise typer.Exit(130) from None
     _print_rejections(console, report)
     console.print(_summary(report))
-    if estimate is not None and report.to_send:
-        print_estimate(console, settings, estimate)
-    console.print(escape(summary_line(report)), highlight=False, soft_wrap=True)
+    if pricing is not None and report.to_send:
+        pricing.show(console, settings)
+    console.print(summary_line(report), soft_wrap=True)
     if report.valid == 0:
         fail(f"no usable prompt in {len(paths)} file(s): {len(report.rejections)} bad row(s)", 1)
 

@@ -14,10 +14,11 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 
 def run_reconstruct(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Rebuild token ids: responses in, samples (or dead letters) out."""
+    from services.cli import settings_from
     from services.common.service import run_from_cli
     from services.reconstruct.app import create_app
 
-    run_from_cli("reconstruct", create_app, config=config, log_level=log_level)
+    run_from_cli("reconstruct", create_app, settings=settings_from(config), log_level=log_level)
 
 
 def reconstruct_file(
@@ -37,11 +38,11 @@ def reconstruct_file(
     import sys
     from collections import Counter
 
-    from rich.console import Console
     from rich.table import Table
 
     from schemas import ResponseReceived, encode
     from services.cli import fail, settings_from
+    from services.common.console import data_console
     from services.common.kafka import DeadLetter
     from services.profiles import Profile, ProfileError, load_profile
     from services.profiles.conventions import Convention
@@ -68,7 +69,7 @@ def reconstruct_file(
         loaded = cache[name]
         return loaded if isinstance(loaded, DeadLetter) else (loaded, convention_of(settings, response))
 
-    err = Console(stderr=True)
+    err = data_console(stderr=True)
     methods: Counter[str] = Counter()
     failures: Counter[str] = Counter()
     total = 0
@@ -80,10 +81,7 @@ def reconstruct_file(
                 if isinstance(result.verdict, DeadLetter):
                     failures[result.verdict.reason] += 1
                     err.print(
-                        f"{file}:{result.line}: {result.verdict.reason}: {result.verdict.message}",
-                        highlight=False,
-                        soft_wrap=True,
-                        markup=False,
+                        f"{file}:{result.line}: {result.verdict.reason}: {result.verdict.message}", soft_wrap=True
                     )
                     continue
                 methods[result.verdict.method] += 1

@@ -18,10 +18,13 @@ def run_sink(
     log_level: LogLevelOption = None,
 ) -> None:
     """Write accepted samples to DIR/<dataset>/part-NNNNN.jsonl, each key once, fsynced before commit."""
+    from services.cli import settings_from
     from services.common.service import run_from_cli
     from services.sink.app import create_app
 
-    run_from_cli("sink", lambda settings: create_app(settings, out_dir=out), config=config, log_level=log_level)
+    run_from_cli(
+        "sink", lambda settings: create_app(settings, out_dir=out), settings=settings_from(config), log_level=log_level
+    )
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

@@ -80,6 +80,9 @@ class RowMetadata(msgspec.Struct, kw_only=True):
     finish_reason: str
     reconstruction_method: str
     audit: AuditRow
+    # The answer was cut at the token limit (finish_reason "length"), accepted by the
+    # dataset's accept_truncated: exact ids up to the cut. Default: rows written before it.
+    truncated: bool = False
 
 
 class TrainingRow(msgspec.Struct, kw_only=True):
@@ -159,6 +162,7 @@ def training_row(audited: SampleAudited) -> TrainingRow:
                 cost=float(NOT_REPORTED) if u.cost is None else float(u.cost),
             ),
             finish_reason=r.finish_reason or "",
+            truncated=r.finish_reason == "length",
             reconstruction_method=s.method,
             audit=AuditRow(
                 passed=audited.passed,

@@ -2,8 +2,9 @@
 
 Everything is read without joining a consumer group or committing anything: end and
 beginning offsets through a group-less consumer, committed offsets of the stage groups
-through the admin client, ``budget-state`` as its latest snapshot per scope
-and ``dead-letter`` read once to its current end.
+through the admin client, ``budget-state`` as its latest snapshot per scope, and
+``dead-letter`` and ``accepted`` (for the truncated answers accepted, a header) read once to
+their current end.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from schemas import DEAD_LETTER_TOPIC, DLQ_HEADERS, Halt, topology
+from schemas import ACCEPTED_TOPIC, DEAD_LETTER_TOPIC, DLQ_HEADERS, Halt, topology
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
 from services.common.topics import partitions_of, read_to_end
@@ -92,8 +93,13 @@ async def collect(
         reason = header(headers, DLQ_HEADERS.REASON) or "unknown"
         snapshot.dead_letters[(stage, reason)] += 1
 
+    def accepted(record: ConsumerRecord[bytes, bytes]) -> None:
+        if header(list(record.headers or ()), topology.TRUNCATED_HEADER) == "1":
+            snapshot.accepted_truncated[(record.key or b"").decode("utf-8", "replace").split(":", 1)[0]] += 1
+
     budgets = await read_budget_snapshots(settings, on_unreadable=unreadable)
     await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead)
+    await read_to_end(kafka, kafka.topic(ACCEPTED_TOPIC), accepted)
     snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
     return snapshot

@@ -18,15 +18,15 @@ def status_command(
     """Show the budget table, records per stage, consumer lag and dead letters by reason."""
     import asyncio
 
-    from rich.console import Console
     from rich.live import Live
 
     from services.cli import settings_from
+    from services.common.console import data_console
     from services.status.app import collect
     from services.status.core import StatusSnapshot, render
 
     settings = settings_from(config)
-    console = Console()
+    console = data_console()
 
     async def once() -> StatusSnapshot:
         # A broker that does not answer is one line on stderr (the root command's error printer).

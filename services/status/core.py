@@ -1,9 +1,13 @@
 """The status screen's model and rendering (pure: the numbers come from services.status.app).
 
+What came from the wire (scopes, halt reasons, dead-letter reasons) goes into the tables as
+:class:`rich.text.Text`, so no console reads it as markup or emoji codes.
+
 Five panels: the halts standing on ``control`` (scope, who, why: a pre-flight or outage
 halt says what to fix), the budget table (latest :class:`schemas.BudgetSnapshot` per
 scope), records per stage topic (end offsets, with a rate between two snapshots under
-``--watch``), consumer lag per stage group, and dead letters by stage and reason.
+``--watch``), consumer lag per stage group, and dead letters by stage and reason; then the
+accepted answers that were truncated (``accept_truncated``), counted apart per dataset.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from datetime import UTC, datetime
 from typing import Final
 
 from rich.console import Group, RenderableType
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from schemas import BudgetSnapshot, Halt, topology
 
@@ -56,6 +60,8 @@ class StatusSnapshot:
     dead_letters: Counter[tuple[str, str]] = field(default_factory=Counter)
     unreadable_budget_records: int = 0
     halts: list[Halt] = field(default_factory=list)  # standing halts on the control topic
+    # Accepted answers cut at the token limit (accept_truncated), per dataset: counted apart.
+    accepted_truncated: Counter[str] = field(default_factory=Counter)
     topic_prefix: str = ""
     groups: tuple[str, ...] = tuple(GROUP_INPUTS)
 
@@ -82,8 +88,8 @@ def budget_table(snapshot: StatusSnapshot) -> Table:
         style = {"halted": "bold red", "soft-limit": "yellow"}.get(b.state, "green")
         updated = datetime.fromtimestamp(b.updated_at, tz=UTC).strftime("%H:%M:%SZ") if b.updated_at else "-"
         table.add_row(
-            b.scope,
-            f"[{style}]{b.state}[/]",
+            Text(b.scope),
+            Text(b.state, style=style),
             _tokens(b.completion_tokens),
             _tokens(b.cap_completion_tokens),
             _money(b.cost_usd),
@@ -103,7 +109,7 @@ def halts_table(snapshot: StatusSnapshot) -> Table:
         table.add_column(name)
     for halt in sorted(snapshot.halts, key=lambda h: (h.scope != "global", h.scope)):
         since = datetime.fromtimestamp(halt.at, tz=UTC).strftime("%H:%M:%SZ") if halt.at else "-"
-        table.add_row(f"[bold red]{halt.scope}[/]", halt.by or "-", since, escape(halt.reason))
+        table.add_row(Text(halt.scope, style="bold red"), Text(halt.by or "-"), since, Text(halt.reason))
     if not snapshot.halts:
         table.add_row("(none)", "", "", "")
     return table
@@ -146,7 +152,7 @@ def lag_table(snapshot: StatusSnapshot) -> Table:
             group,
             str(len({r.topic for r in rows})),
             f"{written:,}",
-            f"[{style}]{lag:,}[/]" + ("" if started else " (not started)"),
+            Text.assemble((f"{lag:,}", style), "" if started else " (not started)"),
         )
     return table
 
@@ -158,16 +164,16 @@ def dead_letter_table(snapshot: StatusSnapshot) -> Table:
     table.add_column("reason")
     table.add_column("count", justify="right")
     for (stage, reason), count in sorted(snapshot.dead_letters.items(), key=lambda kv: (-kv[1], kv[0])):
-        table.add_row(stage, reason, f"{count:,}")
+        table.add_row(Text(stage), Text(reason), f"{count:,}")
     return table
 
 
 def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> RenderableType:
     """The whole status screen."""
     when = datetime.fromtimestamp(snapshot.taken_at, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-    header = f"[bold]draftstream status[/] at {when}"
+    header = Text.assemble(("draftstream status", "bold"), f" at {when}")
     if snapshot.topic_prefix:
-        header += f"  (topic prefix {snapshot.topic_prefix})"
+        header.append(f"  (topic prefix {snapshot.topic_prefix})")
     parts: list[RenderableType] = [
         header,
         halts_table(snapshot),
@@ -176,8 +182,12 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         lag_table(snapshot),
         dead_letter_table(snapshot),
     ]
+    if snapshot.accepted_truncated:
+        per_dataset = ", ".join(f"{d} {n:,}" for d, n in sorted(snapshot.accepted_truncated.items()))
+        total = sum(snapshot.accepted_truncated.values())
+        parts.append(Text(f"accepted truncated (finish_reason length, accept_truncated): {total:,} ({per_dataset})"))
     if snapshot.unreadable_budget_records:
-        parts.append(f"[yellow]{snapshot.unreadable_budget_records} unreadable budget-state record(s)[/]")
+        parts.append(Text(f"{snapshot.unreadable_budget_records} unreadable budget-state record(s)", style="yellow"))
     return Group(*parts)
 
 

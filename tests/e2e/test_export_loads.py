@@ -12,8 +12,9 @@ function):
 - ``export --to hf`` loads in one call the same way;
 - ``export --to speculators`` loads the way speculators loads a directory and passes its
   pre-tokenized rows through;
-- ``export --to specforge`` tokenized SpecForge's way gives back every accepted sample's
-  ids, reasoning included, and SpecForge's loss-mask rule gives back its loss mask.
+  merged into one file (``--merge``, SpecForge's ``data.prompts_path``), it holds them all;
+- ``export --to specforge`` (one file) tokenized SpecForge's way gives back every accepted
+  sample's ids, reasoning included, and SpecForge's loss-mask rule gives back its loss mask.
 """
 
 from __future__ import annotations
@@ -185,11 +186,17 @@ async def test_sink_folder_and_exports_load_as_they_are(
     spec = export("speculators", out_dir, tmp_path / "speculators")
     assert not spec.refused, spec.refused[:5]
     same_as_accepted(speculators_load(tmp_path / "speculators", cache), "speculators export")
+    # --- the same merged into one file: SpecForge's data.prompts_path
+    merged = export("speculators", out_dir, tmp_path / "speculators-merged", merge=True)
+    assert not merged.refused and merged.files == [tmp_path / "speculators-merged" / "speculators.jsonl"]
+    same_as_accepted(load_json(merged.files, cache), "speculators export merged into one file")
 
     # --- export --to specforge, tokenized SpecForge's way
     forge = export("specforge", out_dir, tmp_path / "specforge", settings=settings)
     assert not forge.refused, forge.refused[:5]
-    forge_ds = load_json(sorted((tmp_path / "specforge").glob("*/part-*.jsonl")), cache)
+    # One merged file: SpecForge's data.train_data_path takes a file, not a folder.
+    assert forge.files == [tmp_path / "specforge" / "specforge.jsonl"]
+    forge_ds = load_json(forge.files, cache)
     assert set(forge_ds.column_names) >= {"id", "text"}
     qwen3 = T.truth_tokenizer("qwen3")
     ids_equal = mask_equal_all_turns = mask_equal_last_turn = reasoning_rows = 0

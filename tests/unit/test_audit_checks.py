@@ -218,6 +218,17 @@ def test_finish_stop(profile: Any) -> None:
     assert run(make(profile, finish="length"), profile, relaxed).passed
 
 
+def test_accept_truncated_passes_only_an_answer_cut_at_the_token_limit(profile: Any) -> None:
+    accepting = AuditThresholds(usage_offset=0, accept_truncated=True)
+    cut = run(make(profile, finish="length"), profile, accepting)
+    assert cut.passed, cut.reasons
+    assert result(cut, core.FINISH_STOP).passed and result(cut, core.FINISH_STOP).message == core.TRUNCATED_ACCEPTED
+    # Only "length": an answer that ended otherwise still fails, and the default still refuses a cut one.
+    assert run(make(profile, finish=None), profile, accepting).reasons == [core.FINISH_STOP]
+    assert run(make(profile, finish="length"), profile).reasons == [core.FINISH_STOP]
+    assert AuditThresholds().accept_truncated is False
+
+
 def test_no_replacement_char(profile: Any) -> None:
     bad = replacement_id(profile)
     audited = run(make(profile, extra_ids=[bad]), profile, AuditThresholds(usage_offset=0, roundtrip_tolerance=1))

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from schemas import SampleAudited, decode
 from services.cli import app
+from services.common.errors import CommandError
 from services.export.app import export
 from services.export.core import SPECFORGE_TEMPLATES, RowError, row_from_builtins, row_from_line, specforge_loss_mask
 from services.profiles import load_profile
@@ -112,8 +113,8 @@ def write_jsonl(path: Path, rows: list[TrainingRow], tail: bytes = b"") -> None:
     path.write_bytes(b"".join(row_line(r) for r in rows) + tail)
 
 
-def read_jsonl(folder: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for p in sorted(folder.glob("*/part-*.jsonl")) for line in p.read_bytes().splitlines()]
+def read_jsonl(folder: Path, pattern: str = "*/part-*.jsonl") -> list[dict[str, Any]]:
+    return [json.loads(line) for p in sorted(folder.glob(pattern)) for line in p.read_bytes().splitlines()]
 
 
 def test_specforge_refuses_a_row_whose_text_does_not_give_back_its_ids(tmp_path: Path) -> None:
@@ -122,7 +123,8 @@ def test_specforge_refuses_a_row_whose_text_does_not_give_back_its_ids(tmp_path:
     report = export("specforge", sink, tmp_path / "out")
     assert report.rows_read == 2 and report.rows_written == 1
     assert len(report.refused) == 1 and report.refused[0].startswith("chat:split: its text does not re-encode")
-    written = read_jsonl(tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "specforge.jsonl"]  # one file
+    written = read_jsonl(tmp_path / "out", "specforge.jsonl")
     assert [r["id"] for r in written] == ["chat:good"]
     profile = load_profile("qwen3")
     assert written[0]["text"] == QWEN3_PROMPT + QWEN3_OUTPUT
@@ -148,7 +150,73 @@ def test_speculators_refuses_rows_a_trainer_would_drop_or_misalign(tmp_path: Pat
     assert report.rows_written == 1
     assert sorted(r.split(":")[1] for r in report.refused) == ["short", "zero"]
     assert read_jsonl(tmp_path / "out") == [{"id": "chat:good", "input_ids": good.input_ids,
-                                             "loss_mask": good.loss_mask}]  # fmt: skip
+                                             "loss_mask": good.loss_mask, "truncated": False}]  # fmt: skip
+
+
+def two_dataset_sink(sink: Path) -> list[TrainingRow]:
+    """A sink folder of two datasets with two parts each (real Qwen3 ids); its rows in part order."""
+    shards = {"chat/part-00000.jsonl": ["a", "b"], "chat/part-00001.jsonl": ["c"], "math/part-00000.jsonl": ["d"],
+              "math/part-00003.jsonl": ["e", "f"]}  # fmt: skip
+    rows: list[TrainingRow] = []
+    for part, ids in shards.items():
+        dataset = part.split("/")[0]
+        group = [msgspec.structs.replace(qwen3_row(i), id=f"{dataset}:{i}", dataset=dataset) for i in ids]
+        write_jsonl(sink / part, group)
+        rows += group
+    return rows
+
+
+def shard_rows(sink: Path) -> list[tuple[str, list[int], list[int]]]:
+    """(id, input_ids, loss_mask) of every row of the sink's shards, read from the files."""
+    return [(r["id"], r["input_ids"], r["loss_mask"]) for r in read_jsonl(sink)]
+
+
+def test_merged_speculators_file_holds_the_shards_rows_for_specforge_prompts_path(tmp_path: Path) -> None:
+    sink, out = tmp_path / "sink", tmp_path / "out"
+    two_dataset_sink(sink)
+    report = export("speculators", sink, out, merge=True)
+    assert not report.refused and report.rows_written == 6 and report.parts_read == 4
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "speculators.jsonl"]
+    merged = read_jsonl(out, "speculators.jsonl")
+    assert [(r["id"], r["input_ids"], r["loss_mask"]) for r in merged] == shard_rows(sink)
+    readme = (out / "README.md").read_text(encoding="utf-8")
+    assert f"prompts_path: {(out / 'speculators.jsonl').resolve()}" in readme
+
+
+def test_merged_specforge_file_re_encodes_to_the_shards_ids_and_says_the_measured_route(tmp_path: Path) -> None:
+    sink, out = tmp_path / "sink", tmp_path / "out"
+    two_dataset_sink(sink)
+    report = export("specforge", sink, out)
+    assert not report.refused and report.rows_written == 6
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "specforge.jsonl"]
+    merged = read_jsonl(out, "specforge.jsonl")
+    profile = load_profile("qwen3")
+    rebuilt = [(r["id"], profile.encode_prompt(r["text"])) for r in merged]
+    assert rebuilt == [(i, ids) for i, ids, _ in shard_rows(sink)]
+    # SpecForge's span rule on the merged text (the last turn) gives the shards' loss masks.
+    masks = [specforge_loss_mask(r["text"], profile.encode_prompt, SPECFORGE_TEMPLATES["qwen3"], last_turn_only=True)
+             for r in merged]  # fmt: skip
+    assert masks == [mask for _, _, mask in shard_rows(sink)]
+    readme = (out / "README.md").read_text(encoding="utf-8")
+    for line in (f"train_data_path: {(out / 'specforge.jsonl').resolve()}", "is_preformatted: true",
+                 "chat_template: qwen3-thinking", "train_only_last_turn: true", "prompts_path:"):  # fmt: skip
+        assert line in readme, line
+    with pytest.raises(CommandError, match="--merge is for --to speculators"):
+        export("hf", sink, tmp_path / "hf", merge=True)
+
+
+def test_hf_readme_loads_from_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sink, out = tmp_path / "sink", tmp_path / "out"
+    rows = two_dataset_sink(sink)
+    export("hf", sink, out)
+    snippet = (out / "README.md").read_text(encoding="utf-8").split("```python\n")[1].split("```")[0]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the README's code, run from another folder, loads every row
+    cache = str(tmp_path / "cache")
+    scope: dict[str, Any] = {}
+    exec(snippet.replace('split="train")', f'split="train", cache_dir={cache!r})'), scope)  # noqa: S102
+    assert sorted(scope["ds"]["id"]) == sorted(r.id for r in rows)
 
 
 def test_hf_export_mixes_layouts_into_one_schema(tmp_path: Path) -> None:

@@ -107,3 +107,85 @@ def test_the_hook_names_the_chain_of_a_leak() -> None:
     assert isinstance(chains, dict)
     assert chains["aiokafka"][:2] == ["services.common.kafka", "aiokafka"]
     assert chains["services.common.config"][0] == "services.common.kafka"
+
+
+# --- which way the house's imports run --------------------------------------------------------
+#
+# services/common is below every stage and below the CLI: it imports neither (a runner is handed
+# its settings, a command registry is not imported). A stage's CLI imports its own stage, the
+# shared modules (services.common, services.profiles, services.control) and the root CLI, never
+# another stage: what one command needs from another stage is handed over by services.cli, the
+# one module above them all (publish --dry-run's pricing from the estimate stage).
+
+SERVICES = REPO / "services"
+STAGES = tuple(sorted(p.name for p in SERVICES.iterdir() if (p / "app.py").exists() or (p / "cli.py").exists()))
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``, at any depth (functions, TYPE_CHECKING blocks)."""
+    import ast
+
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            # `from services import cli` imports services.cli: name both the package and the member.
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def upward_imports(path: Path) -> list[str]:
+    """The imports of ``path`` that run the wrong way (see above), as ``file:line: module``."""
+    where = path.relative_to(REPO)
+    if where.parts[:2] == ("services", "common"):
+        banned = ["services.cli", *(f"services.{s}" for s in STAGES)]
+    elif where.name == "cli.py" and len(where.parts) == 3 and where.parts[1] in STAGES:
+        banned = [f"services.{s}" for s in STAGES if s != where.parts[1]]
+    else:
+        return []
+    first: dict[int, str] = {}  # one finding per import statement: its first wrong module
+    for line, module in imported_modules(path):
+        if any(_under(module, b) for b in banned):
+            first.setdefault(line, module)
+    return [f"{where}:{line}: {module}" for line, module in sorted(first.items())]
+
+
+def test_the_stages_are_found() -> None:
+    assert {"publish", "estimate", "inference", "audit", "sink", "status", "dlq"} <= set(STAGES)
+    assert "common" not in STAGES and "profiles" not in STAGES
+
+
+def test_common_imports_no_stage_and_no_cli_and_no_stage_cli_imports_another_stage() -> None:
+    files = [*sorted((SERVICES / "common").rglob("*.py")), *sorted(SERVICES.glob("*/cli.py"))]
+    assert len(files) > 20
+    wrong = [line for path in files for line in upward_imports(path)]
+    assert wrong == [], "imports that run up the house:\n" + "\n".join(wrong)
+
+
+def test_the_direction_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check sees an import at any depth, relative or absolute, and under TYPE_CHECKING."""
+    fake = tmp_path / "services"
+    (fake / "common").mkdir(parents=True)
+    (fake / "publish").mkdir()
+    (fake / "common" / "runner.py").write_text(
+        "def run():\n    from services.cli import settings_from\n    from .. import audit\n"
+    )
+    (fake / "publish" / "cli.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.estimate.core import X\n"
+        "from services.common import console\nfrom services.publish import app\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert upward_imports(fake / "common" / "runner.py") == [
+        "services/common/runner.py:2: services.cli", "services/common/runner.py:3: services.audit"
+    ]
+    assert upward_imports(fake / "publish" / "cli.py") == ["services/publish/cli.py:3: services.estimate.core"]

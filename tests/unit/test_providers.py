@@ -452,6 +452,37 @@ async def test_openai_check_requires_the_model_in_the_list() -> None:
     assert "other" in check.message and "qwen/qwen3-8b" in check.message
 
 
+@pytest.mark.parametrize("status", [404, 405, 501])
+@pytest.mark.parametrize("kind", ["openai", "simulator", "sglang"])
+async def test_a_server_without_a_model_list_is_unknown_not_down(kind: str, status: int) -> None:
+    # GET /models: not there; GET of the completion path: 405, the route exists (POST only).
+    rec = Recorder(httpx.Response(status, text="not implemented"), httpx.Response(405, text="method not allowed"))
+    async with _client(rec) as client:
+        check = await make_provider(_settings(kind=kind, model="qwen/qwen3-8b"), client).check()
+    assert (check.ok, check.unknown, check.outage) == (True, True, False)
+    assert check.reason == f"provider_models_http_{status}" and "first request decides" in check.detail
+    assert [r.method for r in rec.requests] == ["GET", "GET"]
+    assert rec.requests[0].url.path.endswith("/models")
+    assert rec.requests[1].url.path.endswith("/generate" if kind == "sglang" else "/chat/completions")
+
+
+@pytest.mark.parametrize("status", [404, 405, 501])
+async def test_no_model_list_and_no_completion_endpoint_is_a_wrong_base_url(status: int) -> None:
+    rec = Recorder(httpx.Response(status, text="no"), httpx.Response(404, text="not found"))
+    async with _client(rec) as client:
+        check = await make_provider(_settings(kind="openai", model="m"), client).check()
+    assert (check.ok, check.unknown, check.reason, check.outage) == (False, False, "provider_base_url_404", True)
+    assert "/chat/completions" in check.message
+
+
+async def test_a_refused_key_or_a_5xx_on_the_model_list_still_fails_the_check() -> None:
+    for status, reason, outage in ((401, "provider_key_rejected", False), (402, "provider_http_402", False),
+                                   (503, "provider_http_503", True)):
+        async with _client(Recorder(httpx.Response(status, text="no"))) as client:
+            check = await make_provider(_settings(kind="openai", model="m"), client).check()
+        assert (check.ok, check.unknown, check.reason, check.outage) == (False, False, reason, outage)
+
+
 async def test_an_unreachable_provider_is_an_outage_with_its_own_reason() -> None:
     refused = _caused(httpx.ConnectTimeout("connect"), ConnectionRefusedError(111, "refused"))
     async with _client(Recorder(refused)) as client:

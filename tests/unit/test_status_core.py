@@ -81,3 +81,14 @@ def test_no_halt_says_none() -> None:
     console = Console(record=True, width=200)
     console.print(render(StatusSnapshot(taken_at=0.0)))
     assert "halts: 0" in console.export_text()
+
+
+def test_accepted_truncated_answers_are_counted_apart() -> None:
+    snap = StatusSnapshot(taken_at=0.0)
+    console = Console(record=True, width=200)
+    console.print(render(snap))
+    assert "accepted truncated" not in console.export_text()
+    snap.accepted_truncated.update({"math": 3, "code": 1})
+    console = Console(record=True, width=200)
+    console.print(render(snap))
+    assert "accepted truncated (finish_reason length, accept_truncated): 4 (code 1, math 3)" in console.export_text()

@@ -50,6 +50,8 @@ SIMULATOR_FAULT_METADATA = "simulator_fault"
 SIMULATOR_HEADERS_METADATA = "simulator_headers"
 
 _MAX_ERROR_TEXT = 2000
+MODELS_NOT_IMPLEMENTED = frozenset({404, 405, 501})
+"""Statuses of ``GET /models`` from a server that has no model list: unknown, not down."""
 
 NonNeg = Annotated[int, Meta(ge=0, le=50_000_000)]
 TokenId = Annotated[int, Meta(ge=0, le=10_000_000)]
@@ -529,6 +531,7 @@ class _HttpProvider:
     """Shared HTTP plumbing: auth, the key header, status and transport classification."""
 
     name = "openrouter"
+    completion_path = "/chat/completions"  # where requests are POSTed, under base_url
 
     def __init__(self, settings: Settings, client: HttpPoster) -> None:
         self._settings = settings
@@ -599,12 +602,14 @@ class _HttpProvider:
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._secret}"} if self._secret else {}
 
-    async def _get_data(self, url: str) -> Any:
-        """GET ``url`` and return the ``data`` field of its JSON answer (None when absent or not JSON).
+    async def _get_data(self, url: str, got: httpx.Response | ProviderCheck | None = None) -> Any:
+        """GET ``url`` (unless ``got`` is its answer already) and return the ``data`` field of its
+        JSON answer (None when absent or not JSON).
 
         A transport failure or a non-2xx answer comes back as the failed :class:`ProviderCheck`.
         """
-        got = await self._get(url)
+        if got is None:
+            got = await self._get(url)
         if isinstance(got, ProviderCheck):
             return got
         failed = self._status_check(url, got)
@@ -655,8 +660,34 @@ class _HttpProvider:
         )
 
     async def _models_check(self, url: str, *, require_model: bool) -> ProviderCheck:
-        """``GET .../models`` answers, and (when asked) lists the configured model."""
-        data = await self._get_data(url)
+        """``GET .../models`` answers, and (when asked) lists the configured model.
+
+        A server that does not implement the list (404, 405, 501) is not down: when its
+        completion endpoint is there, the check passes as ``unknown`` and the first real
+        request decides. Whether it is there costs nothing to ask: a ``GET`` of the path
+        the requests are POSTed to answers 405 (or any status but 404) on a server that
+        serves it, and 404 under a wrong base URL, which is an outage as before.
+        """
+        got = await self._get(url)
+        if not isinstance(got, ProviderCheck) and got.status_code in MODELS_NOT_IMPLEMENTED:
+            endpoint = f"{self._base}{self.completion_path}"
+            served = await self._get(endpoint)
+            if isinstance(served, ProviderCheck):
+                return served
+            if served.status_code != 404:
+                return ProviderCheck(
+                    ok=True,
+                    unknown=True,
+                    reason=f"provider_models_http_{got.status_code}",
+                    detail=(
+                        f"GET {url} answered HTTP {got.status_code} (no model list), GET {endpoint} HTTP "
+                        f"{served.status_code} (the endpoint is there): the first request decides"
+                    ),
+                )
+            failed = self._status_check(endpoint, served)  # a 404: the base URL is wrong
+            if failed is not None:
+                return failed
+        data = await self._get_data(url, got)
         if isinstance(data, ProviderCheck):
             return data
         listed = [str(m.get("id")) for m in data or [] if isinstance(m, dict)] if isinstance(data, list | None) else []
@@ -785,7 +816,7 @@ class OpenRouterProvider(_HttpProvider):
         """Send one chat- or text-completions request for ``prompt`` (unless ``may_send`` says no: :class:`NotSent`)."""
         body = self._body(prompt, dataset, max_tokens)
         completions = self._completions(dataset)
-        path = COMPLETIONS_PATH if completions else "/chat/completions"
+        path = COMPLETIONS_PATH if completions else self.completion_path
         data = await self._post(path, body, self._headers(prompt), may_send)
         if not completions:
             return self._parse(data)
@@ -905,6 +936,7 @@ class SGLangProvider(_HttpProvider):
     """SGLang's native ``/generate`` with ``input_ids`` from the profile's chat template."""
 
     name = "sglang"
+    completion_path = "/generate"
 
     def __init__(
         self, settings: Settings, client: HttpPoster, profile_loader: ProfileLoader | None = None
@@ -965,7 +997,7 @@ class SGLangProvider(_HttpProvider):
         sampling, extra = self._sampling(max_tokens)
         body: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling, "stream": False}
         body.update(extra)
-        data = await self._post("/generate", body, self._headers(prompt), may_send)
+        data = await self._post(self.completion_path, body, self._headers(prompt), may_send)
         try:
             return parse_sglang(data)
         except ProviderFailure as failure:
