@@ -376,10 +376,12 @@ def _reencode_plan(
                     out.gap(_TOOL)
                 continue
             while wanted is not None and wanted[0] in piece:
-                at = piece.index(wanted[0])
+                at = piece.index(wanted[0]) + (0 if wanted[1] else len(wanted[0]))
                 out.add(piece[:at])
-                out.choice(*wanted)
-                piece = piece[at + len(wanted[0]) :]
+                if wanted[1]:
+                    out.choice(*wanted)
+                    at += len(wanted[0])
+                piece = piece[at:]
                 wanted = next(choices, None)
             out.add(piece)
         out.gap(_TOOL, ARBITRARY)  # tool parsers drop whatever followed the block
@@ -404,17 +406,25 @@ def _argument_choices(tool_format: str, calls: Sequence[ToolCall]) -> list[tuple
 
     A re-serialising parser kept only the parsed value. Qwen3's hermes parsers parse the
     whole ``{"name": ..., "arguments": ...}`` object, so its separators are candidates too;
-    the DeepSeek detectors parse the arguments alone.
+    the DeepSeek detectors parse the arguments alone. No alternatives (``()``): the text is
+    the model's own.
     """
-    out = []
+    out: list[tuple[str, tuple[str, ...]]] = []
     for call in calls:
-        args = json.loads(call.function.arguments)
-        forms = list(dict.fromkeys([call.function.arguments, *_json_forms(args)]))
-        if tool_format != "qwen":
-            out.append((call.function.arguments, tuple(forms)))
+        raw, name = call.function.arguments, call.function.name
+        current = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {raw}}}' if tool_format == "qwen" \
+            else raw
+        args = json.loads(raw)
+        # The text's own evidence: a re-serialising parser returns exactly json.dumps(value,
+        # ensure_ascii=False) (vLLM hermes, SGLang's detectors: PARSERS.md); arguments in any
+        # other form are the model's own text.
+        if raw != json.dumps(args, ensure_ascii=False):
+            out.append((current, ()))
             continue
-        name = call.function.name
-        current = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {call.function.arguments}}}'
+        forms = list(dict.fromkeys([raw, *_json_forms(args)]))
+        if tool_format != "qwen":
+            out.append((current, tuple(forms)))
+            continue
         bodies = [current]
         for item, key in ((", ", ": "), (",", ":")):
             for name_text in dict.fromkeys(json.dumps(name, ensure_ascii=a) for a in (False, True)):
@@ -573,7 +583,8 @@ def _prove(
             why = f"the candidate search passed its cap ({outcome.searched} encodings) without deciding"
             verdicts[index] = _refusal(plan, ids, 0, why, WHITESPACE_AMBIGUOUS)
         elif outcome.arbitrary_room:
-            why = "the count leaves room for text after the tool block, which the parser drops"
+            why = (f"{outcome.matches} candidate(s) reproduce the count, and it leaves room for text after the tool "
+                   "block, which the parser drops")
             verdicts[index] = _refusal(plan, ids, outcome.matches, why, TOOL_TEXT_LOST)
         elif outcome.text is None:
             verdicts[index] = _refusal(plan, ids, outcome.matches, "")
