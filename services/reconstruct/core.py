@@ -51,6 +51,7 @@ __all__ = [
     "reconstruct",
     "reconstruct_batch",
     "reconstruct_lines",
+    "server_tools",
 ]
 
 EMPTY_RESPONSE = "empty_response"
@@ -433,12 +434,39 @@ def _argument_choices(tool_format: str, calls: Sequence[ToolCall]) -> list[tuple
     return out
 
 
+# vLLM's FunctionDefinition field order: its request model dumps a function's keys in this order.
+_FUNCTION_ORDER = ("name", "description", "parameters")
+
+
+def server_tools(tools: Sequence[dict[str, object]], null_fields: Sequence[str]) -> list[dict[str, object]]:
+    """The tools as the server's request model hands them to the template: absent fields rendered null.
+
+    ``description`` (vLLM): a function without one gets ``"description": null``, its keys in
+    the request model's order (name, description, parameters, then the rest).
+    ``defer_loading`` (SGLang 0.5.23): every tool gets ``"defer_loading": null`` after its
+    own keys. Facts of PARSERS.md "Corrections"; the key placement is the models' field order.
+    """
+    out: list[dict[str, object]] = []
+    for tool in tools:
+        served = dict(tool)
+        function = served.get("function")
+        if "description" in null_fields and isinstance(function, dict):
+            named = {key: function.get(key) for key in _FUNCTION_ORDER if key in function or key == "description"}
+            served["function"] = {**named, **{k: v for k, v in function.items() if k not in named}}
+        if "defer_loading" in null_fields:
+            served.setdefault("defer_loading", None)
+        out.append(served)
+    return out
+
+
 def _plan(response: ResponseReceived, profile: ReconstructProfile, convention: Convention) -> _Plan | DeadLetter:
     """Decide the method and the texts to encode for one response."""
     # The prompt ids must be what the model saw: tool definitions reach the template only
     # when the request carried them as `tools`; otherwise they are in the message text or
     # the model never saw them.
     tools = response.prompt.tools if response.tools_sent else None
+    if tools and convention.tool_null_fields:
+        tools = server_tools(tools, convention.tool_null_fields)
     try:
         prompt_text = profile.render_prompt(response.prompt.messages, tools)
     except Exception as exc:  # a template error is this record's fault, not the stage's

@@ -202,3 +202,57 @@ def test_r1_reserialised_arguments_under_sglang() -> None:
                                   tools=TOOLS, completion=len(truth)), deepseek(), CONVENTIONS["sglang"]))
     assert got.output_ids == truth
     assert QUESTION  # the prompt the responses answer
+
+
+def test_arguments_not_in_json_dumps_form_were_not_reserialised() -> None:
+    """OpenRouter may re-serialise; '{"expr":"6*7"}' is not json.dumps' own form, so it is the model's text."""
+    block = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n{"expr":"6*7"}\n```'
+             "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    truth = r1_ids("plan\n</think>\n\n" + block + R1_EOS)
+    got = ok(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("calc", '{"expr":"6*7"}')],
+                                  tools=TOOLS, completion=len(truth)), deepseek(), OPENROUTER))
+    assert got.output_ids == truth
+    canonical = dead(reconstruct(response(reasoning="plan\n", content="\n\n", tools=TOOLS,
+                                          tool_calls=[tc("calc", '{"expr": "6*7"}')],
+                                          completion=len(r1_ids("plan\n</think>\n\n"
+                                                                + block.replace(":", ": ") + R1_EOS))),
+                                 deepseek(), OPENROUTER))
+    assert canonical.reason == "tool_call_text_lost"  # the compact form plus a dropped tail fits as well
+
+
+# -- step 4: the server's prompt normalisation ----------------------------------------------
+
+BARE_TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _official_qwen3_prompt_ids(tools: list[dict[str, object]]) -> list[int]:
+    """The official Qwen3 template (shared reference) rendered the Hugging Face way, real tokenizer."""
+    from tests.conformance import truth
+
+    text = truth.render_template(truth.template_source("Qwen-Qwen3-0.6B.jinja"),
+                                 [{"role": "user", "content": "What is 2+2?"}], tools=tools,
+                                 add_generation_prompt=True, bos_token="", eos_token="<|im_end|>")
+    return truth.truth_tokenizer("qwen3").encode_prompt(text)
+
+
+def _prompt_ids_under(convention_name: str, tools: list[dict[str, object]]) -> list[int]:
+    answer = response(reasoning="\np\n", content="\n\nIt is noon.", tools=tools)
+    return list(ok(reconstruct(answer, qwen(), CONVENTIONS[convention_name])).prompt_ids)
+
+
+def test_vllm_renders_a_missing_tool_description_as_null() -> None:
+    served = [{"type": "function", "function": {"name": "now", "description": None,
+                                                "parameters": BARE_TOOL["function"]["parameters"]}}]  # type: ignore[index]
+    truth = _official_qwen3_prompt_ids(served)
+    assert truth != _official_qwen3_prompt_ids([BARE_TOOL])  # the null field changes the prompt
+    assert _prompt_ids_under("vllm", [BARE_TOOL]) == truth
+
+
+def test_sglang_renders_every_tool_with_defer_loading_null() -> None:
+    described = {"type": "function", "function": {"name": "calc", "description": "calculator",
+                                                  "parameters": BARE_TOOL["function"]["parameters"]}}  # type: ignore[index]
+    truth = _official_qwen3_prompt_ids([{**described, "defer_loading": None}])
+    assert truth != _official_qwen3_prompt_ids([described])
+    assert _prompt_ids_under("sglang", [described]) == truth
+    # Providers whose rendering is the request as sent keep it so.
+    assert _prompt_ids_under("sglang-legacy", [described]) == _official_qwen3_prompt_ids([described])
