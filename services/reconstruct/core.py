@@ -68,6 +68,7 @@ TOOL_TEXT_LOST = "tool_call_text_lost"
 LOSS_UNVERIFIABLE = "lossy_text_unverifiable"
 TRUNCATED_TAIL_LOST = "truncated_tail_lost"
 TRUNCATED_TAIL_AMBIGUOUS = "truncated_tail_ambiguous"
+THINK_LAYOUT_AMBIGUOUS = "think_layout_ambiguous"
 
 # Where a provider can lose text (for messages): stripped field edges, around tool blocks,
 # re-serialised tool arguments.
@@ -324,12 +325,13 @@ def _reencode_plan(
     bad = _check_tool_calls(response.tool_calls) or _check_text(response, profile)
     if bad is not None:
         return bad
-    calls = response.tool_calls
     truncated = response.finish_reason == "length"
     # A truncated answer with nothing after the reasoning stopped inside the think block.
-    closed = not truncated or bool(response.content or calls)
-    layout = output_layout(profile, prompt_text, reasoning=response.reasoning, closed=closed, finished=not truncated)
+    closed = not truncated or bool(response.content or response.tool_calls)
     state = profile.prompt_state(prompt_text)
+    if response.reasoning and state == "none" and profile.thinks() and _think_start_in_prompt(profile):
+        return _unopened_block_plan(response, profile, convention, prompt_text, closed=closed)
+    layout = output_layout(profile, prompt_text, reasoning=response.reasoning, closed=closed, finished=not truncated)
     thinking = layout.think_start or layout.think_end or state == "open"
     if response.reasoning and not thinking:
         return DeadLetter(
@@ -337,6 +339,67 @@ def _reencode_plan(
             f"the response carries reasoning but under {profile.name} this prompt leaves no think block "
             f"open for the model (prompt state {state!r})",
         )
+    return _assemble(response, profile, convention, prompt_text, layout, thinking=thinking)
+
+
+def _think_start_in_prompt(profile: ReconstructProfile) -> bool:
+    """Whether the profile's think-start lives in the generation prompt (R1, Qwen3-2507, V3.1)."""
+    return getattr(profile, "think_location", None) == "prompt"
+
+
+def _unopened_block_plan(
+    response: ResponseReceived, profile: ReconstructProfile, convention: Convention, prompt_text: str, *, closed: bool
+) -> _Plan | DeadLetter:
+    """A model whose think-start lives in the prompt, under a prompt that opened no block.
+
+    R1's official template opens none after a tool result; the model then writes no think
+    token, or it may write them itself. A parser that sees no think-end puts the whole
+    answer into ``reasoning`` (vLLM, SGLang's forced reasoning), so the fields cannot say
+    which: each layout the fields allow is rebuilt, and the usage count must single one out.
+    """
+    finished = response.finish_reason != "length"
+    split = bool(response.content or response.tool_calls)  # the parser found a think-end
+    ends = (True,) if split else (False, True) if closed else (False,)
+    layouts = [Layout(start, end, finished) for end in ends for start in (False, True)]
+    plans = [_assemble(response, profile, convention, prompt_text, layout, thinking=True, raw=not layout.think_end
+                       and not layout.think_start) for layout in layouts]
+    live = [plan for plan in plans if isinstance(plan, _Plan) and plan.output_text is not None]
+    if not live:
+        return plans[0]
+    completion = response.usage.completion_tokens
+    if completion is None:
+        return DeadLetter(
+            LOSS_UNVERIFIABLE,
+            f"under {profile.name} this prompt opens no think block, so which think tokens the model wrote is "
+            "pinned only by usage.completion_tokens, which the provider did not report",
+        )
+    expected = completion - convention.completion_offset
+    texts = [plan.output_text or "" for plan in live]
+    fitting = [plan for plan, ids in zip(live, profile.encode_batch(texts), strict=True) if len(ids) == expected]
+    if len(fitting) != 1:
+        return DeadLetter(
+            THINK_LAYOUT_AMBIGUOUS,
+            f"under {profile.name} this prompt opens no think block; {len(fitting)} of {len(live)} ways the model "
+            f"may have written its think tokens give usage.completion_tokens ({expected})",
+        )
+    return fitting[0]
+
+
+def _assemble(
+    response: ResponseReceived,
+    profile: ReconstructProfile,
+    convention: Convention,
+    prompt_text: str,
+    layout: Layout,
+    *,
+    thinking: bool,
+    raw: bool = False,
+) -> _Plan | DeadLetter:
+    """The output text of a response under one layout, with its slots.
+
+    ``raw``: no think token at all, the ``reasoning`` field is the model's plain answer text.
+    """
+    calls = response.tool_calls
     # The text's own evidence: a unit whose edge shows whitespace was not stripped.
     open_units = convention.open_strip_units(_shown_units(response, thinking, layout.think_end))
     reasoning_units = {"reasoning", "text"} if thinking else set()
@@ -350,11 +413,17 @@ def _reencode_plan(
 
     if layout.think_start and profile.think_start:
         out.add(profile.think_start)
-    if thinking:
+    if raw:
+        edge({"reasoning", "text"})
+        out.add(response.reasoning)
+        edge({"reasoning", "text"})
+    elif thinking:
         edge(reasoning_units)
         out.add(response.reasoning)
         if not layout.think_end:
             edge({"reasoning", "text"})
+            if layout.end_of_turn:  # a block the model opened and never closed
+                out.add(profile.end_of_turn)
             return _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
         edge({"reasoning"})
         think_end_at = out.length
@@ -613,7 +682,11 @@ def _prove(
         elif outcome.arbitrary_room:
             why = (f"{outcome.matches} candidate(s) reproduce the count, and it leaves room for text after the tool "
                    "block, which the parser drops")
-            verdicts[index] = _refusal(plan, ids, outcome.matches, why, TOOL_TEXT_LOST)
+            # With argument forms in play, a shorter form plus a dropped tail fits too: the
+            # re-serialisation is why the ids are not pinned; without a fitting form, text was lost.
+            args = outcome.matches and any(gap.where == _ARGS for gap in plan.gaps)
+            verdicts[index] = _refusal(plan, ids, outcome.matches, why,
+                                       TOOL_ARGUMENTS_RESERIALIZED if args else TOOL_TEXT_LOST)
         elif outcome.text is None:
             verdicts[index] = _refusal(plan, ids, outcome.matches, "")
         else:

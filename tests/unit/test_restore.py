@@ -161,7 +161,8 @@ def test_qwen3_reserialised_arguments_restored_when_exactly_one_form_fits() -> N
         assert len(truth) > len(compact)
         verdict = dead(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
                                             completion=len(truth)), qwen(), VLLM))
-        assert verdict.reason == "tool_call_text_lost"
+        assert verdict.reason == "tool_arguments_reserialized"
+        assert "1 candidate(s) reproduce the count" in verdict.message
         assert "text after the tool block" in verdict.message
 
 
@@ -179,7 +180,7 @@ def test_ascii_escaped_arguments_are_one_of_the_forms() -> None:
     assert len(escaped) > len(truth)  # longer than a form that fits with a dropped tail: refused
     assert dead(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("w", '{"city": "東京"}')],
                                      tools=TOOLS, completion=len(escaped)), deepseek(),
-                            CONVENTIONS["sglang"])).reason == "tool_call_text_lost"
+                            CONVENTIONS["sglang"])).reason == "tool_arguments_reserialized"
 
 
 def test_qwen3_arguments_no_form_fits_are_refused_with_the_count() -> None:
@@ -217,7 +218,7 @@ def test_arguments_not_in_json_dumps_form_were_not_reserialised() -> None:
                                           completion=len(r1_ids("plan\n</think>\n\n"
                                                                 + block.replace(":", ": ") + R1_EOS))),
                                  deepseek(), OPENROUTER))
-    assert canonical.reason == "tool_call_text_lost"  # the compact form plus a dropped tail fits as well
+    assert canonical.reason == "tool_arguments_reserialized"  # the compact form plus a dropped tail fits as well
 
 
 # -- step 4: the server's prompt normalisation ----------------------------------------------
@@ -256,3 +257,42 @@ def test_sglang_renders_every_tool_with_defer_loading_null() -> None:
     assert _prompt_ids_under("sglang", [described]) == truth
     # Providers whose rendering is the request as sent keep it so.
     assert _prompt_ids_under("sglang-legacy", [described]) == _official_qwen3_prompt_ids([described])
+
+
+# -- step 6: R1 after a tool result ------------------------------------------------------------
+
+
+def test_r1_after_a_tool_result_is_rebuilt_as_the_official_template_has_it() -> None:
+    """R1's official template opens no think block after a tool result; vLLM then returns the whole
+    answer as reasoning. The rebuilt ids have no think token, and the audit accepts them."""
+    from schemas import Message, ToolCall, ToolFunction
+    from services.audit.core import audit_batch
+    from services.common.config import AuditThresholds
+    from tests.conformance import truth
+
+    call = ToolCall(function=ToolFunction(name="calc", arguments='{"expr": "6*7"}'), id="c1")
+    messages = [Message(role="user", content="What is 6*7?"), Message(role="assistant", content="", tool_calls=[call]),
+                Message(role="tool", content="42", tool_call_id="c1")]
+    wire = [{"role": "user", "content": "What is 6*7?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "6*7"}'}}]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    official = truth.render_template(truth.template_source("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"), wire,
+                                     add_generation_prompt=True, bos_token="<｜begin▁of▁sentence｜>",
+                                     eos_token=R1_EOS)
+    assert "<think>" not in official[-40:]
+    answer = "The tool says 6*7 = 42.\n\nSo the answer is **42**."
+    truth_ids = r1_ids(answer + R1_EOS)
+    got = ok(reconstruct(response(messages=messages, reasoning=answer, content="", completion=len(truth_ids)),
+                         deepseek(), VLLM))
+    assert got.output_ids == truth_ids
+    assert got.prompt_ids == r1_ids(official)
+    (verdict,) = audit_batch([got], deepseek(), AuditThresholds())
+    assert verdict.passed, verdict.reasons
+    # The model may also have opened and closed a block itself: the count tells.
+    thought = r1_ids("<think>\nhm\n</think>\n\n" + answer + R1_EOS)
+    both = ok(reconstruct(response(messages=messages, reasoning="\nhm\n", content="\n\n" + answer,
+                                   completion=len(thought)), deepseek(), VLLM))
+    assert both.output_ids == thought
+    assert dead(reconstruct(response(messages=messages, reasoning=answer, content=""), deepseek(),
+                            VLLM)).reason == "lossy_text_unverifiable"
