@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 from schemas import Usage
 from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import reconstruct
 from services.reconstruct.restore import WHITESPACE, WHITESPACE_CANDIDATES, Slot, restore
 from tests.unit.test_profiles import deepseek, qwen
-from tests.unit.test_reconstruct import QUESTION, R1_EOS, TOOLS, dead, ok, qwen_ids, r1_ids, response, tc
+from tests.unit.test_reconstruct import R1_EOS, TOOLS, dead, ok, qwen_ids, r1_ids, response, tc
 
 OPENROUTER = CONVENTIONS["openrouter"]
 LEGACY = CONVENTIONS["sglang-legacy"]
@@ -166,21 +167,25 @@ def test_qwen3_reserialised_arguments_restored_when_exactly_one_form_fits() -> N
         assert "text after the tool block" in verdict.message
 
 
+def _r1_tool_answer(written: str, returned: str, convention_name: str) -> tuple[list[int], Any]:
+    """R1's true ids when it wrote ``written`` as arguments, and our verdict on ``returned`` with that count."""
+    block = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n" + written
+             + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    truth = r1_ids("plan\n</think>\n\n" + block + R1_EOS)
+    verdict = reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("calc", returned)],
+                                   tools=TOOLS, completion=len(truth)), deepseek(), CONVENTIONS[convention_name])
+    return truth, verdict
+
+
 def test_ascii_escaped_arguments_are_one_of_the_forms() -> None:
     """SGLang's DeepSeekV3Detector gives json.dumps(..., ensure_ascii=False): "\\u6771" written comes back "東"."""
-    args = '{"city": "\\u6771\\u4eac"}'
-    assert json.loads(args) == {"city": "東京"}
-    block = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>w\n```json\n{"city":"東京"}\n```'
-             "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-    truth = r1_ids("plan\n</think>\n\n" + block + R1_EOS)
-    got = ok(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("w", '{"city": "東京"}')],
-                                  tools=TOOLS, completion=len(truth)), deepseek(), CONVENTIONS["sglang"]))
-    assert got.output_ids == truth
-    escaped = r1_ids("plan\n</think>\n\n" + block.replace('{"city":"東京"}', args) + R1_EOS)
-    assert len(escaped) > len(truth)  # longer than a form that fits with a dropped tail: refused
-    assert dead(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("w", '{"city": "東京"}')],
-                                     tools=TOOLS, completion=len(escaped)), deepseek(),
-                            CONVENTIONS["sglang"])).reason == "tool_arguments_reserialized"
+    escaped = '{"city": "\\u6771\\u4eac"}'
+    assert json.loads(escaped) == {"city": "東京"}
+    truth, verdict = _r1_tool_answer('{"city":"東京"}', '{"city": "東京"}', "sglang")
+    assert ok(verdict).output_ids == truth
+    longer, refused = _r1_tool_answer(escaped, '{"city": "東京"}', "sglang")
+    assert len(longer) > len(truth)  # longer than a form that fits with a dropped tail: refused
+    assert dead(refused).reason == "tool_arguments_reserialized"
 
 
 def test_qwen3_arguments_no_form_fits_are_refused_with_the_count() -> None:
@@ -196,29 +201,16 @@ def test_qwen3_arguments_no_form_fits_are_refused_with_the_count() -> None:
 
 def test_r1_reserialised_arguments_under_sglang() -> None:
     """SGLang's DeepSeekV3Detector re-serialises R1's fenced arguments: compact forms come back canonical."""
-    block = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n{"expr":"6*7"}\n```'
-             "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-    truth = r1_ids("plan\n</think>\n\n" + block + R1_EOS)
-    got = ok(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("calc", '{"expr": "6*7"}')],
-                                  tools=TOOLS, completion=len(truth)), deepseek(), CONVENTIONS["sglang"]))
-    assert got.output_ids == truth
-    assert QUESTION  # the prompt the responses answer
+    truth, verdict = _r1_tool_answer('{"expr":"6*7"}', '{"expr": "6*7"}', "sglang")
+    assert ok(verdict).output_ids == truth
 
 
 def test_arguments_not_in_json_dumps_form_were_not_reserialised() -> None:
     """OpenRouter may re-serialise; '{"expr":"6*7"}' is not json.dumps' own form, so it is the model's text."""
-    block = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n{"expr":"6*7"}\n```'
-             "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-    truth = r1_ids("plan\n</think>\n\n" + block + R1_EOS)
-    got = ok(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("calc", '{"expr":"6*7"}')],
-                                  tools=TOOLS, completion=len(truth)), deepseek(), OPENROUTER))
-    assert got.output_ids == truth
-    canonical = dead(reconstruct(response(reasoning="plan\n", content="\n\n", tools=TOOLS,
-                                          tool_calls=[tc("calc", '{"expr": "6*7"}')],
-                                          completion=len(r1_ids("plan\n</think>\n\n"
-                                                                + block.replace(":", ": ") + R1_EOS))),
-                                 deepseek(), OPENROUTER))
-    assert canonical.reason == "tool_arguments_reserialized"  # the compact form plus a dropped tail fits as well
+    truth, verdict = _r1_tool_answer('{"expr":"6*7"}', '{"expr":"6*7"}', "openrouter")
+    assert ok(verdict).output_ids == truth
+    _, canonical = _r1_tool_answer('{"expr": "6*7"}', '{"expr": "6*7"}', "openrouter")
+    assert dead(canonical).reason == "tool_arguments_reserialized"  # the compact form plus a dropped tail fits too
 
 
 # -- step 4: the server's prompt normalisation ----------------------------------------------
