@@ -691,8 +691,11 @@ def _prove(
             verdicts[index] = _refusal(plan, ids, outcome.matches, "")
         else:
             (restored,) = profile.encode_batch([outcome.text])
-            if restored != ids:
-                plan.output_text = outcome.text
+            if len(restored) != plan.expected_count:  # the pieces did not add up for this candidate
+                why = "the restored text does not encode to the counted length"
+                verdicts[index] = _refusal(plan, ids, 1, why, WHITESPACE_AMBIGUOUS)
+                continue
+            plan.output_text = outcome.text
             verdicts[index] = restored
     return verdicts
 

@@ -94,6 +94,47 @@ def _pieces(text: str, specials: Sequence[str]) -> list[tuple[int, int]]:
     return spans
 
 
+WINDOW = 256  # characters of context each side of a slot in a long piece of text
+
+
+Unit = tuple[int, int, list[Slot]]
+
+
+def _units(text: str, slots: Sequence[Slot], specials: Sequence[str]) -> tuple[list[Unit], list[str]]:
+    """The spans searched (each with its slots) and the rest of the text, cut so that ids add up.
+
+    A piece between control tokens is one span, unless it is long: then each cluster of
+    slots gets a window of ``WINDOW`` characters each side (a change at a slot moves the
+    tokenizer's pre-token boundaries only near it), so a long reasoning is not re-encoded
+    per candidate and far-apart slots are searched apart. The caller checks that the base
+    text's ids add up over these cuts; the restored text is encoded whole at the end.
+    """
+    units: list[Unit] = []
+    fillers: list[str] = []
+    for start, end in _pieces(text, specials):
+        members = sorted((s for s in slots if start <= s.start and s.end <= end), key=lambda s: s.start)
+        if not members:
+            fillers.append(text[start:end])
+            continue
+        if end - start <= 4 * WINDOW:
+            units.append((start, end, members))
+            continue
+        windows: list[Unit] = []
+        for slot in members:
+            low, high = max(start, slot.start - WINDOW), min(end, slot.end + WINDOW)
+            if windows and low <= windows[-1][1]:
+                windows[-1] = (windows[-1][0], max(high, windows[-1][1]), [*windows[-1][2], slot])
+            else:
+                windows.append((low, high, [slot]))
+        cut = start
+        for low, high, inside in windows:
+            fillers.append(text[cut:low])
+            units.append((low, high, inside))
+            cut = high
+        fillers.append(text[cut:end])
+    return units, [f for f in fillers if f]
+
+
 def _product(lists: Sequence[Sequence[str]]) -> int:
     size = 1
     for items in lists:
@@ -129,19 +170,17 @@ def restore(
         reasoning_end: offset of the think-end in ``text``; with ``reasoning_target``, the
             number of ids before it must be that too.
     """
-    spans = _pieces(text, specials)
-    by_piece: dict[int, list[Slot]] = {}
-    for slot in slots:
-        index = next(i for i, (s, e) in enumerate(spans) if s <= slot.start and slot.end <= e)
-        by_piece.setdefault(index, []).append(slot)
-    order = sorted(by_piece)
-    bases = [text[spans[i][0] : spans[i][1]] for i in order]
-    all_bases = encode_batch([text[s:e] for s, e in spans])
-    controls = len(spans) - 1
-    if sum(map(len, all_bases)) + controls != base_count:
+    units, fillers = _units(text, slots, specials)
+    spans = [(a, b) for a, b, _ in units]
+    by_piece = {i: members for i, (_, _, members) in enumerate(units)}
+    order = list(range(len(units)))
+    bases = [text[a:b] for a, b in spans]
+    encoded = encode_batch(bases + fillers)
+    controls = sum(1 for _ in _pieces(text, specials)) - 1
+    if sum(map(len, encoded)) + controls != base_count:
         return Outcome(0, None, 0, not_additive=True)
-    base_len = {i: len(all_bases[i]) for i in order}
-    searched = len(spans)
+    base_len = {i: len(encoded[i]) for i in order}
+    searched = len(encoded)
     # Phase 1: each slot alone.
     singles: dict[Slot, list[int]] = {}
     texts: list[str] = []

@@ -96,6 +96,17 @@ def test_the_count_pins_the_only_candidate() -> None:
     assert "candidate(s)" in more.message
 
 
+def test_a_long_reasoning_is_searched_in_windows_around_its_edges() -> None:
+    """A reasoning of thousands of characters: each edge is searched in a window, the result is the same."""
+    reasoning = "2+2=4, " * 600 + "so 4\n"
+    truth = r1_ids(reasoning + "</think>42 apples" + R1_EOS)
+    got = ok(reconstruct(response(reasoning=reasoning, content="42 apples", completion=len(truth)), deepseek(), LEGACY))
+    assert got.output_ids == truth
+    more = dead(reconstruct(response(reasoning=reasoning, content="42 apples", completion=len(truth) + 1),
+                            deepseek(), LEGACY))
+    assert more.reason == "whitespace_stripped"
+
+
 def test_the_reasoning_count_is_used_only_where_its_convention_is_established() -> None:
     truth = r1_ids("2+2=4\n</think>42 apples" + R1_EOS)
     before_think_end = truth.index(128799)
