@@ -105,7 +105,9 @@ CONVENTIONS: dict[str, Convention] = {
     "openrouter": Convention(
         name="openrouter",
         strips_whitespace=True,
-        reserialized_tool_formats=frozenset({"qwen", "deepseek-r1", "deepseek-v3.1", "kimi", "dsml"}),
+        # Formats some engine re-serialises (vLLM hermes; SGLang's Qwen/DeepSeek detectors): both
+        # engines keep Kimi's arguments raw (PARSERS.md), so no upstream is known to rewrite them.
+        reserialized_tool_formats=frozenset({"qwen", "deepseek-r1", "deepseek-v3.1", "dsml"}),
         trimmed_argument_formats=frozenset({"kimi"}),
         source="OpenRouter does not document whether its upstreams trim whitespace or re-serialise "
         "arguments (OPENROUTER.md): assume they may (as SGLang before 2026 did, or field by field) "

@@ -241,12 +241,12 @@ def _column(server: str) -> tuple[int, int, int, int]:
             sum(c.accepted_lossless for c in cells))
 
 
-# Measured 2026-12-01: 98 / 157 (62 %). Issue 22 asks for 95 %, which per-sample evidence cannot give: a model
+# Measured 2026-12-01: 104 / 157 (66 %). Issue 22 asks for 95 %, which per-sample evidence cannot give: a model
 # that writes no whitespace at a field's edge (V3.1 and Kimi around </think>, the Gemma-like user profile)
 # leaves a strip there possible, and " Word"/"Word" or "."/".\n" are one token each; and a re-serialised
 # argument text longer than another form fits the count as well as that form plus a dropped tail. A floor
 # that ratchets what is reached; the gap is in docs/fidelity.md.
-NOLP_LOSSLESS_FLOOR = 0.60
+NOLP_LOSSLESS_FLOOR = 0.65
 
 
 def test_openrouter_without_logprobs_over_a_lossless_upstream() -> None:
