@@ -220,6 +220,12 @@ def _layout(p: Prepared, profile: AuditProfile) -> tuple[bool, bool]:
         return False, True
     if state == "closed" or not profile.thinks():
         return False, False
+    if getattr(profile, "think_location", None) == "prompt":
+        # A prompt that should open the block opened none (R1 after a tool result): which think
+        # tokens the model wrote was decided by the usage count in reconstruction; check those.
+        ids = p.sample.output_ids
+        opened = bool(ids) and ids[0] == profile.think_start_id
+        return opened, opened or profile.think_end_id in ids
     opened = bool(p.sample.response.reasoning) or profile.think_end_id in p.sample.output_ids
     return opened, opened
 

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONVENTIONS", "Convention", "convention_for"]
+__all__ = ["CONVENTIONS", "STRIP_UNITS", "Convention", "convention_for"]
+
+# What a stripping server can ``.strip()``: the whole decoded output its reasoning parser
+# sees (think-start removed: its start is the reasoning's start, its end the content's
+# end), the reasoning field, the content field. A ``.strip()`` takes both ends of its span
+# at once, so one end showing whitespace proves the span was not stripped.
+STRIP_UNITS = ("text", "reasoning", "content")
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,40 @@ class Convention:
     # usage.prompt_tokens - len(prompt ids).
     prompt_offset: int = 0
     source: str = ""
+    # The ways this provider strips (each a set of STRIP_UNITS .strip()ped together); empty
+    # with strips_whitespace: every unit on its own. A way is ruled out for a sample when one
+    # of its units shows whitespace at an end (see open_strip_units).
+    strip_patterns: tuple[frozenset[str], ...] = ()
+    # What usage.reasoning_tokens counts, where that is established: "before_think_end" = the
+    # output ids before the think-end (a think-start the model wrote included). None: not
+    # established, the count is not used (OpenRouter's completion_tokens_details and SGLang's
+    # usage.reasoning_tokens are reported, but what they count is unverified: OPENROUTER.md).
+    reasoning_count: str | None = None
+    # Tool fields the server's request model fills with null before the template renders the
+    # tools (PARSERS.md "Corrections": vLLM `description`, SGLang 0.5.23 `defer_loading`).
+    tool_null_fields: tuple[str, ...] = ()
 
+    def open_strip_units(self, shown: frozenset[str]) -> frozenset[str]:
+        """The units that may have been stripped, given those whose ends show whitespace (kept)."""
+        if not self.strips_whitespace:
+            return frozenset()
+        patterns = self.strip_patterns or tuple(frozenset({unit}) for unit in STRIP_UNITS)
+        return frozenset().union(*(p for p in patterns if p.isdisjoint(shown)))
+
+
+# SGLang before PR #24251: .strip() of the whole text and of the content (non-streaming),
+# plus .rstrip() of the reasoning when streaming.
+_SGLANG_LEGACY_STRIPS = (frozenset({"text", "content"}), frozenset({"text", "content", "reasoning"}))
+
+# An unknown upstream: SGLang's old ways, or any field on its own or both (SGLang 2026 still
+# strips the content before a tool block). No known engine strips the raw text and leaves
+# the content alone, so a content that shows its whitespace rules out the whole-text strip.
+_OPENROUTER_STRIPS = (
+    *_SGLANG_LEGACY_STRIPS,
+    frozenset({"reasoning", "content"}),
+    frozenset({"reasoning"}),
+    frozenset({"content"}),
+)
 
 CONVENTIONS: dict[str, Convention] = {
     "vllm": Convention(
@@ -41,8 +80,10 @@ CONVENTIONS: dict[str, Convention] = {
         reserialized_tool_formats=frozenset({"qwen", "dsml"}),
         trimmed_argument_formats=frozenset({"kimi"}),
         source="vLLM reasoning parsers partition at </think> with no strip; hermes re-serialises "
-        "arguments with json.dumps; kimi_k2's regex consumes \\s* around arguments (PARSERS.md); "
+        "arguments with json.dumps; kimi_k2's regex consumes \\s* around arguments; its request "
+        "model renders a missing tool description as null (PARSERS.md); "
         "deepseek_v4 (0.33.0, run) returns JSON built from the DSML parameters",
+        tool_null_fields=("description",),
     ),
     "sglang": Convention(
         name="sglang",
@@ -50,23 +91,30 @@ CONVENTIONS: dict[str, Convention] = {
         reserialized_tool_formats=frozenset({"qwen", "deepseek-r1", "deepseek-v3.1", "dsml"}),
         trimmed_argument_formats=frozenset(),
         source="SGLang after PR #24251 keeps whitespace; its DeepSeek/Qwen tool detectors re-serialise "
-        "arguments (PARSERS.md)",
+        "arguments; 0.5.23 renders every tool with defer_loading null (PARSERS.md)",
+        tool_null_fields=("defer_loading",),
     ),
     "sglang-legacy": Convention(
         name="sglang-legacy",
         strips_whitespace=True,
         reserialized_tool_formats=frozenset({"qwen", "deepseek-r1", "deepseek-v3.1", "dsml"}),
         trimmed_argument_formats=frozenset(),
-        source="SGLang before 2026 .strip()ped reasoning and content (PARSERS.md)",
+        source="SGLang before 2026 .strip()ped the whole text and the content; streaming also "
+        ".rstrip()ped the reasoning (PARSERS.md)",
+        strip_patterns=_SGLANG_LEGACY_STRIPS,
     ),
     "openrouter": Convention(
         name="openrouter",
         strips_whitespace=True,
-        reserialized_tool_formats=frozenset({"qwen", "deepseek-r1", "deepseek-v3.1", "kimi", "dsml"}),
+        # Formats some engine re-serialises (vLLM hermes; SGLang's Qwen/DeepSeek detectors): both
+        # engines keep Kimi's arguments raw (PARSERS.md), so no upstream is known to rewrite them.
+        reserialized_tool_formats=frozenset({"qwen", "deepseek-r1", "deepseek-v3.1", "dsml"}),
         trimmed_argument_formats=frozenset({"kimi"}),
         source="OpenRouter does not document whether its upstreams trim whitespace or re-serialise "
-        "arguments (OPENROUTER.md): assume they may; request logprobs for exact ids, or set "
-        "provider.convention to the upstream's engine when it is known",
+        "arguments (OPENROUTER.md): assume they may (as SGLang before 2026 did, or field by field) "
+        "and let each answer's own whitespace and its usage count decide; logprobs, where an "
+        "upstream returns them, give exact ids",
+        strip_patterns=_OPENROUTER_STRIPS,
     ),
 }
 

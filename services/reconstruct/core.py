@@ -37,13 +37,13 @@ from schemas import (
 from services.common.records import DeadLetter
 from services.profiles import GAP_ARGUMENTS, ProfileError, PromptState
 from services.profiles.conventions import Convention
+from services.reconstruct.restore import ARBITRARY, CHOICE, WHITESPACE, Slot, restore
 
 __all__ = [
     "EMPTY_RESPONSE",
     "ID_OUT_OF_VOCAB",
     "INVALID_TOOL_ARGUMENTS",
     "LOGPROBS_UNMAPPABLE",
-    "PROBES",
     "SPECIAL_TOKEN_IN_TEXT",
     "LineResult",
     "ReconstructProfile",
@@ -51,6 +51,7 @@ __all__ = [
     "reconstruct",
     "reconstruct_batch",
     "reconstruct_lines",
+    "server_tools",
 ]
 
 EMPTY_RESPONSE = "empty_response"
@@ -67,14 +68,13 @@ TOOL_TEXT_LOST = "tool_call_text_lost"
 LOSS_UNVERIFIABLE = "lossy_text_unverifiable"
 TRUNCATED_TAIL_LOST = "truncated_tail_lost"
 TRUNCATED_TAIL_AMBIGUOUS = "truncated_tail_ambiguous"
+THINK_LAYOUT_AMBIGUOUS = "think_layout_ambiguous"
 
-# Whitespace that a lossy provider could have removed at a gap. If inserting any of them
-# leaves the token count unchanged, the count cannot prove the gap empty.
-PROBES: tuple[str, ...] = (" ", "\n", "\n\n", "\t", "  ", " \n", "\n\n\n", "\r\n")
-
-# Gap kinds (where a provider can lose text): strip of reasoning/content, tool blocks.
+# Where a provider can lose text (for messages): stripped field edges, around tool blocks,
+# re-serialised tool arguments.
 _STRIP = "strip"
 _TOOL = "tool"
+_ARGS = "arguments"
 
 
 class ReconstructProfile(Protocol):
@@ -177,9 +177,11 @@ class _Plan:
     output_ids: list[int] | None
     method: str
     layout: Layout | None = None
-    # (char offset, kind) of every place the provider may have dropped text.
-    gaps: list[tuple[int, str]] = field(default_factory=list)
+    # Every place the provider may have dropped or rewritten text (see restore.Slot).
+    gaps: list[Slot] = field(default_factory=list)
     expected_count: int | None = None
+    expected_reasoning: int | None = None  # ids before the think-end, where that count is established
+    think_end_at: int | None = None  # offset of the think-end in output_text
 
 
 _TOKEN_ID_FORM = re.compile(r"^token_id:(\d+)$")
@@ -259,23 +261,60 @@ def _check_tool_calls(calls: Sequence[ToolCall]) -> DeadLetter | None:
 
 
 class _Text:
-    """The output text being assembled, with the offsets of its gaps."""
+    """The output text being assembled, with its slots (places the provider may have lost text)."""
 
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.length = 0
-        self.gaps: list[tuple[int, str]] = []
+        self.gaps: list[Slot] = []
 
     def add(self, text: str) -> None:
         self.parts.append(text)
         self.length += len(text)
 
-    def gap(self, kind: str) -> None:
-        if not self.gaps or self.gaps[-1][0] != self.length:
-            self.gaps.append((self.length, kind))
+    def gap(self, where: str, kind: str = WHITESPACE) -> None:
+        last = self.gaps[-1] if self.gaps else None
+        if last is not None and last.kind != CHOICE and last.start == self.length:
+            if kind == ARBITRARY:  # the wider loss wins where two meet
+                self.gaps[-1] = Slot(self.length, self.length, kind, where=where)
+            return
+        self.gaps.append(Slot(self.length, self.length, kind, where=where))
+
+    def choice(self, text: str, alternatives: tuple[str, ...]) -> None:
+        self.gaps.append(Slot(self.length, self.length + len(text), CHOICE, alternatives, where=_ARGS))
+        self.add(text)
 
     def text(self) -> str:
         return "".join(self.parts)
+
+
+def _edges(text: str) -> tuple[bool, bool]:
+    """Whether ``text`` begins / ends with whitespace (what ``str.strip()`` would remove)."""
+    return bool(text) and text[0].isspace(), bool(text) and text[-1].isspace()
+
+
+def _shown_units(response: ResponseReceived, thinking: bool, think_end: bool) -> frozenset[str]:
+    """The strip units whose own edges show whitespace: those were not ``.strip()``ped.
+
+    ``text`` is the decoded output a reasoning parser sees: it starts where the reasoning
+    starts (the content, without a think block) and ends where the content ends (the
+    reasoning, cut inside it; past the tool block with tool calls, which the tool gap covers).
+    """
+    r_start, r_end = _edges(response.reasoning) if thinking else (False, False)
+    c_start, c_end = _edges(response.content)
+    text_start = r_start if thinking and response.reasoning else c_start
+    if thinking and not think_end:
+        text_end = r_end
+    else:
+        text_end = c_end and not response.tool_calls
+    shown = set()
+    if r_start or r_end:
+        shown.add("reasoning")
+    if c_start or c_end:
+        shown.add("content")
+    if text_start or text_end:
+        shown.add("text")
+    return frozenset(shown)
 
 
 def _reencode_plan(
@@ -286,18 +325,13 @@ def _reencode_plan(
     bad = _check_tool_calls(response.tool_calls) or _check_text(response, profile)
     if bad is not None:
         return bad
-    calls = response.tool_calls
-    if calls and profile.tool_format in convention.reserialized_tool_formats:
-        return DeadLetter(
-            TOOL_ARGUMENTS_RESERIALIZED,
-            f"{convention.name} re-serialises {profile.tool_format} tool arguments: the model's exact JSON text "
-            "is gone (request logprobs or native ids for exact ids)",
-        )
     truncated = response.finish_reason == "length"
     # A truncated answer with nothing after the reasoning stopped inside the think block.
-    closed = not truncated or bool(response.content or calls)
-    layout = output_layout(profile, prompt_text, reasoning=response.reasoning, closed=closed, finished=not truncated)
+    closed = not truncated or bool(response.content or response.tool_calls)
     state = profile.prompt_state(prompt_text)
+    if response.reasoning and state == "none" and profile.thinks() and _think_start_in_prompt(profile):
+        return _unopened_block_plan(response, profile, convention, prompt_text, closed=closed)
+    layout = output_layout(profile, prompt_text, reasoning=response.reasoning, closed=closed, finished=not truncated)
     thinking = layout.think_start or layout.think_end or state == "open"
     if response.reasoning and not thinking:
         return DeadLetter(
@@ -305,38 +339,193 @@ def _reencode_plan(
             f"the response carries reasoning but under {profile.name} this prompt leaves no think block "
             f"open for the model (prompt state {state!r})",
         )
+    return _assemble(response, profile, convention, prompt_text, layout, thinking=thinking)
+
+
+def _think_start_in_prompt(profile: ReconstructProfile) -> bool:
+    """Whether the profile's think-start lives in the generation prompt (R1, Qwen3-2507, V3.1)."""
+    return getattr(profile, "think_location", None) == "prompt"
+
+
+def _unopened_block_plan(
+    response: ResponseReceived, profile: ReconstructProfile, convention: Convention, prompt_text: str, *, closed: bool
+) -> _Plan | DeadLetter:
+    """A model whose think-start lives in the prompt, under a prompt that opened no block.
+
+    R1's official template opens none after a tool result; the model then writes no think
+    token, or it may write them itself. A parser that sees no think-end puts the whole
+    answer into ``reasoning`` (vLLM, SGLang's forced reasoning), so the fields cannot say
+    which: each layout the fields allow is rebuilt, and the usage count must single one out.
+    """
+    finished = response.finish_reason != "length"
+    split = bool(response.content or response.tool_calls)  # the parser found a think-end
+    ends = (True,) if split else (False, True) if closed else (False,)
+    layouts = [Layout(start, end, finished) for end in ends for start in (False, True)]
+    plans = [_assemble(response, profile, convention, prompt_text, layout, thinking=True, raw=not layout.think_end
+                       and not layout.think_start) for layout in layouts]
+    live = [plan for plan in plans if isinstance(plan, _Plan) and plan.output_text is not None]
+    if not live:
+        return plans[0]
+    completion = response.usage.completion_tokens
+    if completion is None:
+        return DeadLetter(
+            LOSS_UNVERIFIABLE,
+            f"under {profile.name} this prompt opens no think block, so which think tokens the model wrote is "
+            "pinned only by usage.completion_tokens, which the provider did not report",
+        )
+    expected = completion - convention.completion_offset
+    texts = [plan.output_text or "" for plan in live]
+    fitting = [plan for plan, ids in zip(live, profile.encode_batch(texts), strict=True) if len(ids) == expected]
+    if len(fitting) != 1:
+        return DeadLetter(
+            THINK_LAYOUT_AMBIGUOUS,
+            f"under {profile.name} this prompt opens no think block; {len(fitting)} of {len(live)} ways the model "
+            f"may have written its think tokens give usage.completion_tokens ({expected})",
+        )
+    return fitting[0]
+
+
+def _assemble(
+    response: ResponseReceived,
+    profile: ReconstructProfile,
+    convention: Convention,
+    prompt_text: str,
+    layout: Layout,
+    *,
+    thinking: bool,
+    raw: bool = False,
+) -> _Plan | DeadLetter:
+    """The output text of a response under one layout, with its slots.
+
+    ``raw``: no think token at all, the ``reasoning`` field is the model's plain answer text.
+    """
+    calls = response.tool_calls
+    # The text's own evidence: a unit whose edge shows whitespace was not stripped.
+    open_units = convention.open_strip_units(_shown_units(response, thinking, layout.think_end))
+    reasoning_units = {"reasoning", "text"} if thinking else set()
+    content_units = {"content"} if thinking else {"content", "text"}
     out = _Text()
-    strip = convention.strips_whitespace
+    think_end_at: int | None = None
+
+    def edge(units: set[str]) -> None:
+        if not open_units.isdisjoint(units):
+            out.gap(_STRIP)
+
     if layout.think_start and profile.think_start:
         out.add(profile.think_start)
-    if thinking:
-        if strip:
-            out.gap(_STRIP)
+    if raw:
+        edge({"reasoning", "text"})
         out.add(response.reasoning)
-        if strip:
-            out.gap(_STRIP)
+        edge({"reasoning", "text"})
+    elif thinking:
+        edge(reasoning_units)
+        out.add(response.reasoning)
         if not layout.think_end:
+            edge({"reasoning", "text"})
+            if layout.end_of_turn:  # a block the model opened and never closed
+                out.add(profile.end_of_turn)
             return _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
+        edge({"reasoning"})
+        think_end_at = out.length
         out.add(profile.think_end or "")
-    if strip:
-        out.gap(_STRIP)
+    edge(content_units)
     out.add(response.content)
-    if strip:
-        out.gap(_STRIP)
+    edge(content_units if not calls else {"content"})
     if calls:
         try:
             pieces = profile.tool_call_pieces(calls)
         except ProfileError as exc:  # e.g. structured tool calls for a profile without a format
             return DeadLetter(exc.reason, exc.message)
+        reserialized = profile.tool_format in convention.reserialized_tool_formats
+        # Each call's re-serialised part, in call order, becomes a choice slot.
+        choices = iter(_argument_choices(profile.tool_format, calls) if reserialized else [])
+        wanted = next(choices, None)
         for piece in pieces:
-            if isinstance(piece, str):
-                out.add(piece)
-            elif piece[0] != GAP_ARGUMENTS or profile.tool_format in convention.trimmed_argument_formats:
-                out.gap(_TOOL)
-        out.gap(_TOOL)  # tool parsers drop whatever followed the block
+            if not isinstance(piece, str):
+                if piece[0] != GAP_ARGUMENTS or profile.tool_format in convention.trimmed_argument_formats:
+                    out.gap(_TOOL)
+                continue
+            while wanted is not None and wanted[0] in piece:
+                at = piece.index(wanted[0]) + (0 if wanted[1] else len(wanted[0]))
+                out.add(piece[:at])
+                if wanted[1]:
+                    out.choice(*wanted)
+                    at += len(wanted[0])
+                piece = piece[at:]
+                wanted = next(choices, None)
+            out.add(piece)
+        out.gap(_TOOL, ARBITRARY)  # tool parsers drop whatever followed the block
     if layout.end_of_turn:
         out.add(profile.end_of_turn)
-    return _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
+    plan = _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
+    plan.think_end_at = think_end_at
+    return plan
+
+
+def _json_forms(value: object) -> list[str]:
+    """The canonical serialisations a model may have written for a parsed JSON value."""
+    return [
+        json.dumps(value, ensure_ascii=ascii_only, separators=separators)
+        for separators in ((", ", ": "), (",", ":"))
+        for ascii_only in (False, True)
+    ]
+
+
+def _argument_choices(tool_format: str, calls: Sequence[ToolCall]) -> list[tuple[str, tuple[str, ...]]]:
+    """Per call: the text our native rendering holds and every text the model may have written there.
+
+    A re-serialising parser kept only the parsed value. Qwen3's hermes parsers parse the
+    whole ``{"name": ..., "arguments": ...}`` object, so its separators are candidates too;
+    the DeepSeek detectors parse the arguments alone. No alternatives (``()``): the text is
+    the model's own.
+    """
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for call in calls:
+        raw, name = call.function.arguments, call.function.name
+        current = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {raw}}}' if tool_format == "qwen" \
+            else raw
+        args = json.loads(raw)
+        # The text's own evidence: a re-serialising parser returns exactly json.dumps(value,
+        # ensure_ascii=False) (vLLM hermes, SGLang's detectors: PARSERS.md); arguments in any
+        # other form are the model's own text.
+        if raw != json.dumps(args, ensure_ascii=False):
+            out.append((current, ()))
+            continue
+        forms = list(dict.fromkeys([raw, *_json_forms(args)]))
+        if tool_format != "qwen":
+            out.append((current, tuple(forms)))
+            continue
+        bodies = [current]
+        for item, key in ((", ", ": "), (",", ":")):
+            for name_text in dict.fromkeys(json.dumps(name, ensure_ascii=a) for a in (False, True)):
+                bodies += [f'{{"name"{key}{name_text}{item}"arguments"{key}{form}}}' for form in forms]
+        out.append((current, tuple(dict.fromkeys(bodies))))
+    return out
+
+
+# vLLM's FunctionDefinition field order: its request model dumps a function's keys in this order.
+_FUNCTION_ORDER = ("name", "description", "parameters")
+
+
+def server_tools(tools: Sequence[dict[str, object]], null_fields: Sequence[str]) -> list[dict[str, object]]:
+    """The tools as the server's request model hands them to the template: absent fields rendered null.
+
+    ``description`` (vLLM): a function without one gets ``"description": null``, its keys in
+    the request model's order (name, description, parameters, then the rest).
+    ``defer_loading`` (SGLang 0.5.23): every tool gets ``"defer_loading": null`` after its
+    own keys. Facts of PARSERS.md "Corrections"; the key placement is the models' field order.
+    """
+    out: list[dict[str, object]] = []
+    for tool in tools:
+        served = dict(tool)
+        function = served.get("function")
+        if "description" in null_fields and isinstance(function, dict):
+            named = {key: function.get(key) for key in _FUNCTION_ORDER if key in function or key == "description"}
+            served["function"] = {**named, **{k: v for k, v in function.items() if k not in named}}
+        if "defer_loading" in null_fields:
+            served.setdefault("defer_loading", None)
+        out.append(served)
+    return out
 
 
 def _plan(response: ResponseReceived, profile: ReconstructProfile, convention: Convention) -> _Plan | DeadLetter:
@@ -349,6 +538,8 @@ def _plan(response: ResponseReceived, profile: ReconstructProfile, convention: C
     # when the request carried them as `tools`; otherwise they are in the message text or
     # the model never saw them.
     tools = response.prompt.tools if response.tools_sent else None
+    if tools and convention.tool_null_fields:
+        tools = server_tools(tools, convention.tool_null_fields)
     try:
         prompt_text = profile.render_prompt(response.prompt.messages, tools)
     except Exception as exc:  # a template error is this record's fault, not the stage's
@@ -369,6 +560,9 @@ def _plan(response: ResponseReceived, profile: ReconstructProfile, convention: C
     plan = _reencode_plan(response, profile, convention, prompt_text)
     if isinstance(plan, _Plan) and plan.gaps and response.usage.completion_tokens is not None:
         plan.expected_count = response.usage.completion_tokens - convention.completion_offset
+        # Only a reasoning count whose convention is established (none is, built in: conventions.py).
+        if convention.reasoning_count == "before_think_end" and response.usage.reasoning_tokens is not None:
+            plan.expected_reasoning = response.usage.reasoning_tokens
     return plan
 
 
@@ -432,44 +626,81 @@ def _check_truncated_tail(plan: _Plan, ids: list[int], profile: ReconstructProfi
     return None
 
 
-def _with_probe(text: str, offset: int, probe: str) -> str:
-    return text[:offset] + probe + text[offset:]
+def _refusal(plan: _Plan, ids: list[int], matches: int, why: str = "", code: str | None = None) -> DeadLetter:
+    """The dead letter of a lossy output the counts cannot pin to exactly one candidate."""
+    kinds = {gap.where for gap in plan.gaps}
+    args = _ARGS in kinds
+    lost = "whitespace" if kinds == {_STRIP} else "text around structured tool calls"
+    if args:
+        lost += " and the model's exact tool-argument JSON (re-serialised)" if kinds - {_ARGS} else ""
+        lost = lost if kinds - {_ARGS} else "the model's exact tool-argument JSON (re-serialised)"
+    if code is None:
+        if args:
+            code = TOOL_ARGUMENTS_RESERIALIZED
+        elif matches == 0 or len(ids) != plan.expected_count:
+            code = WHITESPACE_STRIPPED if kinds == {_STRIP} else TOOL_TEXT_LOST
+        else:
+            code = WHITESPACE_AMBIGUOUS
+    counted = f"{len(ids)} ids rebuilt, usage.completion_tokens says {plan.expected_count}"
+    return DeadLetter(
+        code,
+        f"the provider may have lost {lost} at {len(plan.gaps)} place(s); {counted} (under the provider's "
+        f"counting convention): {why or f'{matches} candidate(s) reproduce the count(s): the ids are not pinned'}",
+    )
 
 
-def _prove(plans: list[tuple[int, _Plan, list[int]]], profile: ReconstructProfile) -> dict[int, DeadLetter]:
-    """Dead letters for lossy outputs the usage count cannot pin (one batch encode for all probes)."""
-    verdicts: dict[int, DeadLetter] = {}
-    probing: list[tuple[int, int]] = []  # (index, expected length)
-    texts: list[str] = []
+def _prove(
+    plans: list[tuple[int, _Plan, list[int]]], profile: ReconstructProfile
+) -> dict[int, DeadLetter | list[int]]:
+    """For lossy outputs: the restored ids when exactly one candidate fits the counts, else a dead letter."""
+    verdicts: dict[int, DeadLetter | list[int]] = {}
     for index, plan, ids in plans:
-        kinds = {kind for _, kind in plan.gaps}
-        lost = "whitespace" if kinds == {_STRIP} else "text around structured tool calls"
         if plan.expected_count is None:
+            kinds = {gap.where for gap in plan.gaps}
+            lost = "whitespace" if kinds == {_STRIP} else "text around structured tool calls"
             verdicts[index] = DeadLetter(
                 LOSS_UNVERIFIABLE,
-                f"the provider may have dropped {lost} at {len(plan.gaps)} place(s) and reported no usage count",
-            )
-            continue
-        if len(ids) != plan.expected_count:
-            code = WHITESPACE_STRIPPED if kinds == {_STRIP} else TOOL_TEXT_LOST
-            verdicts[index] = DeadLetter(
-                code,
-                f"the provider dropped {lost}: {len(ids)} ids rebuilt, usage.completion_tokens says "
-                f"{plan.expected_count} (under the provider's counting convention)",
+                f"the provider may have lost {lost} at {len(plan.gaps)} place(s) and reported no usage count",
             )
             continue
         assert plan.output_text is not None  # noqa: S101 - reencode plans carry text
-        for offset, _ in plan.gaps:
-            for probe in PROBES:
-                probing.append((index, len(ids)))
-                texts.append(_with_probe(plan.output_text, offset, probe))
-    for (index, length), probe_ids in zip(probing, profile.encode_batch(texts), strict=True):
-        if index not in verdicts and len(probe_ids) == length:
-            verdicts[index] = DeadLetter(
-                WHITESPACE_AMBIGUOUS,
-                "the usage count matches, but whitespace the provider may have dropped would not change it: "
-                "the ids are not pinned (request logprobs or native ids)",
-            )
+        reasoning_target = None
+        if plan.expected_reasoning is not None and plan.think_end_at is not None and profile.think_end_id in ids:
+            reasoning_target = plan.expected_reasoning - ids.index(profile.think_end_id or 0)
+        outcome = restore(
+            plan.output_text,
+            plan.gaps,
+            specials=profile.special_strings,
+            encode_batch=profile.encode_batch,
+            base_count=len(ids),
+            target=plan.expected_count,
+            reasoning_end=plan.think_end_at,
+            reasoning_target=reasoning_target,
+        )
+        if outcome.not_additive:
+            why = "the tokenizer does not split at its control tokens, so candidates cannot be counted"
+            verdicts[index] = _refusal(plan, ids, 0, why, WHITESPACE_AMBIGUOUS)
+        elif outcome.capped:
+            why = f"the candidate search passed its cap ({outcome.searched} encodings) without deciding"
+            verdicts[index] = _refusal(plan, ids, 0, why, WHITESPACE_AMBIGUOUS)
+        elif outcome.arbitrary_room:
+            why = (f"{outcome.matches} candidate(s) reproduce the count, and it leaves room for text after the tool "
+                   "block, which the parser drops")
+            # With argument forms in play, a shorter form plus a dropped tail fits too: the
+            # re-serialisation is why the ids are not pinned; without a fitting form, text was lost.
+            args = outcome.matches and any(gap.where == _ARGS for gap in plan.gaps)
+            verdicts[index] = _refusal(plan, ids, outcome.matches, why,
+                                       TOOL_ARGUMENTS_RESERIALIZED if args else TOOL_TEXT_LOST)
+        elif outcome.text is None:
+            verdicts[index] = _refusal(plan, ids, outcome.matches, "")
+        else:
+            (restored,) = profile.encode_batch([outcome.text])
+            if len(restored) != plan.expected_count:  # the pieces did not add up for this candidate
+                why = "the restored text does not encode to the counted length"
+                verdicts[index] = _refusal(plan, ids, 1, why, WHITESPACE_AMBIGUOUS)
+                continue
+            plan.output_text = outcome.text
+            verdicts[index] = restored
     return verdicts
 
 
@@ -500,6 +731,7 @@ def reconstruct_batch(
     output_ids = iter(profile.encode_batch([p.output_text for p in live if p.output_text is not None]))
     out: list[SampleReconstructed | DeadLetter] = []
     lossy: list[tuple[int, _Plan, list[int]]] = []
+    lossy_plans: dict[int, _Plan] = {}
     for plan in plans:
         if isinstance(plan, DeadLetter):
             out.append(plan)
@@ -518,9 +750,15 @@ def reconstruct_batch(
                 continue
             if plan.gaps:
                 lossy.append((len(out), plan, ids))
+                lossy_plans[len(out)] = plan
         out.append(_sample(plan, profile, prompt, ids))
     for index, verdict in _prove(lossy, profile).items():
-        out[index] = verdict
+        if isinstance(verdict, DeadLetter):
+            out[index] = verdict
+            continue
+        previous = out[index]
+        assert isinstance(previous, SampleReconstructed)  # noqa: S101 - lossy entries are samples
+        out[index] = _sample(lossy_plans[index], profile, list(previous.prompt_ids), verdict)
     return out
 
 

@@ -5,7 +5,8 @@ For every built-in profile that has an official chat template in ``../shared/ref
 Kimi-K2-Thinking on the tiny Kimi tokenizer) plus a user profile whose vocabulary has
 ordinary added tokens, ``truth.py`` builds ≥ 30 conversations, the raw text the model
 writes, its true ids (official template + real tokenizer, never our code) and what each
-server returns (vLLM, SGLang before 2026, OpenRouter-like). Each response then goes
+server returns (vLLM, SGLang before 2026, OpenRouter-like with logprobs, and OpenRouter-like
+without them over a lossless and over a stripping upstream). Each response then goes
 through the same pure functions the stages run. Required:
 
 - 0 accepted samples whose prompt_ids, output_ids, input_ids or loss_mask differ from
@@ -38,7 +39,12 @@ from services.reconstruct.core import reconstruct_batch
 from tests.conformance import truth as T
 from tests.unit.test_profiles import KIMI_GOOD
 
-SERVER_CONVENTION = {"vllm": "vllm", "sglang-strip": "sglang-legacy", "openrouter": "openrouter"}
+SERVER_CONVENTION = {"vllm": "vllm", "sglang-strip": "sglang-legacy", "openrouter": "openrouter",
+                     "openrouter-nolp": "openrouter", "openrouter-nolp-strip": "openrouter"}
+# Whose text it is, for judging what was lost: an OpenRouter column without logprobs has its upstream's.
+UPSTREAM_CONVENTION = {**SERVER_CONVENTION, "openrouter-nolp": "vllm", "openrouter-nolp-strip": "sglang-legacy"}
+# The columns of today's ≥ 95 % requirement per model (the no-logprob columns have their own below).
+LOGPROB_OR_ENGINE = ("vllm", "sglang-strip", "openrouter")
 # Truncated samples are exact too: the matrix keeps them (finish_stop is a dataset choice).
 THRESHOLDS = AuditThresholds(require_stop=False)
 VAGUE = {"", "internal_error", "decode_failed"}
@@ -154,7 +160,7 @@ def run_cell(model: str, server: str) -> Cell:
     for index, case in enumerate(cases):
         response = _response(case, server, index)
         profile = profile_for(model, case.conversation.thinking)
-        lossy = T.emulate(case, server)["lossy"] or lossy_by_convention(response, profile, SERVER_CONVENTION[server])
+        lossy = T.emulate(case, server)["lossy"] or lossy_by_convention(response, profile, UPSTREAM_CONVENTION[server])
         by_profile.setdefault(case.conversation.thinking, []).append((case, response, lossy))
     for thinking, members in by_profile.items():
         profile = profile_for(model, thinking)
@@ -221,11 +227,50 @@ def test_no_accepted_sample_differs_from_the_official_truth() -> None:
 
 @pytest.mark.parametrize("model", T.MODELS)
 def test_lossless_emulations_accept_at_least_95_percent(model: str) -> None:
-    cells = [c for (m, _), c in matrix().items() if m == model]
+    cells = [c for (m, s), c in matrix().items() if m == model and s in LOGPROB_OR_ENGINE]
     lossless = sum(c.lossless for c in cells)
     kept = sum(c.accepted_lossless for c in cells)
     assert lossless >= 30
     assert kept / lossless >= 0.95, {s: dict(c.reasons) for (m, s), c in matrix().items() if m == model}
+
+
+def _column(server: str) -> tuple[int, int, int, int]:
+    """(cases, accepted, lossless, lossless accepted) of one server column over every model."""
+    cells = [c for (_, s), c in matrix().items() if s == server]
+    return (sum(c.cases for c in cells), sum(c.accepted for c in cells), sum(c.lossless for c in cells),
+            sum(c.accepted_lossless for c in cells))
+
+
+# Measured 2026-12-01: 104 / 157 (66 %). Issue 22 asks for 95 %, which per-sample evidence cannot give: a model
+# that writes no whitespace at a field's edge (V3.1 and Kimi around </think>, the Gemma-like user profile)
+# leaves a strip there possible, and " Word"/"Word" or "."/".\n" are one token each; and a re-serialised
+# argument text longer than another form fits the count as well as that form plus a dropped tail. A floor
+# that ratchets what is reached; the gap is in docs/fidelity.md.
+NOLP_LOSSLESS_FLOOR = 0.65
+
+
+def test_openrouter_without_logprobs_over_a_lossless_upstream() -> None:
+    """No logprobs, vLLM-like text: the fields' own whitespace and the usage count decide; 0 wrong."""
+    cases, accepted, lossless, kept = _column("openrouter-nolp")
+    print(f"\nopenrouter-nolp: {accepted}/{cases} accepted; {kept}/{lossless} of the lossless answers "
+          f"({kept / lossless:.1%})")
+    assert lossless >= 100
+    assert not any(c.wrong for (_, s), c in matrix().items() if s == "openrouter-nolp")
+    by_model = {m: dict(c.reasons) for (m, s), c in matrix().items() if s == "openrouter-nolp"}
+    assert kept / lossless >= NOLP_LOSSLESS_FLOOR, by_model
+    # Where the model writes whitespace at its field edges (Qwen3, Qwen3-2507, R1), the evidence decides
+    # every lossless answer that is not a cut answer's ambiguous tail or a re-serialisable tool call.
+    for model in ("qwen3", "qwen3-thinking-2507", "deepseek-r1"):
+        cell = matrix()[(model, "openrouter-nolp")]
+        assert cell.reasons.get("reconstruct/whitespace_ambiguous", 0) <= 3, (model, dict(cell.reasons))
+
+
+def test_openrouter_without_logprobs_over_a_stripping_upstream_prints_its_yield() -> None:
+    """Over SGLang-before-2026 text every answer may have lost whitespace: the figure is printed, 0 wrong."""
+    cases, accepted, _, _ = _column("openrouter-nolp-strip")
+    print(f"\nopenrouter-nolp-strip: {accepted}/{cases} accepted ({accepted / cases:.1%})")
+    assert cases >= 100
+    assert not any(c.wrong for (_, s), c in matrix().items() if s == "openrouter-nolp-strip")
 
 
 def test_every_dead_letter_names_a_specific_reason() -> None:

@@ -43,7 +43,10 @@ from tokenizers import AddedToken, Tokenizer
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS: tuple[str, ...] = ("qwen3", "qwen3-thinking-2507", "deepseek-r1", "deepseek-v3.1", "kimi-k2-thinking",
                            "user-addedtok")  # fmt: skip
-SERVERS: tuple[str, ...] = ("vllm", "sglang-strip", "openrouter")
+SERVERS: tuple[str, ...] = ("vllm", "sglang-strip", "openrouter", "openrouter-nolp", "openrouter-nolp-strip")
+# OpenRouter-like without logprobs (they are best effort: OPENROUTER.md): the upstream's text and usage count,
+# logprobs null, over a lossless upstream (vLLM-like text) and over a stripping one (SGLang before 2026).
+NOLP_UPSTREAM = {"openrouter-nolp": "vllm", "openrouter-nolp-strip": "sglang-strip"}
 
 # ---- Reference dir and template rendering ------------------------------------------------------------------------
 
@@ -998,7 +1001,8 @@ def emulate(case: Case, server: str) -> dict:
     if len(text.encode()) != len(true_bytes):
         notes.append("trailing partial character withheld")
     thinking = conv.thinking
-    if server == "sglang-strip":
+    upstream = NOLP_UPSTREAM.get(server, server)
+    if upstream == "sglang-strip":
         reasoning, content = _sglang_reasoning(spec, thinking, text, notes)
         content, calls = _sglang_tools(spec, content, notes) if conv.tools_sent else (content, [])
         ids_prefix = "call_"

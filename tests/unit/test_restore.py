@@ -1,0 +1,301 @@
+"""The text's own evidence and unique-candidate restoration, against real tokenizers.
+
+Every expected id sequence is the raw model text encoded by the tokenizer library itself
+(``tokenizers`` / ``tiktoken`` built here from the package files, see test_reconstruct.py);
+the response fields are what the named server returns from that raw text (PARSERS.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from schemas import Usage
+from services.profiles.conventions import CONVENTIONS
+from services.reconstruct.core import reconstruct
+from services.reconstruct.restore import WHITESPACE, WHITESPACE_CANDIDATES, Slot, restore
+from tests.unit.test_profiles import deepseek, qwen
+from tests.unit.test_reconstruct import R1_EOS, TOOLS, dead, ok, qwen_ids, r1_ids, response, tc
+
+OPENROUTER = CONVENTIONS["openrouter"]
+LEGACY = CONVENTIONS["sglang-legacy"]
+VLLM = CONVENTIONS["vllm"]
+
+
+# -- step 1: the text's own evidence ------------------------------------------------------
+
+
+def test_a_field_that_shows_its_whitespace_was_not_stripped() -> None:
+    """R1 through a lossless upstream: content "\\n\\nThe answer" was not .strip()ped, so nothing was.
+
+    Both ways of stripping OpenRouter allows for strip the content: its leading newlines rule
+    them out, and the ids are exact with no count at all.
+    """
+    got = ok(reconstruct(response(reasoning="Let me think.\n", content="\n\nThe answer is 4."), deepseek(), OPENROUTER))
+    assert got.output_ids == r1_ids("Let me think.\n</think>\n\nThe answer is 4." + R1_EOS)
+
+
+def test_fields_without_whitespace_at_their_edges_prove_nothing() -> None:
+    no_count = response(reasoning="Let me think.", content="The answer is 4.")
+    assert dead(reconstruct(no_count, deepseek(), OPENROUTER)).reason == "lossy_text_unverifiable"
+
+
+def test_evidence_is_per_strip_not_per_answer() -> None:
+    """SGLang before 2026 kept the reasoning's trailing "\\n" but stripped the content: the kept
+    newline must not vouch for the content ("\\n\\n" lost there: the count shows it)."""
+    truth = r1_ids("plan\n</think>\n\nThe answer is 4." + R1_EOS)
+    stripped = response(reasoning="plan\n", content="The answer is 4.", completion=len(truth))
+    verdict = dead(reconstruct(stripped, deepseek(), LEGACY))
+    assert verdict.reason in {"whitespace_stripped", "whitespace_ambiguous"}
+    assert "candidate" in verdict.message
+
+
+# -- step 2: unique-candidate restoration --------------------------------------------------
+
+
+def test_two_character_strip_with_the_same_count_is_not_accepted() -> None:
+    """The issue's regression: the strip removed "\\n\\n" AND the space after it, and the count stayed.
+
+    "Consequently" is two R1 tokens, " Consequently" one: "\\n\\n Consequently" and
+    "Consequently" are two tokens either way. Every single whitespace string inserted alone
+    changes the count (the old check), the pair does not.
+    """
+    truth_text = "plan\n</think>\n\n Consequently it is 4." + R1_EOS
+    rebuilt_text = "plan\n</think>Consequently it is 4." + R1_EOS
+    assert len(r1_ids(truth_text)) == len(r1_ids(rebuilt_text))
+    for single in (" ", "\n", "\n\n", "\t"):
+        assert len(r1_ids("plan\n</think>" + single + "Consequently it is 4." + R1_EOS)) != len(r1_ids(truth_text))
+    stripped = response(reasoning="plan\n", content="Consequently it is 4.", completion=len(r1_ids(truth_text)))
+    for convention in (LEGACY, OPENROUTER):
+        verdict = dead(reconstruct(stripped, deepseek(), convention))
+        assert verdict.reason == "whitespace_ambiguous"
+        assert "candidate(s) reproduce the count" in verdict.message
+
+
+def test_two_character_strip_regression_on_qwen3() -> None:
+    truth_text = "<think>\nplan\n</think>\n\n Consequently it is 4.<|im_end|>"
+    assert len(qwen_ids(truth_text)) == len(qwen_ids("<think>\nplan\n</think>Consequently it is 4.<|im_end|>"))
+    stripped = response(reasoning="\nplan\n", content="Consequently it is 4.", completion=len(qwen_ids(truth_text)))
+    # The reasoning shows its edges, the content does not: OpenRouter's field-by-field strip stays possible.
+    assert dead(reconstruct(stripped, qwen(), OPENROUTER)).reason == "whitespace_ambiguous"
+
+
+def test_the_count_pins_the_only_candidate() -> None:
+    """R1 "2+2=4\\n</think>42 apples": a space, newline or tab at any open edge adds a token
+    (digits and a final letter merge with none), so only "nothing was stripped" fits."""
+    truth = r1_ids("2+2=4\n</think>42 apples" + R1_EOS)
+    for ws in (" ", "\n", "\t", "\n\n"):
+        assert len(r1_ids(ws + "2+2=4\n</think>42 apples" + R1_EOS)) > len(truth)
+        assert len(r1_ids("2+2=4\n</think>42 apples" + ws + R1_EOS)) > len(truth)
+    fields = {"reasoning": "2+2=4\n", "content": "42 apples"}
+    got = ok(reconstruct(response(**fields, completion=len(truth)), deepseek(), LEGACY))
+    assert got.output_ids == truth
+    more = dead(reconstruct(response(**fields, completion=len(truth) + 1), deepseek(), LEGACY))
+    assert more.reason == "whitespace_stripped"
+    assert "candidate(s)" in more.message
+
+
+def test_a_long_reasoning_is_searched_in_windows_around_its_edges() -> None:
+    """A reasoning of thousands of characters: each edge is searched in a window, the result is the same."""
+    reasoning = "2+2=4, " * 600 + "so 4\n"
+    truth = r1_ids(reasoning + "</think>42 apples" + R1_EOS)
+    got = ok(reconstruct(response(reasoning=reasoning, content="42 apples", completion=len(truth)), deepseek(), LEGACY))
+    assert got.output_ids == truth
+    more = dead(reconstruct(response(reasoning=reasoning, content="42 apples", completion=len(truth) + 1),
+                            deepseek(), LEGACY))
+    assert more.reason == "whitespace_stripped"
+
+
+def test_the_reasoning_count_is_used_only_where_its_convention_is_established() -> None:
+    truth = r1_ids("2+2=4\n</think>42 apples" + R1_EOS)
+    before_think_end = truth.index(128799)
+    wrong = response(reasoning="2+2=4\n", content="42 apples", completion=len(truth))
+    wrong.usage = Usage(completion_tokens=len(truth), reasoning_tokens=before_think_end + 1)
+    # Not established for any built-in provider: the count is not read.
+    assert all(c.reasoning_count is None for c in CONVENTIONS.values())
+    assert ok(reconstruct(wrong, deepseek(), LEGACY)).output_ids == truth
+    counted = replace(LEGACY, reasoning_count="before_think_end")
+    refused = dead(reconstruct(wrong, deepseek(), counted))
+    assert "0 candidate(s)" in refused.message
+    right = response(reasoning="2+2=4\n", content="42 apples", completion=len(truth))
+    right.usage = Usage(completion_tokens=len(truth), reasoning_tokens=before_think_end)
+    assert ok(reconstruct(right, deepseek(), counted)).output_ids == truth
+
+
+def test_restore_counts_every_joint_candidate() -> None:
+    """Two gaps in one piece of text: the joint search finds the pair a single-gap search misses."""
+    text = "Consequently it is 4."
+    slots = [Slot(0, 0, WHITESPACE), Slot(len(text), len(text), WHITESPACE)]
+    base = r1_ids(text)
+    outcome = restore(text, slots, specials=(), encode_batch=lambda ts: [r1_ids(t) for t in ts],
+                      base_count=len(base), target=len(base))
+    truth_pairs = [
+        (a, b) for a in WHITESPACE_CANDIDATES[:13] for b in WHITESPACE_CANDIDATES[:13]
+        if len(r1_ids(a + text + b)) == len(base)
+    ]
+    assert ("\n\n ", "") not in truth_pairs or outcome.matches >= 2
+    assert outcome.matches >= len(truth_pairs) >= 2
+    assert outcome.text is None
+
+
+def test_restore_refuses_past_its_cap() -> None:
+    text = "a b"
+    slots = [Slot(0, 0, WHITESPACE), Slot(3, 3, WHITESPACE)]
+    outcome = restore(text, slots, specials=(), encode_batch=lambda ts: [r1_ids(t) for t in ts],
+                      base_count=len(r1_ids(text)), target=len(r1_ids(text)) + 3, cap=100)
+    assert outcome.capped and outcome.text is None
+
+
+# -- step 3: re-serialised tool arguments --------------------------------------------------
+
+QWEN_HEAD = "<think>\np\n</think>\n\n<tool_call>\n"
+QWEN_TAIL = "\n</tool_call><|im_end|>"
+
+
+def _qwen_call(body: str) -> list[int]:
+    return qwen_ids(QWEN_HEAD + body + QWEN_TAIL)
+
+
+def test_qwen3_reserialised_arguments_restored_when_exactly_one_form_fits() -> None:
+    """vLLM hermes returns json.dumps(json.loads(args)); the count tells which form the model wrote.
+
+    The shortest form is pinned. A longer one is not: hermes also drops text after the tool
+    block, so a shorter form plus a dropped tail of the difference fits the same count.
+    """
+    calls = [tc("calc", '{"expr": "6*7"}')]
+    compact = _qwen_call('{"name":"calc","arguments":{"expr":"6*7"}}')
+    got = ok(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
+                                  completion=len(compact)), qwen(), VLLM))
+    assert got.output_ids == compact
+    for body in ('{"name": "calc", "arguments": {"expr": "6*7"}}', '{"name": "calc", "arguments": {"expr":"6*7"}}'):
+        truth = _qwen_call(body)
+        assert len(truth) > len(compact)
+        verdict = dead(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
+                                            completion=len(truth)), qwen(), VLLM))
+        assert verdict.reason == "tool_arguments_reserialized"
+        assert "1 candidate(s) reproduce the count" in verdict.message
+        assert "text after the tool block" in verdict.message
+
+
+def _r1_tool_answer(written: str, returned: str, convention_name: str) -> tuple[list[int], Any]:
+    """R1's true ids when it wrote ``written`` as arguments, and our verdict on ``returned`` with that count."""
+    block = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n" + written
+             + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    truth = r1_ids("plan\n</think>\n\n" + block + R1_EOS)
+    verdict = reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("calc", returned)],
+                                   tools=TOOLS, completion=len(truth)), deepseek(), CONVENTIONS[convention_name])
+    return truth, verdict
+
+
+def test_ascii_escaped_arguments_are_one_of_the_forms() -> None:
+    """SGLang's DeepSeekV3Detector gives json.dumps(..., ensure_ascii=False): "\\u6771" written comes back "東"."""
+    escaped = '{"city": "\\u6771\\u4eac"}'
+    assert json.loads(escaped) == {"city": "東京"}
+    truth, verdict = _r1_tool_answer('{"city":"東京"}', '{"city": "東京"}', "sglang")
+    assert ok(verdict).output_ids == truth
+    longer, refused = _r1_tool_answer(escaped, '{"city": "東京"}', "sglang")
+    assert len(longer) > len(truth)  # longer than a form that fits with a dropped tail: refused
+    assert dead(refused).reason == "tool_arguments_reserialized"
+
+
+def test_qwen3_arguments_no_form_fits_are_refused_with_the_count() -> None:
+    calls = [tc("calc", '{"expr": "6*7"}')]
+    verdict = dead(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
+                                        completion=20), qwen(), VLLM))
+    assert verdict.reason == "tool_arguments_reserialized"
+    assert "0 candidate(s)" in verdict.message
+    longer = dead(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
+                                       completion=40), qwen(), VLLM))
+    assert longer.reason == "tool_call_text_lost"  # room for text after the block, which hermes drops
+
+
+def test_r1_reserialised_arguments_under_sglang() -> None:
+    """SGLang's DeepSeekV3Detector re-serialises R1's fenced arguments: compact forms come back canonical."""
+    truth, verdict = _r1_tool_answer('{"expr":"6*7"}', '{"expr": "6*7"}', "sglang")
+    assert ok(verdict).output_ids == truth
+
+
+def test_arguments_not_in_json_dumps_form_were_not_reserialised() -> None:
+    """OpenRouter may re-serialise; '{"expr":"6*7"}' is not json.dumps' own form, so it is the model's text."""
+    truth, verdict = _r1_tool_answer('{"expr":"6*7"}', '{"expr":"6*7"}', "openrouter")
+    assert ok(verdict).output_ids == truth
+    _, canonical = _r1_tool_answer('{"expr": "6*7"}', '{"expr": "6*7"}', "openrouter")
+    assert dead(canonical).reason == "tool_arguments_reserialized"  # the compact form plus a dropped tail fits too
+
+
+# -- step 4: the server's prompt normalisation ----------------------------------------------
+
+BARE_TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _official_qwen3_prompt_ids(tools: list[dict[str, object]]) -> list[int]:
+    """The official Qwen3 template (shared reference) rendered the Hugging Face way, real tokenizer."""
+    from tests.conformance import truth
+
+    text = truth.render_template(truth.template_source("Qwen-Qwen3-0.6B.jinja"),
+                                 [{"role": "user", "content": "What is 2+2?"}], tools=tools,
+                                 add_generation_prompt=True, bos_token="", eos_token="<|im_end|>")
+    return truth.truth_tokenizer("qwen3").encode_prompt(text)
+
+
+def _prompt_ids_under(convention_name: str, tools: list[dict[str, object]]) -> list[int]:
+    answer = response(reasoning="\np\n", content="\n\nIt is noon.", tools=tools)
+    return list(ok(reconstruct(answer, qwen(), CONVENTIONS[convention_name])).prompt_ids)
+
+
+def test_vllm_renders_a_missing_tool_description_as_null() -> None:
+    served = [{"type": "function", "function": {"name": "now", "description": None,
+                                                "parameters": BARE_TOOL["function"]["parameters"]}}]  # type: ignore[index]
+    truth = _official_qwen3_prompt_ids(served)
+    assert truth != _official_qwen3_prompt_ids([BARE_TOOL])  # the null field changes the prompt
+    assert _prompt_ids_under("vllm", [BARE_TOOL]) == truth
+
+
+def test_sglang_renders_every_tool_with_defer_loading_null() -> None:
+    described = {"type": "function", "function": {"name": "calc", "description": "calculator",
+                                                  "parameters": BARE_TOOL["function"]["parameters"]}}  # type: ignore[index]
+    truth = _official_qwen3_prompt_ids([{**described, "defer_loading": None}])
+    assert truth != _official_qwen3_prompt_ids([described])
+    assert _prompt_ids_under("sglang", [described]) == truth
+    # Providers whose rendering is the request as sent keep it so.
+    assert _prompt_ids_under("sglang-legacy", [described]) == _official_qwen3_prompt_ids([described])
+
+
+# -- step 6: R1 after a tool result ------------------------------------------------------------
+
+
+def test_r1_after_a_tool_result_is_rebuilt_as_the_official_template_has_it() -> None:
+    """R1's official template opens no think block after a tool result; vLLM then returns the whole
+    answer as reasoning. The rebuilt ids have no think token, and the audit accepts them."""
+    from schemas import Message, ToolCall, ToolFunction
+    from services.audit.core import audit_batch
+    from services.common.config import AuditThresholds
+    from tests.conformance import truth
+
+    call = ToolCall(function=ToolFunction(name="calc", arguments='{"expr": "6*7"}'), id="c1")
+    messages = [Message(role="user", content="What is 6*7?"), Message(role="assistant", content="", tool_calls=[call]),
+                Message(role="tool", content="42", tool_call_id="c1")]
+    wire = [{"role": "user", "content": "What is 6*7?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "6*7"}'}}]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    official = truth.render_template(truth.template_source("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"), wire,
+                                     add_generation_prompt=True, bos_token="<｜begin▁of▁sentence｜>",
+                                     eos_token=R1_EOS)
+    assert "<think>" not in official[-40:]
+    answer = "The tool says 6*7 = 42.\n\nSo the answer is **42**."
+    truth_ids = r1_ids(answer + R1_EOS)
+    got = ok(reconstruct(response(messages=messages, reasoning=answer, content="", completion=len(truth_ids)),
+                         deepseek(), VLLM))
+    assert got.output_ids == truth_ids
+    assert got.prompt_ids == r1_ids(official)
+    (verdict,) = audit_batch([got], deepseek(), AuditThresholds())
+    assert verdict.passed, verdict.reasons
+    # The model may also have opened and closed a block itself: the count tells.
+    thought = r1_ids("<think>\nhm\n</think>\n\n" + answer + R1_EOS)
+    both = ok(reconstruct(response(messages=messages, reasoning="\nhm\n", content="\n\n" + answer,
+                                   completion=len(thought)), deepseek(), VLLM))
+    assert both.output_ids == thought
+    assert dead(reconstruct(response(messages=messages, reasoning=answer, content=""), deepseek(),
+                            VLLM)).reason == "lossy_text_unverifiable"
