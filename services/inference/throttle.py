@@ -46,6 +46,9 @@ class ProviderThrottle:
         self._answers = 0
         self._reported: dict[str, int] = {}
         self._report()
+        # The series exist from the start (at 0), so a dashboard shows "none yet", not "no data".
+        RATE_LIMITED.labels(provider=provider, upstream=KEY_SCOPE)
+        RATE_LIMIT_PAUSED.labels(provider=provider)
 
     @property
     def window(self) -> int:
