@@ -240,3 +240,26 @@ def test_retry_after_text() -> None:
     assert retry_after_text(1.0) == "1"
     assert retry_after_text(0.1) == "0.1"
     assert retry_after_text(0.0125) == "0.013" or retry_after_text(0.0125) == "0.012"
+
+
+# --- draftstream status ------------------------------------------------------------------
+
+
+async def test_status_reads_the_window_429s_and_pause_from_a_workers_metrics() -> None:
+    from prometheus_client import REGISTRY, generate_latest
+    from rich.console import Console
+
+    from services.status.core import StatusSnapshot, rate_limits_from_metrics, render
+
+    throttle = ProviderThrottle(ProviderSettings(concurrency=256), "status-test")
+    seq = await throttle.admit()
+    throttle.refused(seq, retry_after_s=2.5, upstream=None)
+    throttle.close()
+    rows = [r for r in rate_limits_from_metrics(generate_latest(REGISTRY).decode()) if r.provider == "status-test"]
+    assert [(r.upstream, r.window, r.refused, r.paused_s) for r in rows] == [(KEY_SCOPE, 128, 1, pytest.approx(2.5))]
+    console = Console(width=160, record=True)
+    console.print(render(StatusSnapshot(taken_at=0.0, rate_limits=rows)))
+    text = console.export_text()
+    assert "rate limits" in text and "status-test" in text and "128" in text and "2.5 s" in text
+    console.print(render(StatusSnapshot(taken_at=0.0, rate_limits_source="http://127.0.0.1:9401/metrics")))
+    assert "no inference metrics at http://127.0.0.1:9401/metrics" in console.export_text()
