@@ -215,8 +215,9 @@ class ProviderGuard:
         while True:
             await asyncio.sleep(interval)
             standing = self._halts.standing(GLOBAL_SCOPE)
-            if standing is None and self.throttle.stalled():
-                await self._halt_quietly(self.halt_rate_limit())  # a long Retry-After: no 429 to notice it
+            if standing is None and self.throttle.stalled() and self.throttle.waiting:
+                # A long Retry-After: no 429 comes to notice the stall, but requests wait for it.
+                await self._halt_quietly(self.halt_rate_limit())
                 continue
             if standing is not None and standing.by == RATE_LIMIT_ACTOR:
                 await self._probe_rate_limit()

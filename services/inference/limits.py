@@ -102,12 +102,18 @@ class StallClock:
 
     stall_s: float
     since: float | None = None
+    last: float = 0.0
     refusals: int = 0
 
     def refused(self, now: float) -> None:
-        """A refusal: the clock starts at the first one after an answer."""
-        if self.since is None:
-            self.since = now
+        """A refusal: the clock starts at the first one after an answer, or after a quiet spell.
+
+        Refusals ``stall_s`` apart with nothing sent between (the prompts held by a halt
+        meanwhile) are not a storm: the clock starts again.
+        """
+        if self.since is None or now - self.last > self.stall_s:
+            self.since, self.refusals = now, 0
+        self.last = now
         self.refusals += 1
 
     def answered(self) -> None:

@@ -108,6 +108,10 @@ def test_the_stall_clock_runs_from_the_first_refusal_after_an_answer() -> None:
     assert not clock.stalled(now=1000.0)
     clock.refused(now=1000.0)
     assert not clock.stalled(now=1029.0) and clock.stalled(now=1030.0)
+    # A refusal after a quiet spell longer than the stall (prompts held by a halt meanwhile)
+    # starts the clock again: one refusal is not a storm.
+    clock.refused(now=1100.0)
+    assert clock.since == 1100.0 and clock.refusals == 1 and not clock.stalled(now=1100.0)
 
 
 # --- the throttle ------------------------------------------------------------------------
