@@ -32,7 +32,9 @@ def _control(out: Collector) -> list[Halt | Resume]:
 async def test_a_rate_limited_provider_slows_the_run_and_dead_letters_nothing(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:
-    rps, max_open, n = 20.0, 8, 240
+    # Issue 24's scenario: 20 requests/s, 16 open, Retry-After: 1, 300 prompts (234 of them were
+    # dead-lettered before); a latency of 0.3 s lets the worker reach both limits.
+    rps, max_open, n = 20.0, 16, 300
     sim = await sim_factory(rate_limit_rps=rps, max_open=max_open, retry_after_s=1.0, latency_s=0.3)
     # Default provider settings but where the simulator is: concurrency 256, max_attempts 4.
     settings = settings_factory(provider={"kind": "simulator", "base_url": sim.url})
@@ -50,7 +52,8 @@ async def test_a_rate_limited_provider_slows_the_run_and_dead_letters_nothing(
         f"{n} prompts in {elapsed:.1f} s; simulator: {stats['total_requests']} requests, "
         f"{stats['rate_limited']} refused, peak open {stats['peak_open_requests']}, "
         f"{stats['seconds_over_max_open']:.3f} s over {max_open} open; "
-        f"worker window at the end {throttle.window if throttle else '?'}"
+        f"worker window at the end {throttle.window if throttle else '?'}; "
+        f"goodput {n / elapsed:.1f} answers/s of {rps:g} allowed"
     )
     print(summary)
     assert out.dead_letters() == [], summary
