@@ -116,3 +116,40 @@ async def test_a_limit_that_admits_nothing_halts_after_the_stall_and_resumes_whe
     assert out.dead_letters() == []
     assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}
     assert refused_at_halt > 0
+
+
+async def test_two_workers_on_one_limited_key_adapt_independently_and_dead_letter_nothing(
+    settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
+) -> None:
+    rps, max_open, n = 20.0, 8, 200
+    sim = await sim_factory(rate_limit_rps=rps, max_open=max_open, retry_after_s=1.0, latency_s=0.3)
+    settings = settings_factory(provider={"kind": "simulator", "base_url": sim.url})
+    await ensure_topics(settings.kafka, ["shared"])
+    prompts = [prompt("shared", i) for i in range(n)]
+    async with (
+        Collector(settings, "responses", "dead-letter") as out,
+        running(settings, worker_id="w1") as first,
+        running(settings, worker_id="w2") as second,
+    ):
+        # Both hold partitions before the prompts come (else the first takes them all).
+        await wait_until(lambda: first.assigned_partitions() and second.assigned_partitions(), timeout=60,
+                         message="both workers hold partitions")
+        await publish(settings, "shared", [(p.sample_id, encode(p)) for p in prompts])
+        started = time.monotonic()
+        await wait_until(lambda: len(out.finished_keys()) >= n, timeout=180, message=f"{n} outputs")
+        elapsed = time.monotonic() - started
+        throttles = [w.guard.throttle for w in (first, second) if w.guard is not None]
+        sent = [t.limits.sent for t in throttles]
+        refused = [t.limits.refusals for t in throttles]
+    stats = sim.stats()
+    summary = (
+        f"{n} prompts in {elapsed:.1f} s by two workers; refused per worker {refused}; windows "
+        f"{[t.window for t in throttles]}; simulator peak open {stats['peak_open_requests']}, "
+        f"{stats['seconds_over_max_open']:.3f} s over {max_open}"
+    )
+    print(summary)
+    assert out.dead_letters() == [], summary
+    assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}, summary
+    assert len(throttles) == 2 and all(sent), summary  # both workers sent requests
+    assert all(refused), f"each worker met the shared limit and adapted on its own: {summary}"
+    assert stats["seconds_over_max_open"] < 0.03 * elapsed, summary
