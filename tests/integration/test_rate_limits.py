@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from schemas import GLOBAL_SCOPE, Halt, Resume, decode_control, encode
+from schemas import GLOBAL_SCOPE, Halt, PromptPublished, Resume, decode_control, encode
 from services.common.config import Settings
 from services.common.kafka import ensure_topics
 from services.inference.core import RATE_LIMIT_ACTOR
+from services.simulator.app import RunningSimulator
 from tests.integration.test_inference_worker import Collector, prompt, publish, running, sim_factory  # noqa: F401
 from tests.kafka_fixture import wait_until
 
@@ -29,18 +30,37 @@ def _control(out: Collector) -> list[Halt | Resume]:
     return [decode_control(r.value) for r in out.records["control"] if r.value is not None]
 
 
+async def _limited(
+    settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any], dataset: str, n: int,  # noqa: F811
+    sim_options: dict[str, Any], **provider: Any,
+) -> tuple[RunningSimulator, Settings, list[PromptPublished]]:
+    """A simulator with ``sim_options``, settings pointing at it, the dataset's topic and ``n`` prompts."""
+    sim = await sim_factory(**sim_options)
+    settings = settings_factory(provider={"kind": "simulator", "base_url": sim.url, **provider})
+    await ensure_topics(settings.kafka, [dataset])
+    return sim, settings, [prompt(dataset, i) for i in range(n)]
+
+
+def _key(rps: float, max_open: int) -> dict[str, Any]:
+    """Simulator options of a key admitting ``rps`` requests/s and ``max_open`` open (Retry-After: 1, 0.3 s latency)."""
+    return {"rate_limit_rps": rps, "max_open": max_open, "retry_after_s": 1.0, "latency_s": 0.3}
+
+
+def _all_answered(out: Collector, prompts: list[PromptPublished], summary: str = "") -> None:
+    """No dead letter; every prompt answered."""
+    assert out.dead_letters() == [], summary
+    assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}, summary
+
+
 async def test_a_rate_limited_provider_slows_the_run_and_dead_letters_nothing(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:
     # Issue 24's scenario: 20 requests/s, 16 open, Retry-After: 1, 300 prompts (234 of them were
     # dead-lettered before); a latency of 0.3 s lets the worker reach both limits.
     rps, max_open, n = 20.0, 16, 300
-    sim = await sim_factory(rate_limit_rps=rps, max_open=max_open, retry_after_s=1.0, latency_s=0.3)
+    sim, settings, prompts = await _limited(settings_factory, sim_factory, "limited", n, _key(rps, max_open))
     # Default provider settings but where the simulator is: concurrency 256, max_attempts 4.
-    settings = settings_factory(provider={"kind": "simulator", "base_url": sim.url})
     assert settings.provider.concurrency == 256 and settings.provider.max_attempts == 4
-    await ensure_topics(settings.kafka, ["limited"])
-    prompts = [prompt("limited", i) for i in range(n)]
     await publish(settings, "limited", [(p.sample_id, encode(p)) for p in prompts])
     started = time.monotonic()
     async with Collector(settings, "responses", "dead-letter") as out, running(settings) as worker:
@@ -56,8 +76,7 @@ async def test_a_rate_limited_provider_slows_the_run_and_dead_letters_nothing(
         f"goodput {n / elapsed:.1f} answers/s of {rps:g} allowed"
     )
     print(summary)
-    assert out.dead_letters() == [], summary
-    assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}, summary
+    _all_answered(out, prompts, summary)
     assert stats["rate_limited"] > 0, f"the limit never bound: nothing was tested; {summary}"
     # More open than the simulator allows only for moments: the refusals in the first burst,
     # before the window adapted (under 3 % of the run).
@@ -69,16 +88,14 @@ async def test_a_rate_limited_provider_slows_the_run_and_dead_letters_nothing(
 async def test_429s_do_not_use_up_the_attempts_other_failures_have(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:
-    sim = await sim_factory(seed=3, rate_429=0.6, retry_after_s=0.02)
-    settings = settings_factory(
-        provider={"kind": "simulator", "base_url": sim.url, "max_attempts": 2, "concurrency": 16}
+    sim, settings, prompts = await _limited(
+        settings_factory, sim_factory, "refused", 60, {"seed": 3, "rate_429": 0.6, "retry_after_s": 0.02},
+        max_attempts=2, concurrency=16,
     )
-    await ensure_topics(settings.kafka, ["refused"])
-    prompts = [prompt("refused", i) for i in range(60)]
     await publish(settings, "refused", [(p.sample_id, encode(p)) for p in prompts])
     async with Collector(settings, "responses", "dead-letter") as out, running(settings):
         await wait_until(lambda: len(out.finished_keys()) >= 60, timeout=120, message="60 outputs")
-    assert out.dead_letters() == []
+    _all_answered(out, prompts)
     refusals = {k: v.count("429") for k, v in sim.stats()["key_faults"].items()}
     assert max(refusals.values()) >= 2, refusals  # more 429s than max_attempts, and still answered
     for r in out.responses():
@@ -89,12 +106,10 @@ async def test_a_limit_that_admits_nothing_halts_after_the_stall_and_resumes_whe
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:
     stall_s, n = 3.0, 30
-    sim = await sim_factory(rate_limit_rps=5.0, rate_limit_burst=0.0)  # a bucket that never fills
-    settings = settings_factory(
-        provider={"kind": "simulator", "base_url": sim.url, "rate_limit_stall_s": stall_s, "probe_interval_s": 0.5}
+    sim, settings, prompts = await _limited(
+        settings_factory, sim_factory, "stalled", n, {"rate_limit_rps": 5.0, "rate_limit_burst": 0.0},  # never fills
+        rate_limit_stall_s=stall_s, probe_interval_s=0.5,
     )
-    await ensure_topics(settings.kafka, ["stalled"])
-    prompts = [prompt("stalled", i) for i in range(n)]
     await publish(settings, "stalled", [(p.sample_id, encode(p)) for p in prompts])
     started = time.time()
     async with Collector(settings, "responses", "dead-letter", "control") as out, running(settings) as worker:
@@ -113,8 +128,7 @@ async def test_a_limit_that_admits_nothing_halts_after_the_stall_and_resumes_whe
         await wait_until(lambda: len(out.finished_keys()) >= n, timeout=60, message=f"{n} outputs after the lift")
         resumes = [e for e in _control(out) if isinstance(e, Resume) and e.by == RATE_LIMIT_ACTOR]
     assert resumes and resumes[0].scope == GLOBAL_SCOPE
-    assert out.dead_letters() == []
-    assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}
+    _all_answered(out, prompts)
     assert refused_at_halt > 0
 
 
@@ -122,10 +136,7 @@ async def test_two_workers_on_one_limited_key_adapt_independently_and_dead_lette
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:
     rps, max_open, n = 20.0, 8, 200
-    sim = await sim_factory(rate_limit_rps=rps, max_open=max_open, retry_after_s=1.0, latency_s=0.3)
-    settings = settings_factory(provider={"kind": "simulator", "base_url": sim.url})
-    await ensure_topics(settings.kafka, ["shared"])
-    prompts = [prompt("shared", i) for i in range(n)]
+    sim, settings, prompts = await _limited(settings_factory, sim_factory, "shared", n, _key(rps, max_open))
     async with (
         Collector(settings, "responses", "dead-letter") as out,
         running(settings, worker_id="w1") as first,
@@ -148,8 +159,7 @@ async def test_two_workers_on_one_limited_key_adapt_independently_and_dead_lette
         f"{stats['seconds_over_max_open']:.3f} s over {max_open}"
     )
     print(summary)
-    assert out.dead_letters() == [], summary
-    assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}, summary
+    _all_answered(out, prompts, summary)
     assert len(throttles) == 2 and all(sent), summary  # both workers sent requests
     assert all(refused), f"each worker met the shared limit and adapted on its own: {summary}"
     assert stats["seconds_over_max_open"] < 0.03 * elapsed, summary

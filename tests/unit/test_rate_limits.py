@@ -143,7 +143,7 @@ async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_
     throttle.refused(second, retry_after_s=0.2, upstream=None)  # window 2 -> 1, pause 0.2 s
     await asyncio.sleep(0.05)
     assert order == [0] and throttle.window == 1
-    throttle.release()  # request 0 of the waiters... frees its place; still paused
+    throttle.release()  # the first request ends, and the first waiter's: the window is empty, but paused
     throttle.release()
     await asyncio.sleep(0.3)
     assert order == [0, 1]  # after the pause, the window of one admits one
