@@ -91,6 +91,7 @@ class ProviderCall:
             except ProviderFailure as failure:
                 if failure.fatal:
                     await self._guard.halt_account(failure)
+                    tries.failed = 0
                     continue  # waits at the gate until resumed, then starts over
                 if is_rate_limited(failure):
                     continue  # the run was too fast, not the prompt's fault: wait for the throttle again
@@ -103,6 +104,7 @@ class ProviderCall:
                         failure.reason,
                         failure.attempt,
                     )
+                    tries.failed = 0
                     continue
                 return dead_letter_for(failure, failure.attempt)
             except NotSent:

@@ -264,8 +264,11 @@ async def test_each_fault_dead_letters_with_its_reason_after_the_last_attempt(
         "error_in_200": ("provider_error_in_body", "200"),
     }
     sim = await sim_factory(retry_after_s=0.05, timeout_sleep_s=3.0)
+    # No outage halt: six outage-class failures in a row (5xx, timeout, drop, twice each) would
+    # make one and start those prompts over (a 429 prompt, answered by a provider that is up,
+    # used to break the streak; a 429 is no longer a dead letter, so it is not among them).
     settings = settings_factory(
-        provider=provider_cfg(sim, max_attempts=2, timeout_s=0.5, outage_after=4, probe_interval_s=0.2)
+        provider=provider_cfg(sim, max_attempts=2, timeout_s=0.5, outage_after=100, probe_interval_s=0.2)
     )
     await ensure_topics(settings.kafka, ["faults"])
     prompts = [prompt("faults", i, metadata={"simulator_fault": f}) for i, f in enumerate(expected)]
