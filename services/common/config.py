@@ -112,6 +112,12 @@ class ProviderSettings(BaseModel):
     outage_after: int = Field(default=8, ge=1, le=100_000)
     # While an outage halt stands, the provider is checked this often; it resumes itself.
     probe_interval_s: float = Field(default=5.0, gt=0)
+    # A 429 storm in which nothing gets through for this long halts every worker (scope
+    # global, a reason naming the rate limit); the probe resumes once a request is admitted.
+    rate_limit_stall_s: float = Field(default=60.0, gt=0)
+    # Optional ceilings below the provider's own limits (aiolimiter leaky buckets, per worker).
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
 
 
 class InferenceSettings(BaseModel):

@@ -42,6 +42,21 @@ RESPONSES_REUSED = Counter(
 PROVIDER_OUTAGES = Counter(
     "draftstream_provider_outages_total", "Outage halts published by inference workers", ["reason"]
 )
+PROVIDER_WINDOW = Gauge(
+    "draftstream_provider_window_requests",
+    "Requests the adaptive rate-limit window admits in flight (upstream: an OpenRouter upstream, or key)",
+    ["provider", "upstream"],
+)
+RATE_LIMITED = Counter(
+    "draftstream_provider_rate_limited_total",
+    "HTTP 429 answers (rate limits), by upstream or key",
+    ["provider", "upstream"],
+)
+RATE_LIMIT_PAUSED = Counter(
+    "draftstream_provider_rate_limit_paused_seconds_total",
+    "Seconds new requests were paused by Retry-After",
+    ["provider"],
+)
 
 # budget
 TOKENS = Counter(

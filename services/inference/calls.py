@@ -1,10 +1,14 @@
 """One prompt's paid request: the halt gate, the request record, the retry policy, the verdict.
 
-Each attempt waits at the halt gate, announces itself on ``requests`` (what the budget
+Each attempt waits at the halt gate and at the rate-limit throttle (the adaptive window
+and ``Retry-After`` pause of :mod:`services.inference.throttle`), announces itself on ``requests`` (what the budget
 counts as in flight) and, once the broker acknowledged, calls the provider. An attempt a
 halt holds back before its first byte goes out is withdrawn on ``requests`` (the same
 record, ``withheld``) and waits at the gate again. Retries follow stamina (exponential
-backoff with jitter, capped, honouring ``Retry-After``). After the last attempt a failure
+backoff with jitter, capped, honouring ``Retry-After``). A 429 is never a dead letter:
+it shrinks the window, pauses new requests and the prompt waits its turn again, without
+using up the attempts other failures have (a storm that admits nothing for
+``provider.rate_limit_stall_s`` halts every worker, see the guard). After the last attempt a failure
 is one of: the account was refused (halt every worker, wait at the gate, start over), the
 provider answers nobody (wait out the outage, start over), or this request's own fault (a
 dead letter).
@@ -32,6 +36,8 @@ from services.inference.core import (
     backoff_for,
     dead_letter_for,
     is_outage_failure,
+    is_rate_limited,
+    prompt_chars,
     request_started,
 )
 from services.inference.guard import ProviderGuard
@@ -40,6 +46,17 @@ log = logging.getLogger(__name__)
 
 Paid = tuple[ProviderResult, int, float]
 """A provider's answer, the attempt that got it, its latency in seconds."""
+
+
+class _Tries:
+    """What one prompt's requests used so far, kept when its attempts start over."""
+
+    def __init__(self) -> None:
+        # The first outage-class failed request (OutageDetector sequence number): no later
+        # request answered at the last attempt means nobody got through.
+        self.mark: int | None = None
+        self.sent = 0  # requests sent: the attempt number of the next is one more
+        self.failed = 0  # failed requests other than 429s: these are bounded by max_attempts
 
 
 class ProviderCall:
@@ -67,16 +84,17 @@ class ProviderCall:
 
         Raises :class:`Stopped` when the worker stops before a request could be sent.
         """
-        # The first outage-class failed request of this prompt (kept across restarts of its
-        # attempts): no later request answered at its last attempt means nobody got through.
-        mark: list[int | None] = [None]
+        tries = _Tries()
         while True:
             try:
-                return await self._attempts(prompt, dataset, max_tokens, mark)
+                return await self._attempts(prompt, dataset, max_tokens, tries)
             except ProviderFailure as failure:
                 if failure.fatal:
                     await self._guard.halt_account(failure)
+                    tries.failed = 0
                     continue  # waits at the gate until resumed, then starts over
+                if is_rate_limited(failure):
+                    continue  # the run was too fast, not the prompt's fault: wait for the throttle again
                 if is_outage_failure(failure) and await self._guard.provider_down(failure):
                     # Not this request's fault: the provider answers nobody. Start over (the
                     # outage halt, once published, holds it at the gate until the provider is back).
@@ -86,6 +104,7 @@ class ProviderCall:
                         failure.reason,
                         failure.attempt,
                     )
+                    tries.failed = 0
                     continue
                 return dead_letter_for(failure, failure.attempt)
             except NotSent:
@@ -97,15 +116,18 @@ class ProviderCall:
                 return DeadLetter("inference_internal_error", f"{type(exc).__name__}: {exc}")
 
     def _backoff(self, exc: Exception) -> bool | float:
-        if isinstance(exc, ProviderFailure):
+        if isinstance(exc, ProviderFailure) and not is_rate_limited(exc):  # a 429 waits at the throttle
             return backoff_for(exc, self._cfg.backoff_max_s)
         return False
 
     async def _attempts(
-        self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int, mark: list[int | None]
+        self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int, tries: _Tries
     ) -> Paid:
-        """One provider call with retries (stamina: exponential backoff, jitter, Retry-After)."""
-        cfg, provider, outage = self._cfg, self._provider, self._guard.outage
+        """One provider call with retries (stamina: exponential backoff, jitter, Retry-After).
+
+        The attempts left are those other failures have not used; a 429 ends them at once.
+        """
+        cfg, provider, outage, throttle = self._cfg, self._provider, self._guard.outage, self._guard.throttle
         scopes, halts = (prompt.dataset,), self._halts
 
         def may_send() -> bool:
@@ -115,46 +137,79 @@ class ProviderCall:
 
         async for attempt in stamina.retry_context(
             on=self._backoff,
-            attempts=cfg.max_attempts,
+            attempts=max(1, cfg.max_attempts - tries.failed),
             timeout=None,
             wait_initial=cfg.backoff_initial_s,
             wait_max=cfg.backoff_max_s,
             wait_jitter=cfg.backoff_initial_s,
         ):
             with attempt:
-                number = attempt.num
-                started = await self._announce(prompt, max_tokens, number)
+                tries.sent += 1
+                number = tries.sent
+                seq = await self._admit(prompt, max_tokens)
+                try:
+                    started = await self._announce(prompt, max_tokens, number)
+                except BaseException:
+                    throttle.release()
+                    raise
                 inflight = INFLIGHT.labels(dataset=prompt.dataset)
                 inflight.inc()
                 t0 = time.monotonic()
-                seq = outage.begin()
+                outage_seq = outage.begin()
                 sent = True
                 try:
                     result = await provider.complete(prompt, dataset, max_tokens=max_tokens, may_send=may_send)
                 except NotSent:
                     sent = False  # withheld at the last moment: no latency, no outcome to count
+                    throttle.release()
                     await self._withdraw(started)
                     raise
                 except ProviderFailure as failure:
                     failure.attempt = number
                     REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
-                    if failure.retryable and number < cfg.max_attempts:
+                    if is_rate_limited(failure):
+                        throttle.refused(seq, failure.retry_after_s, failure.upstream)
+                        if throttle.stalled():
+                            await self._guard.halt_rate_limit()
+                    else:
+                        throttle.release()
+                        tries.failed += 1
+                    if failure.retryable and (is_rate_limited(failure) or tries.failed < cfg.max_attempts):
                         RETRIES.labels(provider=provider.name, reason=failure.reason).inc()
-                    if is_outage_failure(failure) and mark[0] is None:
-                        mark[0] = seq
-                    failure.answered_mark = mark[0]
-                    if outage.failure(failure, seq):
+                    if is_outage_failure(failure) and tries.mark is None:
+                        tries.mark = outage_seq
+                    failure.answered_mark = tries.mark
+                    if outage.failure(failure, outage_seq):
                         await self._guard.halt_outage()
+                    raise
+                except BaseException:
+                    throttle.release()  # cancelled: the request's place goes to the next
                     raise
                 finally:
                     latency = time.monotonic() - t0
                     inflight.dec()
                     if sent:
                         REQUEST_LATENCY.labels(provider=provider.name).observe(latency)
+                throttle.answered(result.upstream_provider, result.usage.completion_tokens)
                 REQUESTS.labels(provider=provider.name, outcome="ok").inc()
-                outage.success(seq)
+                outage.success(outage_seq)
                 return result, number, latency
         raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
+
+    async def _admit(self, prompt: PromptPublished, max_tokens: int) -> int:
+        """Pass the halt gate and the throttle; the request's throttle sequence number.
+
+        A halt that lands while the throttle holds the request back sends it to the gate
+        again (it gives its place up: other datasets' requests may go meanwhile).
+        """
+        throttle = self._guard.throttle
+        tokens = throttle.tokens_estimate(prompt_chars(prompt), max_tokens) if throttle.counts_tokens else 0
+        while True:
+            await self._halts.gate(prompt.dataset)
+            seq = await throttle.admit(tokens)
+            if not self._halts.is_halted(prompt.dataset) and not self._halts.stopping:
+                return seq
+            throttle.release()
 
     async def _announce(self, prompt: PromptPublished, max_tokens: int, attempt: int) -> RequestStarted:
         """Pass the halt gate and publish the RequestStarted record the budget counts in flight.

@@ -34,6 +34,8 @@ PREFLIGHT_ACTOR = "preflight"
 """The ``by`` of halts (and resumes) from the checks made before the first paid request."""
 OUTAGE_ACTOR = "outage-probe"
 """The ``by`` of outage halts and of the resumes the provider probe publishes."""
+RATE_LIMIT_ACTOR = "rate-limit-probe"
+"""The ``by`` of the halt a rate limit that admits nothing causes, and of the probe's resume."""
 REPAY_HEADER = topology.REPAY_HEADER
 """A prompt record carrying this header (value ``1``) is sent again even if already paid for."""
 
@@ -89,6 +91,8 @@ class ProviderFailure(Exception):  # noqa: N818 - reads better as a verdict than
     retry_after_s: float | None = None
     fatal: bool = False
     attempt: int = 1
+    # The OpenRouter upstream a refusal names (``error.metadata.provider_name``), if any.
+    upstream: str | None = None
     # The sequence number (OutageDetector.begin) of this prompt's first outage-class failed
     # request (set by the shell): no later request answered means nobody got through.
     answered_mark: int | None = None
@@ -319,6 +323,11 @@ def wants_repay(headers: Iterable[tuple[str, bytes | None]] | None) -> bool:
 
 
 # --- outages and pre-flight -------------------------------------------------------------
+
+
+def is_rate_limited(failure: ProviderFailure) -> bool:
+    """A rate-limit refusal (HTTP 429): the run was too fast, never the prompt's fault."""
+    return failure.http_status == 429
 
 
 def is_outage_failure(failure: ProviderFailure) -> bool:

@@ -5,10 +5,12 @@ failure halts the scope on ``control`` instead of paying for answers that cannot
 used, and a halt the check published earlier is lifted once it passes. An outage
 (``provider.outage_after`` connection errors, timeouts, 5xx or 404s in a row) halts every
 worker instead of draining the topic into dead letters; a probe resumes by itself when
-the provider answers again. A 401/402 halts every worker until a person resumes. A
-provider that does not implement the check (``GET /models`` answering 404, 405 or 501) but
-serves its completion endpoint is unknown, not down: pre-flight goes on and the first real
-request decides.
+the provider answers again. A rate limit that admits nothing (only 429s for
+``provider.rate_limit_stall_s``) halts every worker the same way, and the probe sends one
+request of a single token now and then until the limit admits it. A 401/402 halts every
+worker until a person resumes. A provider that does not implement the check (``GET /models``
+answering 404, 405 or 501) but serves its completion endpoint is unknown, not down:
+pre-flight goes on and the first real request decides.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from schemas import GLOBAL_SCOPE, Halt, Resume
-from services.common.config import Settings
+from schemas import GLOBAL_SCOPE, Halt, Message, PromptPublished, Resume
+from services.common.config import DatasetSettings, Settings
 from services.common.halts import HaltFollower
 from services.common.metrics import PROVIDER_OUTAGES
 from services.common.service import release
@@ -28,14 +32,20 @@ from services.inference.adapters.providers import Provider
 from services.inference.core import (
     OUTAGE_ACTOR,
     PREFLIGHT_ACTOR,
+    RATE_LIMIT_ACTOR,
     STAGE,
     OutageDetector,
     ProviderCheck,
     ProviderFailure,
+    is_rate_limited,
     outage_reason,
 )
+from services.inference.throttle import ProviderThrottle
 
 log = logging.getLogger(__name__)
+
+PROBE_DATASET = "rate-limit-probe"
+"""The dataset name of the rate-limit probe's request (sample key ``rate-limit-probe:rate-limit``)."""
 
 
 class ProviderGuard:
@@ -46,6 +56,8 @@ class ProviderGuard:
         self._provider = provider
         self._halts = halts
         self.outage = OutageDetector(settings.provider.outage_after)
+        self.throttle = ProviderThrottle(settings.provider, provider.name)
+        self._rate_limit_published = False
         self.preflight: dict[str, ProviderCheck] = {}
         self._checked: dict[str, bool] = {}
         self._completions_check: ProviderCheck | None = None
@@ -58,6 +70,9 @@ class ProviderGuard:
     def _on_halts_changed(self) -> None:
         if self._halts.standing(GLOBAL_SCOPE) is None:
             self._account_halt_published = False
+            if self._rate_limit_published:  # resumed (by the probe, another worker or a person)
+                self._rate_limit_published = False
+                self.throttle.unstall()
 
     # --- pre-flight ---------------------------------------------------------------------
 
@@ -174,6 +189,22 @@ class ProviderGuard:
             return
         await self._halts.publish(Halt(scope=GLOBAL_SCOPE, reason=reason, by=OUTAGE_ACTOR, at=time.time()))
 
+    async def halt_rate_limit(self) -> None:
+        """Nothing but 429s for ``provider.rate_limit_stall_s``: halt every worker (the probe resumes)."""
+        if self._rate_limit_published:
+            return
+        self._rate_limit_published = True
+        limits, cfg = self.throttle.limits, self._settings.provider
+        reason = (
+            f"rate limit at {cfg.base_url}: nothing admitted for {cfg.rate_limit_stall_s:g} s "
+            f"([provider] rate_limit_stall_s), {limits.stall.refusals} x HTTP 429 in a row, window "
+            f"{limits.limit}; resumes by itself when a probe request is admitted"
+        )
+        if self._halts.standing(GLOBAL_SCOPE) is not None:
+            log.error("%s (while %s is halted already)", reason, GLOBAL_SCOPE)
+            return
+        await self._halts.publish(Halt(scope=GLOBAL_SCOPE, reason=reason, by=RATE_LIMIT_ACTOR, at=time.time()))
+
     async def provider_down(self, failure: ProviderFailure) -> bool:
         """After a prompt's last attempt failed with a connection error, timeout, 5xx or 404:
         is the provider down (wait for it), or is the failure this request's own (dead letter)?
@@ -209,8 +240,9 @@ class ProviderGuard:
         self._probe = asyncio.create_task(self._probe_loop(), name="inference-probe")
 
     async def close(self) -> None:
-        """Stop the probe."""
+        """Stop the probe and the throttle's timer."""
         await release(self._probe)
+        self.throttle.close()
 
     async def _probe_loop(self) -> None:
         """While an outage halt stands, check the provider every few seconds; resume when it answers."""
@@ -218,6 +250,13 @@ class ProviderGuard:
         while True:
             await asyncio.sleep(interval)
             standing = self._halts.standing(GLOBAL_SCOPE)
+            if standing is None and self.throttle.stalled() and self.throttle.waiting:
+                # A long Retry-After: no 429 comes to notice the stall, but requests wait for it.
+                await self._halt_quietly(self.halt_rate_limit())
+                continue
+            if standing is not None and standing.by == RATE_LIMIT_ACTOR:
+                await self._probe_rate_limit()
+                continue
             if standing is None or standing.by != OUTAGE_ACTOR:
                 self._outage_published = False if standing is None else self._outage_published
                 continue
@@ -245,3 +284,36 @@ class ProviderGuard:
                 await self._halts.publish(resume)
             except KafkaError:
                 log.exception("could not publish the resume after the outage; retrying")
+
+    async def _halt_quietly(self, publishing: Coroutine[Any, Any, None]) -> None:
+        """Publish a halt or resume from the probe loop; a broker failure is retried next round."""
+        try:
+            await publishing
+        except KafkaError:
+            log.exception("could not publish on control; retrying")
+
+    async def _probe_rate_limit(self) -> None:
+        """While a rate-limit halt stands: one request of a single token; admitted means resume."""
+        if self.throttle.limits.wait_s(time.monotonic()) > 0:
+            return  # the last Retry-After has not passed yet
+        names = sorted(self._settings.datasets)
+        dataset = self._settings.dataset(names[0]) if names else DatasetSettings()
+        probe = PromptPublished(
+            dataset=PROBE_DATASET, sample_id="rate-limit", messages=[Message(role="user", content="Say OK.")]
+        )
+        try:
+            await self._provider.complete(probe, dataset, max_tokens=1)
+        except ProviderFailure as failure:
+            if is_rate_limited(failure):
+                self.throttle.limits.pause.extend(time.monotonic(), failure.retry_after_s or 0.0)
+                log.warning("rate limit still admits nothing (%s); next probe in %.0f s",
+                            failure.message[:200], self._settings.provider.probe_interval_s)
+                return
+            # Any other answer is not a rate limit: the outage detector and the prompts judge it.
+        except Exception:  # noqa: BLE001 - a probe that crashes is a probe that failed
+            log.exception("rate-limit probe failed")
+            return
+        self.throttle.unstall()
+        resume = Resume(scope=GLOBAL_SCOPE, reason="rate limit admits requests again (probe answered)",
+                        by=RATE_LIMIT_ACTOR, at=time.time())
+        await self._halt_quietly(self._halts.publish(resume))

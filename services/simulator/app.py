@@ -6,6 +6,9 @@ Endpoints: ``POST /api/v1/chat/completions`` and ``POST /v1/chat/completions``,
 in full per sample key, the ``X-Draftstream-Key`` header the inference stage sends;
 ``?key=<dataset>:<sample_id>`` for one). The truth never travels in a response body, so
 nothing downstream of the provider can read it: tests fetch it here and compare.
+With a rate limit (``rate_limit_rps``, ``rate_limit_burst``, ``max_open``:
+:mod:`services.simulator.limits`) a request beyond it is refused at once with HTTP 429, a
+``Retry-After`` and OpenRouter's error body.
 Generation is cached per prompt and latency is an ``asyncio.sleep``, so one core serves
 thousands of concurrent requests.
 """
@@ -18,10 +21,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import random
 import time
 import uuid
 from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -55,6 +60,7 @@ from services.simulator.core import (
     prompt_digest,
     render_chat_template,
 )
+from services.simulator.limits import OverCap, RequestLimiter, retry_after_text
 
 __all__ = [
     "FAULT_HEADER",
@@ -118,10 +124,22 @@ class SimulatorOptions:
     provider_name: str = "SimProvider"
     parser: str = "vllm"
     chat_template_file: str | None = None
+    # A key's limit: requests per second (token bucket of ``rate_limit_burst``, default the
+    # rate rounded up) and requests open at once; None: unlimited.
+    rate_limit_rps: float | None = None
+    rate_limit_burst: float | None = None
+    max_open: int | None = None
 
     def __post_init__(self) -> None:
         if self.parser not in PARSERS:
             raise ValueError(f"unknown parser {self.parser!r}; known: {', '.join(PARSERS)}")
+        self.limiter()  # refuses a bad limit now
+
+    def limiter(self) -> RequestLimiter:
+        """The request limiter these options set (inactive without a limit)."""
+        rps = self.rate_limit_rps
+        burst = self.rate_limit_burst if self.rate_limit_burst is not None else float(math.ceil(rps or 0))
+        return RequestLimiter(rps=rps, burst=burst, max_open=self.max_open, open_retry_after_s=self.retry_after_s)
 
     def fault_rates(self) -> dict[str, float]:
         """Rate of every fault by its name (``429``, ``5xx``, ..., ``noncanonical_same``)."""
@@ -177,6 +195,9 @@ class _Stats:
         self.statuses: Counter[str] = Counter()
         self.open = 0  # requests received and not yet answered (or abandoned)
         self.peak_open = 0  # the most of those at once
+        # Seconds during which more requests were open than the rate limit's max_open.
+        self.over_cap = OverCap(cap=None)
+        self.rate_limited = 0  # requests refused by the rate limit (429)
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         # SHA-256 of each Authorization header seen (never the header itself), so a test can
         # prove a key reached the provider without the simulator ever storing the key.
@@ -207,6 +228,9 @@ class _Stats:
             "key_faults": dict(self.key_faults),
             "statuses": dict(self.statuses),
             "peak_open_requests": self.peak_open,
+            "max_open_requests": self.over_cap.cap,
+            "seconds_over_max_open": round(self.over_cap.over_s, 6),
+            "rate_limited": self.rate_limited,
             "last_request_at": self.times[-1] if self.times else None,
             "last_request_times": self.times[-_RECENT:],
             "recent": list(self.recent),
@@ -224,6 +248,8 @@ class SimulatorServer:
         self.rates = options.fault_rates()
         self.rng = random.Random(options.seed)  # noqa: S311 - fault injection, not crypto
         self.stats = _Stats()
+        self.limiter = options.limiter()
+        self.stats.over_cap.cap = options.max_open
         self._cache: dict[tuple[Any, ...], Generation] = {}
         # Sample key -> true output ids of the last answer served in full (oldest evicted first).
         self.truth: OrderedDict[str, list[int]] | None = OrderedDict() if options.keep_truth else None
@@ -236,6 +262,14 @@ class SimulatorServer:
         spec = getattr(profile, "spec", None)  # a loaded Profile knows its BOS; a bare ProfileLike may not
         self._bos_token: str = getattr(spec, "bos_token", "") or ""
 
+    def set_rate_limit(self, rps: float | None, burst: float | None = None, max_open: int | None = None) -> None:
+        """Replace the rate limit while serving (tests lift or tighten it; None: unlimited)."""
+        options = dataclasses.replace(self.options, rate_limit_rps=rps, rate_limit_burst=burst, max_open=max_open)
+        limiter = options.limiter()
+        limiter.open = self.limiter.open  # requests admitted under the old limit are still open
+        self.options, self.limiter = options, limiter
+        self.stats.over_cap.cap = max_open
+
     def web_app(self) -> web.Application:
         """The aiohttp application with every route."""
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -247,7 +281,7 @@ class SimulatorServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/_sim/stats", self.stats_view)
         app.router.add_get("/_sim/truth", self.truth_view)
-        add_model_routes(app, self.profile.name)
+        add_model_routes(app, self.profile.name, lambda: self.limiter)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -342,15 +376,42 @@ class SimulatorServer:
         stats = self.stats
         stats.open += 1
         stats.peak_open = max(stats.peak_open, stats.open)
+        stats.over_cap.change(time.monotonic(), +1)
         try:
             return await self._chat(request)
         finally:
             stats.open -= 1
+            stats.over_cap.change(time.monotonic(), -1)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         at = time.time()
         key = request.headers.get(KEY_HEADER)
         self.stats.record(key, at, request.headers.get("Authorization"))
+        limiter = self.limiter
+        if limiter.active:
+            refused = self._rate_limited(limiter, key)
+            if refused is not None:
+                return refused
+            try:
+                return await self._admitted(request, at, key)
+            finally:
+                limiter.done()
+        return await self._admitted(request, at, key)
+
+    def _rate_limited(self, limiter: RequestLimiter, key: str | None) -> web.Response | None:
+        """The 429 a request beyond the limit gets (OpenRouter's body and headers), or None: admitted."""
+        refusal = limiter.admit(time.monotonic())
+        if refusal is None:
+            return None
+        self.stats.rate_limited += 1
+        SIMULATOR_REQUESTS.labels("rate_limited").inc()
+        reset_ms = int((time.time() + refusal.retry_after_s) * 1000)
+        headers = {"X-RateLimit-Limit": refusal.limit, "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": str(reset_ms)}
+        body = error_body(429, f"Rate limit exceeded: {refusal.reason} (simulated)")
+        body["error"]["metadata"] = {"headers": headers}
+        return self._reply(429, body, key, **{"Retry-After": retry_after_text(refusal.retry_after_s)}, **headers)
+
+    async def _admitted(self, request: web.Request, at: float, key: str | None) -> web.StreamResponse:
         completions = not request.path.endswith("/chat/completions")  # POST .../completions: a rendered prompt
         prompt_text: str | None = None
         try:
@@ -372,8 +433,7 @@ class SimulatorServer:
         self.stats.recent.append({"at": at, "key": key, "fault": transient})
 
         if transient == "429":
-            retry = self.options.retry_after_s
-            retry_text = str(int(retry)) if float(retry).is_integer() else f"{retry:g}"
+            retry_text = retry_after_text(self.options.retry_after_s)
             return self._reply(
                 429, error_body(429, "Rate limit exceeded (simulated)"), key, **{"Retry-After": retry_text}
             )
@@ -446,12 +506,14 @@ def _json(status: int, body: dict[str, Any]) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
 
-def add_model_routes(app: web.Application, profile_name: str) -> None:
+def add_model_routes(
+    app: web.Application, profile_name: str, limiter: Callable[[], RequestLimiter] | None = None
+) -> None:
     """The inference pre-flight and outage probes: never counted as requests.
 
     ``GET /api/v1/models`` and ``GET /v1/models``: the OpenAI-style model list (the simulator
     answers any model name; it lists its profile). ``GET /api/v1/key``: OpenRouter's key
-    check (401 without a bearer key; no credit limit).
+    check (401 without a bearer key; no credit limit; ``rate_limit`` while ``limiter`` sets a rate).
     """
 
     async def models(request: web.Request) -> web.Response:
@@ -461,7 +523,12 @@ def add_model_routes(app: web.Application, profile_name: str) -> None:
     async def key(request: web.Request) -> web.Response:
         if not request.headers.get("Authorization", "").startswith("Bearer "):
             return web.json_response(error_body(401, "No auth credentials found"), status=401)
-        data = {"label": "simulator", "limit": None, "usage": 0.0, "limit_remaining": None, "is_free_tier": False}
+        data: dict[str, Any] = {
+            "label": "simulator", "limit": None, "usage": 0.0, "limit_remaining": None, "is_free_tier": False
+        }
+        rate_limit = limiter() if limiter is not None else None
+        if rate_limit is not None and rate_limit.rps is not None:
+            data["rate_limit"] = {"requests": rate_limit.rps, "interval": "1s"}  # topology: not a topic
         return web.json_response({"data": data})
 
     app.router.add_get("/api/v1/models", models)

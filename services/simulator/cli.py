@@ -64,6 +64,17 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         ] = None,
         retry_after: Annotated[float, typer.Option(help="Retry-After of a 429, seconds")] = 0.1,
         timeout_sleep: Annotated[float, typer.Option(help="How long a 'timeout' fault stalls, seconds")] = 30.0,
+        rate_limit_rps: Annotated[
+            float | None,
+            typer.Option(help="Admit this many requests per second (token bucket); beyond: 429 with Retry-After"),
+        ] = None,
+        rate_limit_burst: Annotated[
+            float | None, typer.Option(help="Requests the bucket admits at once [default: the rate, rounded up]")
+        ] = None,
+        max_open: Annotated[
+            int | None,
+            typer.Option(help="Requests answered at once; beyond: 429 with Retry-After of --retry-after"),
+        ] = None,
         count_end_of_turn: Annotated[
             bool, typer.Option(help="Count the end-of-turn token in usage.completion_tokens")
         ] = True,
@@ -121,6 +132,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 price_per_token=price_per_token,
                 parser=parser,
                 chat_template_file=str(chat_template_file) if chat_template_file is not None else None,
+                rate_limit_rps=rate_limit_rps,
+                rate_limit_burst=rate_limit_burst,
+                max_open=max_open,
             ).with_fault_rates(_parse_rates(fault_rate or []))
         except ValueError as exc:
             fail(str(exc))

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import httpx
 from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas import ACCEPTED_TOPIC, DEAD_LETTER_TOPIC, DLQ_HEADERS, Halt, topology
@@ -20,7 +21,7 @@ from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
 from services.common.topics import partitions_of, read_to_end
 from services.control import read_budget_snapshots, read_control_state
-from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot
+from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot, rate_limits_from_metrics
 
 
 async def _committed(admin: Any, group: str) -> dict[TopicPartition, int]:
@@ -102,7 +103,24 @@ async def collect(
     await read_to_end(kafka, kafka.topic(ACCEPTED_TOPIC), accepted)
     snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
+    await _rate_limits(settings, snapshot)
     return snapshot
+
+
+async def _rate_limits(settings: Settings, snapshot: StatusSnapshot) -> None:
+    """The local inference worker's rate-limit windows, from its metrics endpoint (when it serves one)."""
+    metrics = settings.metrics
+    url = f"http://{metrics.host}:{metrics.inference_port}/metrics"
+    snapshot.rate_limits_source = url if metrics.inference_port else "[metrics] inference_port = 0"
+    if not metrics.inference_port:
+        return
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            response = await client.get(url)
+            response.raise_for_status()
+    except httpx.HTTPError:
+        return  # no worker here: the table says so
+    snapshot.rate_limits = rate_limits_from_metrics(response.text)
 
 
 __all__ = ["collect"]

@@ -3,8 +3,9 @@
 What came from the wire (scopes, halt reasons, dead-letter reasons) goes into the tables as
 :class:`rich.text.Text`, so no console reads it as markup or emoji codes.
 
-Five panels: the halts standing on ``control`` (scope, who, why: a pre-flight or outage
-halt says what to fix), the budget table (latest :class:`schemas.BudgetSnapshot` per
+Six panels: the halts standing on ``control`` (scope, who, why: a pre-flight or outage
+halt says what to fix), the inference worker's rate-limit window (read from its metrics
+endpoint), the budget table (latest :class:`schemas.BudgetSnapshot` per
 scope), records per stage topic (end offsets, with a rate between two snapshots under
 ``--watch``), consumer lag per stage group, and dead letters by stage and reason; then the
 accepted answers that were truncated (``accept_truncated``), counted apart per dataset.
@@ -49,6 +50,17 @@ class GroupLag:
         return max(0, self.end - (self.start if self.committed is None else self.committed))
 
 
+@dataclass(frozen=True)
+class RateLimitRow:
+    """One adaptive window of an inference worker: provider, upstream (or ``key``), size, 429s, pause."""
+
+    provider: str
+    upstream: str
+    window: int
+    refused: int = 0
+    paused_s: float = 0.0
+
+
 @dataclass
 class StatusSnapshot:
     """Everything the status screen shows, read at one moment."""
@@ -64,6 +76,9 @@ class StatusSnapshot:
     accepted_truncated: Counter[str] = field(default_factory=Counter)
     topic_prefix: str = ""
     groups: tuple[str, ...] = tuple(GROUP_INPUTS)
+    # The local inference worker's rate limits, from its metrics endpoint (None: not reachable).
+    rate_limits: list[RateLimitRow] | None = None
+    rate_limits_source: str = ""
 
     def stage_records(self, logical: str) -> int:
         """Records written to a logical topic (summed over every dataset for ``prompts.*``)."""
@@ -112,6 +127,21 @@ def halts_table(snapshot: StatusSnapshot) -> Table:
         table.add_row(Text(halt.scope, style="bold red"), Text(halt.by or "-"), since, Text(halt.reason))
     if not snapshot.halts:
         table.add_row("(none)", "", "", "")
+    return table
+
+
+def rate_limit_table(snapshot: StatusSnapshot) -> Table:
+    """The inference worker's rate-limit windows: requests admitted in flight, 429s, time paused."""
+    table = Table(title="rate limits (inference worker)", title_justify="left")
+    for name in ("provider", "upstream", "window", "429s", "paused by Retry-After"):
+        table.add_column(name, justify="left" if name in ("provider", "upstream") else "right")
+    if snapshot.rate_limits is None:
+        table.add_row(f"(no inference metrics at {snapshot.rate_limits_source or '-'})", "", "", "", "")
+        return table
+    for row in sorted(snapshot.rate_limits, key=lambda r: (r.provider, r.upstream != "key", r.upstream)):
+        table.add_row(row.provider, row.upstream, f"{row.window:,}", f"{row.refused:,}", f"{row.paused_s:,.1f} s")
+    if not snapshot.rate_limits:
+        table.add_row("(no provider requests yet)", "", "", "", "")
     return table
 
 
@@ -177,6 +207,7 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
     parts: list[RenderableType] = [
         header,
         halts_table(snapshot),
+        rate_limit_table(snapshot),
         budget_table(snapshot),
         throughput_table(snapshot, previous),
         lag_table(snapshot),
@@ -195,11 +226,42 @@ __all__ = [
     "GROUP_INPUTS",
     "STAGE_TOPICS",
     "GroupLag",
+    "RateLimitRow",
     "StatusSnapshot",
     "budget_table",
     "dead_letter_table",
     "halts_table",
     "lag_table",
+    "rate_limit_table",
+    "rate_limits_from_metrics",
     "render",
     "throughput_table",
 ]
+
+
+def rate_limits_from_metrics(text: str) -> list[RateLimitRow]:
+    """The rate-limit rows in a Prometheus text exposition (an inference worker's ``/metrics``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    windows: dict[tuple[str, str], float] = {}
+    refused: dict[tuple[str, str], float] = {}
+    paused: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            provider, upstream = sample.labels.get("provider", ""), sample.labels.get("upstream", "")
+            if sample.name == "draftstream_provider_window_requests":
+                windows[(provider, upstream)] = sample.value
+            elif sample.name == "draftstream_provider_rate_limited_total":
+                refused[(provider, upstream)] = sample.value
+            elif sample.name == "draftstream_provider_rate_limit_paused_seconds_total":
+                paused[provider] = sample.value
+    return [
+        RateLimitRow(
+            provider=provider,
+            upstream=upstream,
+            window=int(window),
+            refused=int(refused.get((provider, upstream), 0)),
+            paused_s=paused.get(provider, 0.0) if upstream == "key" else 0.0,
+        )
+        for (provider, upstream), window in windows.items()
+    ]

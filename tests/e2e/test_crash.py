@@ -5,7 +5,7 @@ What "accounted for exactly once" means here (at-least-once delivery, idempotent
 every published prompt has exactly one row in the training files, or no row and at least one
 dead letter; no key appears twice in the training files; nothing outside the published keys
 comes out. A prompt re-processed after a crash may have been dead-lettered by its first run
-(e.g. 429s to the last attempt) and accepted by its second: such keys are counted and
+(e.g. 5xx to the last attempt) and accepted by its second: such keys are counted and
 printed, not failed.
 
 What "the budget totals equal the usage of all responses" means: the budget is the bill, and

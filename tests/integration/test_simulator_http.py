@@ -216,6 +216,34 @@ async def test_429_has_retry_after_and_a_retry_succeeds(sim_factory: SimFactory)
     assert stats["keys"] == {"d:1": 2} and stats["key_faults"] == {"d:1": ["429"]}
 
 
+async def test_a_rate_limit_refuses_beyond_its_bucket_and_its_open_cap_like_openrouter(
+    sim_factory: SimFactory,
+) -> None:
+    sim = await sim_factory(rate_limit_rps=1.0, rate_limit_burst=2.0, max_open=1, retry_after_s=1.0, latency_s=0.3)
+    async with httpx.AsyncClient() as client:
+        # Two at once: the open cap (1) refuses the second while the first is answered.
+        first, second = await asyncio.gather(post(client, sim, body()), post(client, sim, body()))
+        third = await post(client, sim, body())  # the bucket's second token
+        fourth = await post(client, sim, body())  # 0.6 of a token left: 0.4 s to the next
+        key = (await client.get(f"{sim.url}/key", headers={"Authorization": "Bearer x"})).json()["data"]
+    statuses = sorted([first.status_code, second.status_code])
+    assert statuses == [200, 429] and third.status_code == 200 and fourth.status_code == 429
+    capped = first if first.status_code == 429 else second
+    assert capped.headers["Retry-After"] == "1" and capped.headers["X-RateLimit-Limit"] == "1"
+    error = capped.json()["error"]
+    assert error["code"] == 429 and "open at once" in error["message"]
+    assert error["metadata"]["headers"]["X-RateLimit-Remaining"] == "0"
+    assert 0 < float(fourth.headers["Retry-After"]) <= 0.5 and fourth.headers["X-RateLimit-Limit"] == "1/s"
+    assert "per second" in fourth.json()["error"]["message"]
+    stats = sim.stats()
+    assert stats["rate_limited"] == 2 and stats["statuses"] == {"200": 2, "429": 2}
+    assert stats["max_open_requests"] == 1 and stats["peak_open_requests"] == 2  # the refused one, a moment
+    assert key["rate_limit"] == {"requests": 1.0, "interval": "1s"}  # topology: not a topic
+    sim.server.set_rate_limit(None)  # lifted while serving
+    async with httpx.AsyncClient() as client:
+        assert all(r.status_code == 200 for r in await asyncio.gather(*(post(client, sim, body()) for _ in range(5))))
+
+
 async def test_5xx(sim_factory: SimFactory) -> None:
     sim = await sim_factory()
     async with httpx.AsyncClient() as client:

@@ -234,7 +234,7 @@ def test_alert_measures_are_what_each_alert_compares() -> None:
 # Units Grafana knows (a subset of dashboard-linter's list: the ones these dashboards may use).
 _UNITS = {"none", "short", "percent", "percentunit", "currencyUSD", "bytes", "decbytes", "Bps", "binBps",
           "s", "ms", "ops", "reqps", "rps", "wps", "cps"}
-_SELECTOR = re.compile(r"\b(draftstream_[a-z_]+|up)\s*(\{[^}]*\})?")
+_SELECTOR = re.compile(r"\b(draftstream_[a-z_]+|up)\b\s*(\{[^}]*\})?")  # "up", not "upstream"
 
 
 def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
@@ -327,6 +327,18 @@ def test_errors_and_pipeline_dashboards_cover_the_issue_panels() -> None:
         assert needle in pipeline
 
 
+def test_pipeline_dashboard_shows_the_rate_limit_window_429s_and_retry_after_pauses() -> None:
+    pipeline = pq.load_dashboards()["pipeline"]
+    (panel,) = [p for p in _panels(pipeline) if p["title"] == "Rate limits"]
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert any(e.startswith("sum by (provider, upstream) (draftstream_provider_window_requests{") for e in exprs)
+    assert any("rate(draftstream_provider_rate_limited_total{" in e and "by (provider, upstream)" in e for e in exprs)
+    assert any("rate(draftstream_provider_rate_limit_paused_seconds_total{" in e for e in exprs)
+    # The live panel check queries every target; the rendered queries include these three.
+    names = {name for name, _ in pq.panel_queries() if "/ Rate limits [" in name}
+    assert len(names) == 3
+
+
 def test_dashboard_linter_script_is_valid_bash() -> None:
     script = ROOT / "deploy" / "lint-dashboards.sh"
     assert os.access(script, os.X_OK)
@@ -384,6 +396,9 @@ HEALTHY_RUN = [
     (f'{_LATENCY}{{{_I}, provider="simulator", le="1"}}', "0+10x40"),
     (f'{_LATENCY}{{{_I}, provider="simulator", le="+Inf"}}', "0+10x40"),
     (f'draftstream_inflight_requests{{{_I}, dataset="code"}}', "3x40"),
+    (f'draftstream_provider_window_requests{{{_I}, provider="simulator", upstream="key"}}', "256x40"),
+    (f'draftstream_provider_rate_limited_total{{{_I}, provider="simulator", upstream="key"}}', "0x40"),
+    (f'draftstream_provider_rate_limit_paused_seconds_total{{{_I}, provider="simulator"}}', "0x40"),
     (f'draftstream_responses_total{{{_I}, dataset="code"}}', "0+10x40"),
     (f'draftstream_consumer_lag_records{{{_I}, group="draftstream-inference", topic="prompts.code"}}',
      "5x40"),

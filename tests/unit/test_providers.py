@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from schemas import Message, PromptPublished
-from services.common.config import Settings, load_settings
+from services.common.config import DatasetSettings, Settings, load_settings
 from services.inference.adapters.providers import (
     KEY_HEADER,
     SIMULATOR_FAULT_HEADER,
@@ -509,3 +509,34 @@ def test_request_identity_changes_with_what_decides_the_answer() -> None:
     # metadata is not sent to the provider: it does not change the request
     tagged = _prompt(metadata={"source_line": 7})
     assert base == request_hash(provider.request_identity(tagged, settings.defaults, max_tokens=5))
+
+
+async def test_a_429_naming_an_openrouter_upstream_carries_it_and_its_retry_after() -> None:
+    body = {"error": {"code": 429, "message": "Provider returned error",
+                      "metadata": {"provider_name": "DeepInfra", "raw": "rate limited upstream"}}}
+    rec = Recorder(httpx.Response(429, headers={"Retry-After": "2"}, json=body))
+    async with _client(rec) as client:
+        provider = make_provider(_settings(kind="openrouter", api_key=SECRET), client)
+        with pytest.raises(ProviderFailure) as caught:
+            await provider.complete(_prompt(), DatasetSettings(), max_tokens=8)
+    failure = caught.value
+    assert (failure.http_status, failure.reason, failure.upstream) == (429, "provider_http_429", "DeepInfra")
+    assert failure.retry_after_s == 2.0 and failure.retryable
+    # The key's own limit names no upstream.
+    own = Recorder(httpx.Response(429, json={"error": {"code": 429, "message": "Rate limit exceeded"}}))
+    async with _client(own) as client:
+        with pytest.raises(ProviderFailure) as caught:
+            await make_provider(_settings(kind="openrouter", api_key=SECRET), client).complete(
+                _prompt(), DatasetSettings(), max_tokens=8
+            )
+    assert caught.value.upstream is None and caught.value.retry_after_s is None
+
+
+async def test_openrouter_check_logs_the_keys_rate_limit_when_it_reports_one() -> None:
+    body = {"data": {"label": "k", "limit": None, "usage": 0, "rate_limit": {"requests": 200, "interval": "10s"}}}
+    async with _client(Recorder(httpx.Response(200, json=body))) as client:
+        check = await make_provider(_settings(kind="openrouter", api_key=SECRET), client).check()
+    assert check.ok and "rate limit 200 request(s) per 10s" in check.detail
+    async with _client(Recorder(httpx.Response(200, json={"data": {"label": "k"}}))) as client:
+        check = await make_provider(_settings(kind="openrouter", api_key=SECRET), client).check()
+    assert check.ok and "rate limit" not in check.detail

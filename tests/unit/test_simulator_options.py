@@ -69,3 +69,16 @@ def test_cli_refuses_a_bad_parser_or_template_before_loading_anything(tmp_path: 
     broken.write_text("{% if %}", encoding="utf-8")
     syntax = runner.invoke(app, ["simulate-provider", "--chat-template-file", str(broken)])
     assert syntax.exit_code == 2 and "broken.jinja" in syntax.output
+
+
+def test_rate_limit_options_make_a_limiter_and_bad_ones_are_refused() -> None:
+    assert not SimulatorOptions().limiter().active  # unlimited by default
+    limited = SimulatorOptions(rate_limit_rps=2.5, max_open=4, retry_after_s=1.0).limiter()
+    assert (limited.rps, limited.burst, limited.max_open, limited.open_retry_after_s) == (2.5, 3.0, 4, 1.0)
+    assert SimulatorOptions(rate_limit_rps=10, rate_limit_burst=0).limiter().burst == 0.0
+    with pytest.raises(ValueError):
+        SimulatorOptions(rate_limit_rps=-1)
+    from services.cli import app
+
+    refused = CliRunner().invoke(app, ["simulate-provider", "--rate-limit-rps", "0"])
+    assert refused.exit_code == 2 and "rate limit" in refused.output

@@ -179,6 +179,13 @@ def _error_text(error: Any) -> str:
     return str(error)[:_MAX_ERROR_TEXT]
 
 
+def _error_upstream(error: Any) -> str | None:
+    """The upstream an OpenRouter error names (``error.metadata.provider_name``), if any."""
+    metadata = error.get("metadata") if isinstance(error, dict) else None
+    name = metadata.get("provider_name") if isinstance(metadata, dict) else None
+    return name[:100] if isinstance(name, str) and name else None
+
+
 def _body_error(error: Any) -> ProviderFailure:
     """An error object inside an HTTP 200 body: retryable, unless it says 401/402."""
     code = error.get("code") if isinstance(error, dict) else None
@@ -360,6 +367,15 @@ def parse_sglang(body: Any, *, think_end: str | None = "</think>") -> ProviderRe
         ),
         native_output_ids=gen.output_ids,
     )
+
+
+def key_rate_limit(data: dict[str, Any]) -> str:
+    """The rate limit OpenRouter's ``GET /key`` reports (``rate_limit: {requests, interval}``), as text."""
+    limit = data.get("rate_limit")
+    requests = limit.get("requests") if isinstance(limit, dict) else None  # topology: not a topic
+    if not isinstance(limit, dict) or requests is None:
+        return ""
+    return f", rate limit {requests} request(s) per {limit.get('interval') or '?'}"
 
 
 # --- transport failures ---
@@ -584,16 +600,16 @@ class _HttpProvider:
         finally:
             _MAY_SEND.reset(asked)
         if not 200 <= response.status_code < 300:
-            text = response.text[:_MAX_ERROR_TEXT]
+            text, upstream = response.text[:_MAX_ERROR_TEXT], None
             try:
                 parsed = json.loads(text)
                 if isinstance(parsed, dict) and parsed.get("error"):
-                    text = _error_text(parsed["error"])
+                    text, upstream = _error_text(parsed["error"]), _error_upstream(parsed["error"])
             except ValueError:
                 pass
-            raise classify_status(
-                response.status_code, self._redact(text), response.headers.get("retry-after")
-            )
+            failure = classify_status(response.status_code, self._redact(text), response.headers.get("retry-after"))
+            failure.upstream = upstream
+            raise failure
         return decode_json_body(response.content)
 
 
@@ -848,6 +864,7 @@ class OpenRouterProvider(_HttpProvider):
             f"OpenRouter key {data.get('label') or '?'}: credit limit "
             f"{'none' if limit is None else f'${limit}'}, usage ${usage if usage is not None else '?'}"
             + (f", remaining ${remaining}" if remaining is not None else "")
+            + key_rate_limit(data)
         )
         if remaining is not None and isinstance(remaining, int | float) and remaining <= 0:
             return ProviderCheck(

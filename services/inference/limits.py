@@ -1,0 +1,206 @@
+"""Rate limits, pure: the adaptive window of requests in flight, the Retry-After pause, the stall.
+
+No I/O and no clock: every method that needs the time takes ``now`` (monotonic seconds), so
+the policy is unit-tested on its own and :mod:`services.inference.throttle` wires it to asyncio.
+
+- :class:`AimdWindow` is additive-increase / multiplicative-decrease in the manner of
+  Netflix's concurrency-limits ``AIMDLimit`` and TCP: until the first refusal (HTTP 429) an
+  answer grows the window by one (slow start), after it by one per window of answers, and
+  only while the window is in use (at least half of it in flight). A refusal shrinks it to
+  the share of the last round's requests that got through, between a half and nine tenths
+  (a first refusal with nothing to go by: a half), at most once per round: refusals of
+  requests sent before the last cut were sent under the old window and say nothing new
+  (TCP's one-decrease-per-RTT).
+- :class:`ProviderLimits` keeps one window for the provider (the key's own limit) and one
+  per OpenRouter upstream that a reply or a refusal names; what may be in flight is the
+  provider's window, and never more than the upstreams seen so far take together.
+- A ``Retry-After`` pauses every *new* request until it has passed (:class:`Pause`).
+- :class:`StallClock`: refusals and no answer for ``stall_s`` means the limit admits nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KEY_SCOPE = "key"
+"""The label of the provider's own window (a refusal that names no upstream)."""
+
+
+@dataclass
+class AimdWindow:
+    """How many requests may be in flight: grows by one per answer, halves on a refusal."""
+
+    ceiling: int
+    floor: int = 1
+    min_backoff: float = 0.5
+    max_backoff: float = 0.9
+    size: float = 0.0
+    cut_after: int = 0  # requests numbered up to this were sent before the last cut
+    slow_start: bool = True
+    answers: int = 0  # since the last cut
+    refusals: int = 0  # since the last cut
+
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            self.size = float(self.ceiling)
+
+    @property
+    def limit(self) -> int:
+        """The whole number of requests the window admits."""
+        return max(self.floor, min(self.ceiling, int(self.size)))
+
+    def answered(self, in_flight: int) -> None:
+        """An answer: grow by one while at least half the window is used (an idle window stays put)."""
+        self.answers += 1
+        if 2 * in_flight >= self.limit:
+            step = 1.0 if self.slow_start else 1.0 / self.size
+            self.size = min(float(self.ceiling), self.size + step)
+
+    def refused(self, seq: int, last_seq: int) -> bool:
+        """A refusal of request ``seq`` (``last_seq``: the newest sent); True when the window shrank."""
+        self.refusals += 1
+        if seq <= self.cut_after:
+            return False
+        share = self.answers / (self.answers + self.refusals) if not self.slow_start else 0.0
+        backoff = min(self.max_backoff, max(self.min_backoff, share))
+        self.size = max(float(self.floor), self.size * backoff)
+        self.cut_after = last_seq
+        self.slow_start = False
+        self.answers = self.refusals = 0
+        return True
+
+    def restart(self) -> None:
+        """Grow fast again (after a stall was lifted: where the limit now lies is not known)."""
+        self.slow_start = True
+
+
+@dataclass
+class Pause:
+    """New requests wait until ``until``; ``paused_s`` is how much waiting Retry-After added in all."""
+
+    until: float = 0.0
+    paused_s: float = 0.0
+
+    def extend(self, now: float, seconds: float) -> float:
+        """Pause until ``now + seconds`` (never shorter than a pause already standing); seconds added."""
+        start = max(self.until, now)
+        end = now + max(0.0, seconds)
+        if end <= start:
+            return 0.0
+        self.until = end
+        self.paused_s += end - start
+        return end - start
+
+    def remaining(self, now: float) -> float:
+        """Seconds a new request still waits."""
+        return max(0.0, self.until - now)
+
+
+@dataclass
+class StallClock:
+    """Refused since ``since`` with no answer in between: after ``stall_s`` the limit admits nothing."""
+
+    stall_s: float
+    since: float | None = None
+    last: float = 0.0
+    refusals: int = 0
+
+    def refused(self, now: float) -> None:
+        """A refusal: the clock starts at the first one after an answer, or after a quiet spell.
+
+        Refusals ``stall_s`` apart with nothing sent between (the prompts held by a halt
+        meanwhile) are not a storm: the clock starts again.
+        """
+        if self.since is None or now - self.last > self.stall_s:
+            self.since, self.refusals = now, 0
+        self.last = now
+        self.refusals += 1
+
+    def answered(self) -> None:
+        """Something got through: the clock stops."""
+        self.since = None
+        self.refusals = 0
+
+    def stalled(self, now: float) -> bool:
+        """Nothing but refusals for ``stall_s``."""
+        return self.since is not None and now - self.since >= self.stall_s
+
+
+@dataclass
+class ProviderLimits:
+    """The windows of one provider (and its upstreams), the pause and the stall clock."""
+
+    ceiling: int
+    stall_s: float
+    default_pause_s: float = 0.5
+    windows: dict[str, AimdWindow] = field(default_factory=dict)
+    pause: Pause = field(default_factory=Pause)
+    stall: StallClock = field(init=False)
+    in_flight: int = 0
+    sent: int = 0
+    refusals: int = 0
+
+    def __post_init__(self) -> None:
+        self.stall = StallClock(self.stall_s)
+        self.windows.setdefault(KEY_SCOPE, AimdWindow(self.ceiling))
+
+    def window(self, scope: str | None) -> AimdWindow:
+        """The window of ``scope`` (an upstream's name; None: the key's own), made on first sight."""
+        name = scope or KEY_SCOPE
+        if name not in self.windows:
+            self.windows[name] = AimdWindow(self.ceiling)
+        return self.windows[name]
+
+    @property
+    def limit(self) -> int:
+        """Requests that may be in flight: the key's window, within what the upstreams take together."""
+        own = self.windows[KEY_SCOPE].limit
+        upstreams = [w.limit for name, w in self.windows.items() if name != KEY_SCOPE]
+        return min(own, sum(upstreams)) if upstreams else own
+
+    def wait_s(self, now: float) -> float:
+        """How long a new request waits for the pause (0: it may go when the window has room)."""
+        return self.pause.remaining(now)
+
+    def may_start(self, now: float) -> bool:
+        """Whether a new request may be sent now."""
+        return self.pause.remaining(now) <= 0 and self.in_flight < self.limit
+
+    def start(self) -> int:
+        """A request is sent: its sequence number."""
+        self.in_flight += 1
+        self.sent += 1
+        return self.sent
+
+    def release(self) -> None:
+        """A request ended without saying anything about the limit (another failure, or not sent)."""
+        self.in_flight = max(0, self.in_flight - 1)
+
+    def answered(self, upstream: str | None) -> None:
+        """An answer (served by ``upstream`` when the reply names one): the windows grow, no stall."""
+        self.release()
+        self.windows[KEY_SCOPE].answered(self.in_flight + 1)
+        if upstream:
+            self.window(upstream).answered(self.in_flight + 1)
+        self.stall.answered()
+
+    def refused(self, seq: int, now: float, retry_after_s: float | None, upstream: str | None = None) -> float:
+        """Request ``seq`` got a 429: shrink the window it names, pause new requests; seconds added to the pause."""
+        self.release()
+        self.refusals += 1
+        self.window(upstream).refused(seq, self.sent)
+        self.stall.refused(now)
+        return self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
+
+    def stalled(self, now: float) -> bool:
+        """Nothing but 429s for ``stall_s``."""
+        return self.stall.stalled(now)
+
+    def unstall(self) -> None:
+        """The stall is over (a probe got through, or a person resumed): windows grow fast again."""
+        self.stall.answered()
+        for window in self.windows.values():
+            window.restart()
+
+
+__all__ = ["KEY_SCOPE", "AimdWindow", "Pause", "ProviderLimits", "StallClock"]
