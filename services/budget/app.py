@@ -1,8 +1,10 @@
 """The budget service's Kafka wiring: feeds the :class:`Ledger`, publishes its halts.
 
 Reads ``requests`` and ``responses`` (every partition, manual assignment, no consumer
-group: one budget instance per deployment) plus ``control``; publishes halts/resumes on
-``control`` and checkpoints on ``budget-state``. On start it rebuilds the ledger from
+group: one budget instance per deployment) plus ``control``, and the audit verdicts
+(``accepted`` and the judging stages' ``dead-letter`` records) for the quality halt
+(services.budget.quality); publishes halts/resumes on ``control`` and checkpoints on
+``budget-state``. On start it rebuilds the ledger from
 the latest checkpoints and seeks to the offsets they carry (see services.budget.core for
 why that neither forgets nor double counts).
 
@@ -17,9 +19,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from schemas import (
+    ACCEPTED_TOPIC,
     BUDGET_STATE_TOPIC,
     CONTROL_TOPIC,
     DEAD_LETTER_TOPIC,
@@ -27,6 +31,7 @@ from schemas import (
     GLOBAL_SCOPE,
     REQUESTS_TOPIC,
     RESPONSES_TOPIC,
+    BudgetSnapshot,
     Halt,
     RequestStarted,
     ResponseReceived,
@@ -36,6 +41,7 @@ from schemas import (
     encode,
 )
 from services.budget.core import Caps, Counted, Ledger
+from services.budget.quality import QUALITY_ACTOR, QualityGate, Verdict, accepted_verdict, dead_letter_verdict
 from services.common.acls import used_topics
 from services.common.config import Settings
 from services.common.halts import HaltFollower
@@ -71,7 +77,7 @@ log = logging.getLogger(__name__)
 STAGE = "budget"
 # What the service consumes (schemas.topology's budget role), in the order a batch is applied:
 # requests before responses, so an answer in the same batch closes its request.
-CONSUMED = (REQUESTS_TOPIC, RESPONSES_TOPIC, DEAD_LETTER_TOPIC)
+CONSUMED = (REQUESTS_TOPIC, RESPONSES_TOPIC, DEAD_LETTER_TOPIC, ACCEPTED_TOPIC)
 """Read by the budget's own consumer; ``control`` is followed by its :class:`HaltFollower`."""
 _ORDER = {topic: i for i, topic in enumerate(CONSUMED)}
 _STATE_CODE = {"running": 0, "soft-limit": 1, "halted": 2}
@@ -117,11 +123,13 @@ class BudgetService:
         self.checkpoint_interval_s = checkpoint_interval_s
         self.prompts_refresh_s = prompts_refresh_s
         self.ledger = ledger_for(settings)
+        self.quality = QualityGate(window=settings.budget.quality_window, min_yield=settings.budget.min_yield)
         self.published_control: list[Halt | Resume] = []
         self._stopping = asyncio.Event()
         # The standing halt or resume of every scope, as control events arrive (its own too).
         self.control = HaltFollower(settings.kafka, self._stopping)
         self.control.event_listeners.append(self.ledger.apply_control)
+        self.control.event_listeners.append(self._on_control)
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._logical = {settings.kafka.topic(n): n for n in CONSUMED}
@@ -142,6 +150,7 @@ class BudgetService:
         snapshots = await read_budget_snapshots(self.settings)
         now = self.clock()
         seek = self.ledger.restore(sorted(snapshots.values(), key=lambda s: s.scope == GLOBAL_SCOPE), now)
+        self.quality.restore(snapshots.values())
         consumer = make_consumer(kafka, group_id=None, fetch_max_wait_ms=50)
         await consumer.start()
         self._consumer = consumer
@@ -212,16 +221,23 @@ class BudgetService:
         position = f"{logical}:{record.partition}"
         now = self.clock()
         try:
+            if logical == ACCEPTED_TOPIC:
+                # A verdict only; a record that is no passed sample is the sink's to dead-letter.
+                self.ledger.skip(position, record.offset)
+                return self._judge(accepted_verdict(record.value))
             if logical == DEAD_LETTER_TOPIC:
-                # Only to learn which requests ended without a response (their failed
-                # attempts cost nothing the provider reported); never dead-lettered again.
+                # To learn which requests ended without a response (their failed attempts
+                # cost nothing the provider reported) and which paid answers were thrown
+                # away (the quality halt); never dead-lettered again.
                 key = (record.key or b"").decode("utf-8", "replace")
-                if header(record.headers, DLQ_HEADERS.STAGE) == "inference" and ":" in key:
+                stage = header(record.headers, DLQ_HEADERS.STAGE)
+                if stage == "inference" and ":" in key:
                     dataset, _, sample_id = key.partition(":")
                     self.ledger.on_request_failed(dataset, sample_id, position, record.offset)
-                else:
-                    self.ledger.skip(position, record.offset)
-                return []
+                    return []
+                self.ledger.skip(position, record.offset)
+                reason = header(record.headers, DLQ_HEADERS.REASON)
+                return self._judge(dead_letter_verdict(stage, reason, record.value))
             if logical == REQUESTS_TOPIC:
                 request = decode(record.value, RequestStarted)
                 self._check_dataset(request.dataset)
@@ -247,6 +263,30 @@ class BudgetService:
             # Keep the offsets moving so a checkpoint never replays a dead letter.
             self.ledger.skip(position, record.offset)
             return []
+
+    def _judge(self, verdict: Verdict | None) -> list[Halt | Resume]:
+        """Feed one verdict to the quality gate; the quality halt it calls for, if any."""
+        if verdict is None or verdict.dataset == GLOBAL_SCOPE:
+            return []
+        reason = self.quality.observe(verdict)
+        self.ledger.touch(verdict.dataset)
+        if reason is None or isinstance(self.ledger.control.get(verdict.dataset), Halt):
+            return []
+        halt = Halt(scope=verdict.dataset, reason=reason, by=QUALITY_ACTOR, at=self.clock())
+        self.ledger.apply_control(halt)
+        return [halt]
+
+    def _on_control(self, event: Halt | Resume) -> None:
+        """A resume of a dataset starts its quality windows afresh (the fix is judged by new answers)."""
+        if isinstance(event, Resume) and event.scope != GLOBAL_SCOPE:
+            self.quality.reset(event.scope, event.at)
+
+    def _with_quality(self, snap: BudgetSnapshot) -> BudgetSnapshot:
+        """A dataset's snapshot with its quality figures (per dataset and per upstream)."""
+        if snap.scope == GLOBAL_SCOPE:
+            return snap
+        figures, upstreams = self.quality.figures(snap.scope)
+        return msgspec.structs.replace(snap, quality=figures, upstreams=upstreams)
 
     @staticmethod
     def _check_dataset(dataset: str) -> None:
@@ -304,7 +344,9 @@ class BudgetService:
 
     async def _checkpoint(self, now: float, *, everything: bool = False) -> None:
         self._last_checkpoint = now
-        snaps = self.ledger.checkpoint(now, self.remaining_prompts(), everything=everything)
+        snaps = [
+            self._with_quality(s) for s in self.ledger.checkpoint(now, self.remaining_prompts(), everything=everything)
+        ]
         if not snaps or self._producer is None:
             return
         topic = self.settings.kafka.topic(BUDGET_STATE_TOPIC)

@@ -171,6 +171,11 @@ class BudgetSettings(BaseModel):
     prices: dict[str, dict[str, float]] = Field(default_factory=dict)
     rate_window_s: float = Field(default=60.0, gt=0)
     include_inflight: bool = True
+    # The quality halt (services/budget/quality.py): a dataset, or one OpenRouter upstream of
+    # it, whose accepted share over its last quality_window audit verdicts is below min_yield
+    # is halted on control with the top dead-letter reasons. 0 turns it off.
+    min_yield: float = Field(default=0.9, ge=0, le=1)
+    quality_window: int = Field(default=200, ge=1, le=1_000_000)
 
 
 class ProfileSettings(BaseModel):
