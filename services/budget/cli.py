@@ -102,7 +102,8 @@ def resume_command(
     print(f"resumed {scope} (by {event.by}: {reason})")
     print(
         "note: if the budget halted this scope because a cap was reached, it halts it again; "
-        "raise the cap in the config and restart the budget service instead."
+        "raise the cap in the config and restart the budget service instead. After a quality halt "
+        "(by budget-quality) the dataset's window starts afresh: resume once the cause is fixed."
     )
 
 
@@ -119,6 +120,7 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
     from rich.table import Table
 
     from schemas import GLOBAL_SCOPE, Halt
+    from services.budget.quality import dollars_per_accepted, yield_text
 
     table = Table(title="draftstream budget")
     for name, justify in (
@@ -132,6 +134,8 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
         ("in flight", "right"),
         ("rate", "right"),
         ("projection", "right"),
+        ("yield (window; per upstream)", "left"),
+        ("$/accepted", "right"),
         ("state", "left"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -183,6 +187,8 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
             _fmt_int(snap.inflight_tokens if snap else 0),
             rate,
             projection,
+            yield_text(snap) if snap else "-",
+            _fmt_usd(dollars_per_accepted(snap) if snap else None),
             state,
         )
     return table

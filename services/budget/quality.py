@@ -267,3 +267,23 @@ class QualityGate:
     def datasets(self) -> list[str]:
         """Datasets with at least one verdict."""
         return sorted(self._datasets)
+
+
+def _share(figures: YieldFigures) -> str:
+    n = figures.window_verdicts
+    return "-" if n == 0 else f"{figures.window_accepted / n:.0%} of {n}"
+
+
+def yield_text(snapshot: BudgetSnapshot) -> str:
+    """A dataset snapshot's yield for the tables: the window's accepted share, then each upstream's."""
+    if snapshot.quality is None:
+        return "-"
+    parts = [_share(snapshot.quality), *(f"{name} {_share(f)}" for name, f in snapshot.upstreams.items())]
+    return "; ".join(parts)
+
+
+def dollars_per_accepted(snapshot: BudgetSnapshot) -> float | None:
+    """What one accepted sample of the dataset cost: every dollar spent over every sample accepted."""
+    if snapshot.quality is None or not snapshot.quality.accepted:
+        return None
+    return snapshot.cost_usd / snapshot.quality.accepted

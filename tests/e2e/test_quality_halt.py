@@ -65,7 +65,8 @@ async def test_quality_halt_stops_a_dataset_of_unusable_answers_and_replay_pays_
     pipeline = Pipeline()
     try:
         await pipeline.start_stages(settings, "budget", "inference", "reconstruct", "audit")
-        await produce(settings, settings.kafka.prompts_topic(DATASET), [prompt_value(DATASET, i) for i in range(N_PROMPTS)])
+        prompts = [prompt_value(DATASET, i) for i in range(N_PROMPTS)]
+        await produce(settings, settings.kafka.prompts_topic(DATASET), prompts)
         halt = await pipeline.wait(quality_halt, 180, "the quality halt on control")
         assert isinstance(halt, Halt)
 

@@ -197,3 +197,44 @@ def test_an_old_snapshot_without_quality_figures_still_decodes() -> None:
     old = b'{"scope": "math", "completion_tokens": 10, "offsets": {"responses:0": 3}}'
     snap = decode(old, BudgetSnapshot)
     assert snap.quality is None and snap.upstreams == {}
+
+
+# ------------------------------------------------------------------ the tables
+
+
+def quality_snapshot() -> BudgetSnapshot:
+    """A dataset halted for quality: 2 of 8 accepted in the window, one upstream all lost."""
+    from schemas import YieldFigures
+
+    return BudgetSnapshot(
+        scope="math",
+        completion_tokens=900,
+        cost_usd=1.5,
+        state="halted",
+        quality=YieldFigures(verdicts=10, accepted=3, window_verdicts=8, window_accepted=2,
+                             window_reasons={"whitespace_lost": 6}),
+        upstreams={
+            "Lossless": YieldFigures(verdicts=4, accepted=3, window_verdicts=2, window_accepted=2),
+            "Stripper": YieldFigures(verdicts=6, accepted=0, window_verdicts=6, window_accepted=0),
+        },
+    )
+
+
+def test_budget_and_status_tables_show_yield_per_dataset_and_upstream_and_cost_per_accepted_sample() -> None:
+    from rich.console import Console
+
+    from schemas import GLOBAL_SCOPE
+    from services.budget.cli import budget_table
+    from services.common.config import load_settings
+    from services.status.core import StatusSnapshot, render
+
+    snap = quality_snapshot()
+    settings = load_settings(None, datasets={"math": {}})
+    console = Console(width=320, record=True)
+    console.print(budget_table({"math": snap, GLOBAL_SCOPE: BudgetSnapshot(scope=GLOBAL_SCOPE)}, {}, settings))
+    row = next(line for line in console.export_text().splitlines() if " math " in line)
+    assert "25% of 8; Lossless 100% of 2; Stripper 0% of 6" in row
+    assert "$0.5000" in row  # $1.50 over 3 accepted samples
+    status = Console(width=250, record=True)
+    status.print(render(StatusSnapshot(taken_at=1.0, budgets=[snap])))
+    assert "25% of 8; Lossless 100% of 2; Stripper 0% of 6" in status.export_text()
