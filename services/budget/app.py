@@ -41,7 +41,14 @@ from schemas import (
     encode,
 )
 from services.budget.core import Caps, Counted, Ledger
-from services.budget.quality import QUALITY_ACTOR, QualityGate, Verdict, accepted_verdict, dead_letter_verdict
+from services.budget.quality import (
+    QUALITY_ACTOR,
+    QualityGate,
+    Verdict,
+    accepted_verdict,
+    dead_letter_verdict,
+    dollars_per_accepted,
+)
 from services.common.acls import used_topics
 from services.common.config import Settings
 from services.common.halts import HaltFollower
@@ -65,10 +72,16 @@ from services.common.metrics import (
     BUDGET_STATE,
     DEAD_LETTERS,
     DOLLARS,
+    DOLLARS_PER_ACCEPTED,
     HALTS,
+    QUALITY_DEAD_LETTERS,
+    QUALITY_HALTED,
+    QUALITY_VERDICTS,
+    QUALITY_YIELD,
     RESPONSES_WITHOUT_USAGE,
     STAGE_RECORDS,
     TOKENS,
+    TOKENS_KEPT,
 )
 from services.control import read_budget_snapshots
 
@@ -270,6 +283,13 @@ class BudgetService:
             return []
         reason = self.quality.observe(verdict)
         self.ledger.touch(verdict.dataset)
+        ds = verdict.dataset
+        outcome = "accepted" if verdict.accepted else "dead_letter"
+        QUALITY_VERDICTS.labels(dataset=ds, upstream=verdict.upstream or "unknown", outcome=outcome).inc()
+        if verdict.accepted:
+            TOKENS_KEPT.labels(dataset=ds).inc(verdict.completion_tokens)
+        else:
+            QUALITY_DEAD_LETTERS.labels(dataset=ds, reason=verdict.reason).inc()
         if reason is None or isinstance(self.ledger.control.get(verdict.dataset), Halt):
             return []
         halt = Halt(scope=verdict.dataset, reason=reason, by=QUALITY_ACTOR, at=self.clock())
@@ -356,6 +376,22 @@ class BudgetService:
         await publish_all(self._producer, [Outgoing(topic, encode(total), total.scope.encode())])
         for snap in snaps:
             self._gauges(snap.scope, snap.state, snap.rate_usd_per_s, snap.projected_usd)
+            if snap.scope != GLOBAL_SCOPE:
+                self._quality_gauges(snap)
+
+    def _quality_gauges(self, snap: BudgetSnapshot) -> None:
+        """Yield (dataset and upstreams), dollars per accepted sample, and whether a quality halt stands."""
+        event = self.ledger.control.get(snap.scope)
+        QUALITY_HALTED.labels(dataset=snap.scope).set(int(isinstance(event, Halt) and event.by == QUALITY_ACTOR))
+        scopes = {"all": snap.quality, **snap.upstreams}
+        for upstream, figures in scopes.items():
+            if figures is not None and figures.window_verdicts:
+                QUALITY_YIELD.labels(dataset=snap.scope, upstream=upstream).set(
+                    figures.window_accepted / figures.window_verdicts
+                )
+        per_sample = dollars_per_accepted(snap)
+        if per_sample is not None:
+            DOLLARS_PER_ACCEPTED.labels(dataset=snap.scope).set(per_sample)
 
     def _gauges(self, scope: str, state: str, rate: float, projected: float | None) -> None:
         totals = self.ledger.scopes[scope]
