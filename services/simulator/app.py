@@ -64,6 +64,7 @@ __all__ = [
     "add_model_routes",
     "create_app",
     "get_profile",
+    "serve_app",
     "start_simulator",
 ]
 
@@ -484,6 +485,20 @@ class RunningSimulator:
         await self._runner.cleanup()
 
 
+async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve an aiohttp application on ``host:port`` (0: any free port); the runner and the bound port."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    await site.start()
+    bound = port
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            bound = int(address[1])
+            break
+    return runner, bound
+
+
 async def start_simulator(
     options: SimulatorOptions | None = None,
     host: str = "127.0.0.1",
@@ -496,15 +511,7 @@ async def start_simulator(
     if profile is None:
         profile = await asyncio.to_thread(get_profile, options.profile)
     server = SimulatorServer(options, profile)
-    runner = web.AppRunner(server.web_app(), handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
-    await site.start()
-    bound = port
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            bound = int(address[1])
-            break
+    runner, bound = await serve_app(server.web_app(), host, port)
     log.info("simulator (%s) listening: set [provider] base_url = \"http://%s:%d/api/v1\"", profile.name, host, bound)
     return RunningSimulator(server, runner, host, bound)
 

@@ -43,6 +43,20 @@ CONCURRENCY = 8
 DOMINANT = "usage_matches"
 
 
+async def quality_halt_of(settings: Any, dataset: str) -> Halt | None:
+    """The quality halt standing on ``control`` for the dataset, if any."""
+    event = (await read_control_state(settings)).get(dataset)
+    return event if isinstance(event, Halt) and event.by == QUALITY_ACTOR else None
+
+
+async def requests_settled(stats: Callable[[], dict[str, Any]], quiet_s: float = 1.5) -> int | None:
+    """The provider's request count once it stopped growing for ``quiet_s`` (the halt held), else None."""
+    before = stats()["total_requests"]
+    await asyncio.sleep(quiet_s)
+    after = stats()["total_requests"]
+    return after if after == before and after > 0 else None
+
+
 async def test_quality_halt_stops_a_dataset_of_unusable_answers_and_replay_pays_nothing(
     settings_factory: Callable[..., Any], report: Callable[..., str]
 ) -> None:
@@ -58,26 +72,16 @@ async def test_quality_halt_stops_a_dataset_of_unusable_answers_and_replay_pays_
     fixed = settings_factory(provider=provider, datasets={DATASET: {"audit": {"disabled_checks": [DOMINANT]}}})
     await ensure_topics(settings.kafka, [DATASET])
 
-    async def quality_halt() -> Halt | None:
-        event = (await read_control_state(settings)).get(DATASET)
-        return event if isinstance(event, Halt) and event.by == QUALITY_ACTOR else None
-
     pipeline = Pipeline()
     try:
         await pipeline.start_stages(settings, "budget", "inference", "reconstruct", "audit")
         prompts = [prompt_value(DATASET, i) for i in range(N_PROMPTS)]
         await produce(settings, settings.kafka.prompts_topic(DATASET), prompts)
-        halt = await pipeline.wait(quality_halt, 180, "the quality halt on control")
+        halt = await pipeline.wait(lambda: quality_halt_of(settings, DATASET), 180, "the quality halt on control")
         assert isinstance(halt, Halt)
 
         # Wait for the requests in flight at the halt to be answered, and nothing more to be sent.
-        async def settled() -> int | None:
-            before = sim.stats()["total_requests"]
-            await asyncio.sleep(1.5)
-            after = sim.stats()["total_requests"]
-            return after if after == before and sim.stats()["peak_open_requests"] >= 1 else None
-
-        paid = await pipeline.wait(settled, 60, "no more requests after the halt")
+        paid = await pipeline.wait(lambda: requests_settled(sim.stats), 60, "no more requests after the halt")
         halted_letters = [d for d in await dead_letters(settings) if d.stage in ("reconstruct", "audit")]
         reasons = Counter(d.reason for d in halted_letters)
 
