@@ -108,9 +108,8 @@ def _verdict(values: Iterable[str]) -> str:
     return seen.pop() if len(seen) == 1 else "mixed"
 
 
-def _edges(raw: str, text: str) -> tuple[str, str]:
-    """Leading and trailing whitespace of ``raw`` and of ``text``, as (raw_lead, raw_trail), (lead, trail)."""
-    del text
+def _edges(raw: str) -> tuple[str, str]:
+    """The leading and the trailing whitespace of ``raw``."""
     return raw[: len(raw) - len(raw.lstrip())], raw[len(raw.rstrip()) :]
 
 
@@ -133,7 +132,7 @@ def _whitespace_evidence(
         (("reasoning_start", "reasoning_end"), raw_reasoning, response.reasoning),
         (("content_start", "content_end"), raw_content, response.content),
     ):
-        lead, trail = _edges(raw_part, text)
+        lead, trail = _edges(raw_part)
         for edge, white, kept in ((start, lead, text.startswith(lead)), (end, trail, text.endswith(trail))):
             if white and raw_part.strip():
                 out[edge] = "kept" if kept else "stripped"
