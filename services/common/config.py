@@ -126,6 +126,10 @@ class InferenceSettings(BaseModel):
     reuse_responses: bool = True
     # How long a worker may take to read the response store to its end at start.
     store_load_timeout_s: float = Field(default=300.0, gt=0)
+    # Before its first prompt, a worker probes each configured dataset with this many answers
+    # (services/probe: the first N prompts, paid once, reused by the run) and halts a dataset
+    # whose accepted share is below [budget] min_yield. 0: no probe.
+    probe_first: int = Field(default=0, ge=0, le=10_000)
 
 
 class AuditThresholds(BaseModel):

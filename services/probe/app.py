@@ -15,13 +15,16 @@ reported, and the command exits 1.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
+import time
 from collections.abc import Sequence
 
 import httpx
+from aiokafka import AIOKafkaProducer
 
-from schemas import PromptPublished, ResponseReceived, SchemaError, decode
+from schemas import Halt, PromptPublished, ResponseReceived, SchemaError, decode
 from services.audit.app import default_profile_loader
 from services.audit.core import audit_batch
 from services.common.acls import used_topics
@@ -32,16 +35,22 @@ from services.common.kafka import ensure_topics, make_producer
 from services.common.records import DeadLetter
 from services.common.service import release
 from services.common.topics import Record, read_to_end
-from services.inference.adapters.providers import make_http_client, make_provider
+from services.inference.adapters.providers import Provider, make_http_client, make_provider
 from services.inference.answers import Answerer
 from services.inference.app import open_store
 from services.inference.calls import ProviderCall
 from services.inference.core import request_hash, request_max_tokens, store_key
 from services.inference.guard import ProviderGuard
+from services.inference.store import ResponseStore
 from services.probe.core import DatasetReport, Findings, ProbeAnswer, ProbeRun, by_upstream, forecast, summarize
 from services.profiles import Profile
 from services.reconstruct.app import ProfileCache
 from services.reconstruct.core import reconstruct_batch
+
+log = logging.getLogger(__name__)
+
+PROBE_ACTOR = "probe"
+"""The ``by`` of a halt ``[inference] probe_first`` publishes for a dataset below ``min_yield``."""
 
 
 class ProbeError(CommandError):
@@ -85,7 +94,7 @@ class Prober:
         self._own_http = http_client is None
         self._stopping = asyncio.Event()
         self.halts = HaltFollower(settings.kafka, self._stopping)
-        self._producers = (make_producer(settings.kafka), make_producer(settings.kafka))
+        self._producers: tuple[AIOKafkaProducer, ...] = ()  # made in start(): none when attached
         self.answerer: Answerer | None = None
 
     async def start(self) -> None:
@@ -95,7 +104,7 @@ class Prober:
         self._http = self._http or make_http_client(settings)
         provider = make_provider(settings, self._http)
         self.provider = provider
-        producer, announcer = self._producers
+        producer, announcer = self._producers = (make_producer(settings.kafka), make_producer(settings.kafka))
         await asyncio.gather(producer.start(), announcer.start())
         await self.halts.start(producer)
         store = await open_store(settings, producer)
@@ -106,6 +115,15 @@ class Prober:
         worker = f"probe-{socket.gethostname()}-{os.getpid()}"
         call = ProviderCall(settings, provider, announcer, self.halts, guard, worker)
         self.answerer = Answerer(settings, provider, producer, call, guard, store, repay=False)
+
+    @classmethod
+    def attached(
+        cls, settings: Settings, answerer: Answerer, store: ResponseStore, provider: Provider, halts: HaltFollower
+    ) -> Prober:
+        """A prober on a running inference worker's own parts (``[inference] probe_first``); not started or closed."""
+        prober = cls(settings)
+        prober.answerer, prober.store, prober.provider, prober.halts = answerer, store, provider, halts
+        return prober
 
     async def close(self) -> None:
         """Release every client."""
@@ -181,3 +199,27 @@ async def run_probe(
     finally:
         await prober.close()
     return run
+
+
+async def probe_first(
+    settings: Settings, answerer: Answerer, store: ResponseStore, provider: Provider, halts: HaltFollower
+) -> list[DatasetReport]:
+    """``[inference] probe_first``: probe every configured dataset not halted; halt those below ``min_yield``."""
+    prober = Prober.attached(settings, answerer, store, provider, halts)
+    reports: list[DatasetReport] = []
+    for name in sorted(settings.datasets):
+        if halts.is_halted(name):
+            continue
+        report = await prober.probe(name, settings.inference.probe_first)
+        reports.append(report)
+        found = report.findings
+        top = ", ".join(f"{code} {n}" for code, n in found.reasons.most_common(3)) or "-"
+        log.info("probe %s: %d of %d answers accepted (%d paid); reasons of the rest: %s",
+                 name, found.accepted, found.answers, report.requests_sent, top)
+        if report.below(settings.budget.min_yield):
+            reason = (
+                f"probe: {found.accepted} of {found.answers} answers accepted ({found.share:.0%}), below min_yield "
+                f"{settings.budget.min_yield:.0%}; top reasons: {top}"
+            )
+            await halts.publish(Halt(scope=name, reason=reason, by=PROBE_ACTOR, at=time.time()))
+    return reports

@@ -120,3 +120,62 @@ async def test_probe_reports_each_upstreams_habits_pays_at_most_n_and_fails_belo
     assert "lossless" in ok.output and "ok" in ok.output
     assert bad.exit_code == 1, bad.output
     assert "below min_yield" in bad.output and "stripping" in bad.output
+
+
+async def test_probe_first_halts_a_bad_route_before_the_spend_and_a_good_route_pays_each_prompt_once(
+    settings_factory: Callable[..., Any], report: Callable[..., str]
+) -> None:
+    """[inference] probe_first = 10: stripping without logprobs is halted after 10 answers; lossless runs,
+    and the run reuses the probe's answers (the router sees each prompt once)."""
+    from schemas import Halt, SampleAudited, decode
+    from services.control import read_control_state
+    from services.probe.app import PROBE_ACTOR
+    from tests.e2e.harness import Pipeline, read_all
+
+    router = await start_router(
+        habit_upstreams(SimulatorOptions(seed=43, reasoning_tokens=(8, 30), content_tokens=(8, 20))), seed=6
+    )
+    probe_n = 10
+    try:
+        def settings_for(only: str) -> Any:
+            return settings_factory(
+                provider={"base_url": router.url, "concurrency": 8, "extra_body": {"provider": {"only": [only]}}},
+                inference={"probe_first": probe_n},
+                datasets={"bad": {}} if only == "stripping" else {"good": {}},
+            )
+
+        bad, good = settings_for("stripping"), settings_for("lossless")
+        await ensure_topics(bad.kafka, ["bad", "good"])
+        await produce(bad, bad.kafka.prompts_topic("bad"), [prompt_value("bad", i) for i in range(PROMPTS)])
+        await produce(good, good.kafka.prompts_topic("good"), [prompt_value("good", i) for i in range(PROMPTS)])
+
+        pipeline = Pipeline()
+        try:
+            await pipeline.start_stages(bad, "inference")
+            halted = (await read_control_state(bad)).get("bad")
+        finally:
+            await pipeline.stop()
+        paid_bad = requests_of(router.stats(), "bad")
+
+        accepted_topic = good.kafka.topic("accepted")
+
+        async def all_good_accepted() -> bool:
+            records = (await read_all(good, accepted_topic))[accepted_topic]
+            return len({decode(r.value, SampleAudited).sample_id for r in records}) == PROMPTS
+
+        pipeline = Pipeline()
+        try:
+            await pipeline.start_stages(good, "budget", "inference", "reconstruct", "audit")
+            await pipeline.wait(all_good_accepted, 180, "every good prompt accepted")
+        finally:
+            await pipeline.stop()
+    finally:
+        await router.close()
+
+    keys = router.stats()["keys"]
+    good_keys = {k: n for k, n in keys.items() if k.startswith("good:")}
+    line = report(paid_bad=paid_bad, halt=halted.reason if halted else None, good_requests=sum(good_keys.values()))
+    assert isinstance(halted, Halt) and halted.by == PROBE_ACTOR, line
+    assert "below min_yield" in halted.reason and "usage_matches" in halted.reason, line
+    assert paid_bad == probe_n, line  # the probe's n, and nothing after the halt
+    assert len(good_keys) == PROMPTS and set(good_keys.values()) == {1}, line  # probed once, reused by the run
