@@ -22,6 +22,7 @@ import random
 import time
 import uuid
 from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -64,11 +65,14 @@ __all__ = [
     "add_model_routes",
     "create_app",
     "get_profile",
+    "provider_app",
     "serve_app",
     "start_simulator",
 ]
 
 log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 KEY_HEADER = "X-Draftstream-Key"
 FAULT_HEADER = "X-Simulator-Fault"
@@ -237,14 +241,9 @@ class SimulatorServer:
 
     def web_app(self) -> web.Application:
         """The aiohttp application with every route."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/api/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/_sim/stats", self.stats_view)
-        app.router.add_get("/_sim/truth", self.truth_view)
-        add_model_routes(app, self.profile.name)
-        return app
+        return provider_app(
+            self.profile.name, chat=self.chat, health=self.health, stats=self.stats_view, truth=self.truth_view
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: always ok once serving."""
@@ -430,6 +429,21 @@ class SimulatorServer:
 
 def _json(status: int, body: dict[str, Any]) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
+
+
+def provider_app(
+    profile_name: str, *, chat: Handler, health: Handler, stats: Handler, **more: Handler
+) -> web.Application:
+    """An OpenRouter-shaped application: chat completions, health, ``/_sim/stats``, ``/_sim/<name>`` of ``more``."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/api/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/_sim/stats", stats)
+    for name, handler in more.items():
+        app.router.add_get(f"/_sim/{name}", handler)
+    add_model_routes(app, profile_name)
+    return app
 
 
 def add_model_routes(app: web.Application, profile_name: str) -> None:

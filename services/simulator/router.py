@@ -42,8 +42,8 @@ from services.simulator.app import (
     SimulatorOptions,
     SimulatorServer,
     _Stats,
-    add_model_routes,
     get_profile,
+    provider_app,
     serve_app,
 )
 from services.simulator.core import ProfileLike, error_body
@@ -166,14 +166,9 @@ class RouterServer:
 
     def web_app(self) -> web.Application:
         """The application: chat completions (routed), health, stats, the router's configuration."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/api/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/_sim/stats", self.stats_view)
-        app.router.add_get("/_sim/router", self.router_view)
-        add_model_routes(app, self.profile.name)
-        return app
+        return provider_app(
+            self.profile.name, chat=self.chat, health=self.health, stats=self.stats_view, router=self.router_view
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness."""
@@ -262,6 +257,10 @@ class RunningRouter:
     def configuration(self) -> dict[str, Any]:
         """The upstreams and their habits (``GET /_sim/router``)."""
         return self.server.configuration()
+
+    def requests_after(self, t: float) -> int:
+        """How many chat requests arrived after unix time ``t``."""
+        return self.server.stats.requests_after(t)
 
     async def close(self) -> None:
         """Stop serving."""

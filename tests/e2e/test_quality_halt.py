@@ -6,9 +6,10 @@ reconstruct, audit and budget in this process, the default ``[budget]`` settings
 (``bad_usage``), so the audit's ``usage_matches`` fails on most answers. Then:
 
 1. the budget halts the dataset on ``control`` (by ``budget-quality``) with a reason that
-   names ``usage_matches`` first; the simulator received at most ``quality_window`` requests
-   plus those in flight at that moment (``provider.concurrency`` bounds them), far fewer
-   than the prompts published;
+   names ``usage_matches`` first, judged on at most ``quality_window`` verdicts; the simulator
+   received at most ``quality_window`` requests plus those in flight at that moment
+   (``provider.concurrency`` bounds them at the provider), far fewer than the prompts
+   published (the requests that arrived after the halt's decision are reported);
 2. the fix (here: the audit without ``usage_matches``, which these answers cannot pass),
    ``resume``, and ``dlq replay --to inference`` of the dead letters: every replayed
    sample is accepted from the response store, and the simulator sees no request again for
@@ -18,6 +19,7 @@ reconstruct, audit and budget in this process, the default ``[budget]`` settings
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +51,34 @@ async def quality_halt_of(settings: Any, dataset: str) -> Halt | None:
     return event if isinstance(event, Halt) and event.by == QUALITY_ACTOR else None
 
 
+async def run_until_quality_halt(
+    pipeline: Pipeline, settings: Any, dataset: str, prompts: int, stats: Callable[[], dict[str, Any]]
+) -> tuple[Halt, int]:
+    """Start budget, inference, reconstruct and audit, publish ``prompts`` prompts, wait for the quality
+    halt and for the requests in flight at it to be answered; the halt and the provider's request count."""
+    await pipeline.start_stages(settings, "budget", "inference", "reconstruct", "audit")
+    await produce(settings, settings.kafka.prompts_topic(dataset), [prompt_value(dataset, i) for i in range(prompts)])
+    halt = await pipeline.wait(lambda: quality_halt_of(settings, dataset), 180, "the quality halt on control")
+    assert isinstance(halt, Halt)
+    paid = await pipeline.wait(lambda: requests_settled(stats), 60, "no more requests after the halt")
+    return halt, paid
+
+
+def judged_at_halt(halt: Halt) -> int:
+    """How many verdicts the halt was decided on ("... of its last N audit verdicts ...")."""
+    match = re.search(r"of its last (\d+) audit verdicts", halt.reason)
+    assert match, halt.reason
+    return int(match.group(1))
+
+
+def assert_halted_in_time(halt: Halt, window: int, paid: int, prompts: int, line: str) -> None:
+    """Decided on at most ``window`` verdicts; the provider saw at most ``window`` requests plus those in
+    flight (``provider.concurrency`` at the provider), long before the prompts ran out."""
+    assert judged_at_halt(halt) <= window, line
+    assert paid <= window + CONCURRENCY, line
+    assert paid < prompts - window, line
+
+
 async def requests_settled(stats: Callable[[], dict[str, Any]], quiet_s: float = 1.5) -> int | None:
     """The provider's request count once it stopped growing for ``quiet_s`` (the halt held), else None."""
     before = stats()["total_requests"]
@@ -74,14 +104,8 @@ async def test_quality_halt_stops_a_dataset_of_unusable_answers_and_replay_pays_
 
     pipeline = Pipeline()
     try:
-        await pipeline.start_stages(settings, "budget", "inference", "reconstruct", "audit")
-        prompts = [prompt_value(DATASET, i) for i in range(N_PROMPTS)]
-        await produce(settings, settings.kafka.prompts_topic(DATASET), prompts)
-        halt = await pipeline.wait(lambda: quality_halt_of(settings, DATASET), 180, "the quality halt on control")
-        assert isinstance(halt, Halt)
-
-        # Wait for the requests in flight at the halt to be answered, and nothing more to be sent.
-        paid = await pipeline.wait(lambda: requests_settled(sim.stats), 60, "no more requests after the halt")
+        halt, paid = await run_until_quality_halt(pipeline, settings, DATASET, N_PROMPTS, sim.stats)
+        after_halt = sim.requests_after(halt.at)
         halted_letters = [d for d in await dead_letters(settings) if d.stage in ("reconstruct", "audit")]
         reasons = Counter(d.reason for d in halted_letters)
 
@@ -110,15 +134,16 @@ async def test_quality_halt_stops_a_dataset_of_unusable_answers_and_replay_pays_
         quality_window=window,
         concurrency=CONCURRENCY,
         requests_at_halt_settled=paid,
+        verdicts_at_halt=judged_at_halt(halt),
+        requests_after_halt=after_halt,
         judged_dead_letters=len(halted_letters),
         reasons=dict(reasons),
         halt_reason=halt.reason,
         replayed=len(replayed_keys),
         requests_total=sim.stats()["total_requests"],
     )
-    # 1. Halted within the window plus what was in flight, long before the prompts ran out.
-    assert paid <= window + CONCURRENCY, line
-    assert paid < N_PROMPTS, line
+    # 1. Halted on at most the window's verdicts plus what was in flight, long before the prompts ran out.
+    assert_halted_in_time(halt, window, paid, N_PROMPTS, line)
     # The reason names the dominant dead-letter reason first, with its count.
     top = halt.reason.split("top reasons: ", 1)[1]
     assert top.startswith(f"{DOMINANT} "), line
