@@ -284,7 +284,7 @@ class BudgetService:
         reason = self.quality.observe(verdict)
         self.ledger.touch(verdict.dataset)
         ds = verdict.dataset
-        outcome = "accepted" if verdict.accepted else "dead_letter"
+        outcome = "accepted" if verdict.accepted else "dead_letter"  # topology: not a topic
         QUALITY_VERDICTS.labels(dataset=ds, upstream=verdict.upstream or "unknown", outcome=outcome).inc()
         if verdict.accepted:
             TOKENS_KEPT.labels(dataset=ds).inc(verdict.completion_tokens)

@@ -261,9 +261,9 @@ def _facts(findings: Findings) -> str:
 def render(run: ProbeRun, min_yield: float) -> Table:
     """The probe's table: per dataset and upstream, yield and reasons, cost, facts, forecast."""
     table = Table(title="draftstream probe", title_justify="left")
-    for name in ("dataset", "upstream", "answers", "accepted", "reasons of the rest", "$/accepted",
-                 "what the answers proved", "forecast"):
-        table.add_column(name, justify="right" if name in ("answers", "accepted", "$/accepted") else "left")
+    numbers = ("answers", "accepted", "$/accepted")  # topology: not a topic
+    for name in ("dataset", "upstream", *numbers, "reasons of the rest", "what the answers proved", "forecast"):
+        table.add_column(name, justify="right" if name in numbers else "left")
     for report in run.reports:
         f, fc = report.findings, report.forecast
         verdict = "[red]below min_yield[/]" if report.below(min_yield) else "[green]ok[/]"
@@ -278,8 +278,8 @@ def render(run: ProbeRun, min_yield: float) -> Table:
                 upstream,
                 f"{found.answers}",
                 f"{found.accepted} ({found.share:.0%})",
-                _reasons(found),
                 _money(found.dollars_per_accepted),
+                _reasons(found),
                 _facts(found),
                 text,
             )

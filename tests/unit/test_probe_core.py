@@ -108,4 +108,8 @@ def test_forecast_cost_per_accepted_sample_and_the_exit_decision() -> None:
     console = Console(width=300, record=True)
     console.print(render(run, 0.9))
     text = console.export_text()
-    assert "750 of 1,000 accepted" in text and "below min_yield" in text and "usage_matches 1" in text
+    assert "750 of 1,000 accepted" in text and "below min_yield" in text
+    row = next(line for line in text.splitlines() if " all " in line)
+    assert row.index("3 (75%)") < row.index("$0.0133") < row.index("usage_matches 1")  # under their headings
+    heading = next(line for line in text.splitlines() if "reasons of the rest" in line)
+    assert heading.index("accepted") < heading.index("$/accepted") < heading.index("reasons of the rest")
