@@ -100,7 +100,7 @@ def accepted_verdict(value: bytes | None) -> Verdict | None:
         return None
     try:
         audited = _audited_view.decode(value)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):  # msgspec checks UTF-8 only inside the strings it reads
         return None
     if not audited.passed:
         return None
@@ -120,7 +120,7 @@ def dead_letter_verdict(stage: str | None, reason: str | None, value: bytes | No
             response = _response_view.decode(value)
         else:
             response = _sample_view.decode(value).response
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):  # msgspec checks UTF-8 only inside the strings it reads
         return None
     return _of_response(response.dataset, response, accepted=False, reason=reason or "unknown")
 

@@ -74,9 +74,10 @@ def test_accepted_record_is_an_accepted_verdict_naming_its_upstream() -> None:
         b"",
         b"{not json",
         b'{"dataset": "math"}',
+        b'{"dataset": "\xff", "passed": true}',
         encode(SampleAudited(dataset="math", sample_id="s1", sample=sample(), passed=False, reasons=["x"])),
     ],
-    ids=["tombstone", "empty", "invalid-json", "no-sample", "not-passed"],
+    ids=["tombstone", "empty", "invalid-json", "no-sample", "not-utf8", "not-passed"],
 )
 def test_a_record_on_accepted_that_is_no_passed_sample_is_no_verdict(value: bytes | None) -> None:
     assert accepted_verdict(value) is None
@@ -98,6 +99,7 @@ def test_dead_letters_of_the_judging_stages_are_rejections_with_their_reason() -
         (None, encode(sample())),
         ("audit", b"\xff\xfe garbage"),  # poison fed to the stage: judges no provider
         ("reconstruct", b'{"dataset": 3}'),
+        ("reconstruct", b'{"dataset": "\xfe\xff"}'),
     ],
 )
 def test_other_dead_letters_are_no_verdict(stage: str | None, value: bytes) -> None:
