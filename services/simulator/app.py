@@ -58,6 +58,7 @@ from services.simulator.core import (
 __all__ = [
     "FAULT_HEADER",
     "KEY_HEADER",
+    "RunningServer",
     "RunningSimulator",
     "SimulatorOptions",
     "SimulatorServer",
@@ -469,16 +470,27 @@ def add_model_routes(app: web.Application, profile_name: str) -> None:
     app.router.add_get("/api/v1/key", key)
 
 
-class RunningSimulator:
-    """A simulator serving on a port, for tests, benchmarks and the demo."""
+class RunningServer:
+    """An aiohttp runner serving on ``host:port``: its URLs, and how to stop it."""
 
-    def __init__(self, server: SimulatorServer, runner: web.AppRunner, host: str, port: int) -> None:
-        self.server = server
+    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
         self._runner = runner
         self.host = host
         self.port = port
         self.base_url = f"http://{host}:{port}"
         self.url = f"{self.base_url}/api/v1"
+
+    async def close(self) -> None:
+        """Stop serving; in-flight handlers are cancelled."""
+        await self._runner.cleanup()
+
+
+class RunningSimulator(RunningServer):
+    """A simulator serving on a port, for tests, benchmarks and the demo."""
+
+    def __init__(self, server: SimulatorServer, runner: web.AppRunner, host: str, port: int) -> None:
+        super().__init__(runner, host, port)
+        self.server = server
 
     def stats(self) -> dict[str, Any]:
         """The same counters ``GET /_sim/stats`` returns."""
@@ -493,10 +505,6 @@ class RunningSimulator:
         if self.server.truth is None:
             raise RuntimeError("this simulator keeps no truth: start it with SimulatorOptions(keep_truth=True)")
         return dict(self.server.truth)
-
-    async def close(self) -> None:
-        """Stop serving; in-flight handlers are cancelled."""
-        await self._runner.cleanup()
 
 
 async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from services.simulator.app import (
     KEY_HEADER,
+    RunningServer,
     SimulatorOptions,
     SimulatorServer,
     _Stats,
@@ -239,16 +240,12 @@ def _without_logprobs(response: web.Response) -> web.Response:
     return web.Response(status=200, body=msgspec.json.encode(data), content_type="application/json")
 
 
-class RunningRouter:
+class RunningRouter(RunningServer):
     """A router serving on a port, for tests and the probe."""
 
     def __init__(self, server: RouterServer, runner: web.AppRunner, host: str, port: int) -> None:
+        super().__init__(runner, host, port)
         self.server = server
-        self._runner = runner
-        self.host = host
-        self.port = port
-        self.base_url = f"http://{host}:{port}"
-        self.url = f"{self.base_url}/api/v1"
 
     def stats(self) -> dict[str, Any]:
         """The same counters ``GET /_sim/stats`` returns."""
@@ -261,10 +258,6 @@ class RunningRouter:
     def requests_after(self, t: float) -> int:
         """How many chat requests arrived after unix time ``t``."""
         return self.server.stats.requests_after(t)
-
-    async def close(self) -> None:
-        """Stop serving."""
-        await self._runner.cleanup()
 
 
 async def start_router(
