@@ -18,8 +18,10 @@ windows afresh, and answers received before that resume are left out of them: th
 paid for before the fix and say nothing about it. Totals (for metrics and ``status``) keep
 counting everything.
 
-No Kafka, no clock: the shell decodes nothing itself, passes the record bytes and headers
-in, and publishes the :class:`~schemas.Halt` built from the returned reason.
+No Kafka, no clock: the shell passes each record's bytes and dead-letter headers in (this
+module decodes only the few fields a verdict needs) and publishes the :class:`~schemas.Halt`
+built from the returned reason. After a budget restart the windows start empty (the
+totals come back from the snapshots); a standing quality halt stays on ``control``.
 """
 
 from __future__ import annotations
