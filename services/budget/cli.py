@@ -212,7 +212,7 @@ def budget_command(config: ConfigOption = None) -> None:
         snapshots, control = asyncio.run(asyncio.wait_for(read(), timeout=60))
     except Exception as exc:  # noqa: BLE001 - one line, whatever aiokafka raised
         fail(f"could not read from {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
-    Console(width=200).print(budget_table(snapshots, control, settings))
+    Console(width=280).print(budget_table(snapshots, control, settings))  # every column on one line
 
 
 def run_budget(config: ConfigOption = None, log_level: LogLevelOption = None) -> None:
