@@ -51,6 +51,7 @@ __all__ = [
     "ToolCall",
     "ToolFunction",
     "Usage",
+    "YieldFigures",
     "decode",
     "decode_control",
     "encode",
@@ -293,6 +294,23 @@ class Resume(Struct, kw_only=True, tag="resume", tag_field="action"):
 ControlEvent = Halt | Resume
 
 
+class YieldFigures(Struct, kw_only=True):
+    """Audit verdicts of a dataset (or of one upstream serving it), as the budget's quality halt saw them.
+
+    ``window_*`` cover the last ``[budget] quality_window`` verdicts; ``verdicts`` and
+    ``accepted`` every verdict counted since the budget's first start; ``window_reasons``
+    the primary dead-letter reason codes inside the window; ``kept_completion_tokens`` the
+    paid completion tokens of the accepted samples (tokens kept, against tokens paid).
+    """
+
+    verdicts: int = 0
+    accepted: int = 0
+    window_verdicts: int = 0
+    window_accepted: int = 0
+    window_reasons: dict[str, int] = msgspec.field(default_factory=dict)
+    kept_completion_tokens: int = 0
+
+
 class BudgetSnapshot(Struct, kw_only=True):
     """The budget service's totals for one scope, checkpointed on ``budget-state``.
 
@@ -325,6 +343,9 @@ class BudgetSnapshot(Struct, kw_only=True):
     remaining_prompts: int | None = None
     projected_usd: float | None = None
     projected_completion_tokens: int | None = None
+    # The quality halt's figures of a dataset scope, and per upstream (OpenRouter's ``provider``).
+    quality: YieldFigures | None = None
+    upstreams: dict[str, YieldFigures] = msgspec.field(default_factory=dict)
 
 
 class ReplayRecorded(Struct, kw_only=True):

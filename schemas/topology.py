@@ -226,9 +226,12 @@ _roles = (
     Role(
         "budget",
         None,
-        reads=(REQUESTS, RESPONSES, CONTROL, DEAD_LETTER, BUDGET_STATE),
+        reads=(REQUESTS, RESPONSES, CONTROL, DEAD_LETTER, BUDGET_STATE, ACCEPTED),
         writes=(CONTROL, BUDGET_STATE, DEAD_LETTER),
-        description="Counts spend per dataset and in total from every partition (manual assignment); halts over caps.",
+        description=(
+            "Counts spend per dataset and in total from every partition (manual assignment); halts over caps, "
+            "and on the audit verdicts (accepted, dead letters) when the accepted share falls below min_yield."
+        ),
         describes=(PROMPTS,),
         creates=_ALL_CREATED,
     ),

@@ -338,6 +338,7 @@ _CONTRIBUTORS = (
     "services.budget.cli",
     "services.publish.cli",
     "services.estimate.cli",
+    "services.probe.cli",
     "services.dlq.cli",
     "services.export.cli",
     "services.status.cli",

@@ -31,6 +31,7 @@ RULES_FILE = ROOT / "deploy" / "prometheus" / "rules" / "draftstream.yml"
 ALERT_MEASURES: dict[str, tuple[str, ...]] = {
     "DraftstreamBudgetSoftThreshold": ("max by (dataset) (draftstream_budget_soft_limit_reached)",),
     "DraftstreamBudgetExhausted": ("max by (dataset) (draftstream_budget_state)",),
+    "DraftstreamQualityHalt": ("max by (dataset) (draftstream_quality_halted)",),
     "DraftstreamHaltInForce": ("max by (scope) (draftstream_inference_halted)",),
     "DraftstreamDeadLetterRateHigh": (
         "(sum by (stage) (rate(draftstream_dead_letters_total[5m]))"

@@ -1,8 +1,10 @@
 """The budget service's Kafka wiring: feeds the :class:`Ledger`, publishes its halts.
 
 Reads ``requests`` and ``responses`` (every partition, manual assignment, no consumer
-group: one budget instance per deployment) plus ``control``; publishes halts/resumes on
-``control`` and checkpoints on ``budget-state``. On start it rebuilds the ledger from
+group: one budget instance per deployment) plus ``control``, and the audit verdicts
+(``accepted`` and the judging stages' ``dead-letter`` records) for the quality halt
+(services.budget.quality); publishes halts/resumes on ``control`` and checkpoints on
+``budget-state``. On start it rebuilds the ledger from
 the latest checkpoints and seeks to the offsets they carry (see services.budget.core for
 why that neither forgets nor double counts).
 
@@ -17,9 +19,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from schemas import (
+    ACCEPTED_TOPIC,
     BUDGET_STATE_TOPIC,
     CONTROL_TOPIC,
     DEAD_LETTER_TOPIC,
@@ -27,6 +31,7 @@ from schemas import (
     GLOBAL_SCOPE,
     REQUESTS_TOPIC,
     RESPONSES_TOPIC,
+    BudgetSnapshot,
     Halt,
     RequestStarted,
     ResponseReceived,
@@ -36,6 +41,14 @@ from schemas import (
     encode,
 )
 from services.budget.core import Caps, Counted, Ledger
+from services.budget.quality import (
+    QUALITY_ACTOR,
+    QualityGate,
+    Verdict,
+    accepted_verdict,
+    dead_letter_verdict,
+    dollars_per_accepted,
+)
 from services.common.acls import used_topics
 from services.common.config import Settings
 from services.common.halts import HaltFollower
@@ -59,10 +72,16 @@ from services.common.metrics import (
     BUDGET_STATE,
     DEAD_LETTERS,
     DOLLARS,
+    DOLLARS_PER_ACCEPTED,
     HALTS,
+    QUALITY_DEAD_LETTERS,
+    QUALITY_HALTED,
+    QUALITY_VERDICTS,
+    QUALITY_YIELD,
     RESPONSES_WITHOUT_USAGE,
     STAGE_RECORDS,
     TOKENS,
+    TOKENS_KEPT,
 )
 from services.control import read_budget_snapshots
 
@@ -71,7 +90,7 @@ log = logging.getLogger(__name__)
 STAGE = "budget"
 # What the service consumes (schemas.topology's budget role), in the order a batch is applied:
 # requests before responses, so an answer in the same batch closes its request.
-CONSUMED = (REQUESTS_TOPIC, RESPONSES_TOPIC, DEAD_LETTER_TOPIC)
+CONSUMED = (REQUESTS_TOPIC, RESPONSES_TOPIC, DEAD_LETTER_TOPIC, ACCEPTED_TOPIC)
 """Read by the budget's own consumer; ``control`` is followed by its :class:`HaltFollower`."""
 _ORDER = {topic: i for i, topic in enumerate(CONSUMED)}
 _STATE_CODE = {"running": 0, "soft-limit": 1, "halted": 2}
@@ -117,11 +136,13 @@ class BudgetService:
         self.checkpoint_interval_s = checkpoint_interval_s
         self.prompts_refresh_s = prompts_refresh_s
         self.ledger = ledger_for(settings)
+        self.quality = QualityGate(window=settings.budget.quality_window, min_yield=settings.budget.min_yield)
         self.published_control: list[Halt | Resume] = []
         self._stopping = asyncio.Event()
         # The standing halt or resume of every scope, as control events arrive (its own too).
         self.control = HaltFollower(settings.kafka, self._stopping)
         self.control.event_listeners.append(self.ledger.apply_control)
+        self.control.event_listeners.append(self._on_control)
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._logical = {settings.kafka.topic(n): n for n in CONSUMED}
@@ -142,6 +163,7 @@ class BudgetService:
         snapshots = await read_budget_snapshots(self.settings)
         now = self.clock()
         seek = self.ledger.restore(sorted(snapshots.values(), key=lambda s: s.scope == GLOBAL_SCOPE), now)
+        self.quality.restore(snapshots.values())
         consumer = make_consumer(kafka, group_id=None, fetch_max_wait_ms=50)
         await consumer.start()
         self._consumer = consumer
@@ -212,16 +234,23 @@ class BudgetService:
         position = f"{logical}:{record.partition}"
         now = self.clock()
         try:
+            if logical == ACCEPTED_TOPIC:
+                # A verdict only; a record that is no passed sample is the sink's to dead-letter.
+                self.ledger.skip(position, record.offset)
+                return self._judge(accepted_verdict(record.value))
             if logical == DEAD_LETTER_TOPIC:
-                # Only to learn which requests ended without a response (their failed
-                # attempts cost nothing the provider reported); never dead-lettered again.
+                # To learn which requests ended without a response (their failed attempts
+                # cost nothing the provider reported) and which paid answers were thrown
+                # away (the quality halt); never dead-lettered again.
                 key = (record.key or b"").decode("utf-8", "replace")
-                if header(record.headers, DLQ_HEADERS.STAGE) == "inference" and ":" in key:
+                stage = header(record.headers, DLQ_HEADERS.STAGE)
+                if stage == "inference" and ":" in key:
                     dataset, _, sample_id = key.partition(":")
                     self.ledger.on_request_failed(dataset, sample_id, position, record.offset)
-                else:
-                    self.ledger.skip(position, record.offset)
-                return []
+                    return []
+                self.ledger.skip(position, record.offset)
+                reason = header(record.headers, DLQ_HEADERS.REASON)
+                return self._judge(dead_letter_verdict(stage, reason, record.value))
             if logical == REQUESTS_TOPIC:
                 request = decode(record.value, RequestStarted)
                 self._check_dataset(request.dataset)
@@ -247,6 +276,37 @@ class BudgetService:
             # Keep the offsets moving so a checkpoint never replays a dead letter.
             self.ledger.skip(position, record.offset)
             return []
+
+    def _judge(self, verdict: Verdict | None) -> list[Halt | Resume]:
+        """Feed one verdict to the quality gate; the quality halt it calls for, if any."""
+        if verdict is None or verdict.dataset == GLOBAL_SCOPE:
+            return []
+        reason = self.quality.observe(verdict)
+        self.ledger.touch(verdict.dataset)
+        ds = verdict.dataset
+        outcome = "accepted" if verdict.accepted else "dead_letter"  # topology: not a topic
+        QUALITY_VERDICTS.labels(dataset=ds, upstream=verdict.upstream or "unknown", outcome=outcome).inc()
+        if verdict.accepted:
+            TOKENS_KEPT.labels(dataset=ds).inc(verdict.completion_tokens)
+        else:
+            QUALITY_DEAD_LETTERS.labels(dataset=ds, reason=verdict.reason).inc()
+        if reason is None or isinstance(self.ledger.control.get(verdict.dataset), Halt):
+            return []
+        halt = Halt(scope=verdict.dataset, reason=reason, by=QUALITY_ACTOR, at=self.clock())
+        self.ledger.apply_control(halt)
+        return [halt]
+
+    def _on_control(self, event: Halt | Resume) -> None:
+        """A resume of a dataset starts its quality windows afresh (the fix is judged by new answers)."""
+        if isinstance(event, Resume) and event.scope != GLOBAL_SCOPE:
+            self.quality.reset(event.scope, event.at)
+
+    def _with_quality(self, snap: BudgetSnapshot) -> BudgetSnapshot:
+        """A dataset's snapshot with its quality figures (per dataset and per upstream)."""
+        if snap.scope == GLOBAL_SCOPE:
+            return snap
+        figures, upstreams = self.quality.figures(snap.scope)
+        return msgspec.structs.replace(snap, quality=figures, upstreams=upstreams)
 
     @staticmethod
     def _check_dataset(dataset: str) -> None:
@@ -304,7 +364,9 @@ class BudgetService:
 
     async def _checkpoint(self, now: float, *, everything: bool = False) -> None:
         self._last_checkpoint = now
-        snaps = self.ledger.checkpoint(now, self.remaining_prompts(), everything=everything)
+        snaps = [
+            self._with_quality(s) for s in self.ledger.checkpoint(now, self.remaining_prompts(), everything=everything)
+        ]
         if not snaps or self._producer is None:
             return
         topic = self.settings.kafka.topic(BUDGET_STATE_TOPIC)
@@ -314,6 +376,22 @@ class BudgetService:
         await publish_all(self._producer, [Outgoing(topic, encode(total), total.scope.encode())])
         for snap in snaps:
             self._gauges(snap.scope, snap.state, snap.rate_usd_per_s, snap.projected_usd)
+            if snap.scope != GLOBAL_SCOPE:
+                self._quality_gauges(snap)
+
+    def _quality_gauges(self, snap: BudgetSnapshot) -> None:
+        """Yield (dataset and upstreams), dollars per accepted sample, and whether a quality halt stands."""
+        event = self.ledger.control.get(snap.scope)
+        QUALITY_HALTED.labels(dataset=snap.scope).set(int(isinstance(event, Halt) and event.by == QUALITY_ACTOR))
+        scopes = {"all": snap.quality, **snap.upstreams}
+        for upstream, figures in scopes.items():
+            if figures is not None and figures.window_verdicts:
+                QUALITY_YIELD.labels(dataset=snap.scope, upstream=upstream).set(
+                    figures.window_accepted / figures.window_verdicts
+                )
+        per_sample = dollars_per_accepted(snap)
+        if per_sample is not None:
+            DOLLARS_PER_ACCEPTED.labels(dataset=snap.scope).set(per_sample)
 
     def _gauges(self, scope: str, state: str, rate: float, projected: float | None) -> None:
         totals = self.ledger.scopes[scope]

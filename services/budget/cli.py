@@ -102,7 +102,8 @@ def resume_command(
     print(f"resumed {scope} (by {event.by}: {reason})")
     print(
         "note: if the budget halted this scope because a cap was reached, it halts it again; "
-        "raise the cap in the config and restart the budget service instead."
+        "raise the cap in the config and restart the budget service instead. After a quality halt "
+        "(by budget-quality) the dataset's window starts afresh: resume once the cause is fixed."
     )
 
 
@@ -119,6 +120,7 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
     from rich.table import Table
 
     from schemas import GLOBAL_SCOPE, Halt
+    from services.budget.quality import dollars_per_accepted, yield_text
     from services.common.console import styled
 
     table = Table(title="draftstream budget")
@@ -133,6 +135,8 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
         ("in flight", "right"),
         ("rate", "right"),
         ("projection", "right"),
+        ("yield (window; per upstream)", "left"),
+        ("$/accepted", "right"),
         ("state", "left"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -184,6 +188,8 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
             _fmt_int(snap.inflight_tokens if snap else 0),
             rate,
             projection,
+            yield_text(snap) if snap else "-",
+            _fmt_usd(dollars_per_accepted(snap) if snap else None),
             state,
         )
     return table
@@ -206,7 +212,7 @@ def budget_command(config: ConfigOption = None) -> None:
         snapshots, control = asyncio.run(asyncio.wait_for(read(), timeout=60))
     except Exception as exc:  # noqa: BLE001 - one line, whatever aiokafka raised
         fail(f"could not read from {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
-    data_console(width=200).print(budget_table(snapshots, control, settings))
+    data_console(width=280).print(budget_table(snapshots, control, settings))  # every column on one line
 
 
 def run_budget(config: ConfigOption = None, log_level: LogLevelOption = None) -> None:

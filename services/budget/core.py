@@ -229,6 +229,11 @@ class Ledger:
             totals = self.scopes[name] = ScopeTotals(name)
         return totals
 
+    def touch(self, scope: str) -> None:
+        """Mark a scope changed so the next checkpoint writes it (e.g. new audit verdicts)."""
+        self._scope(scope)
+        self._dirty.add(scope)
+
     def skip(self, position: str, offset: int) -> None:
         """Move past a record that counts for nothing (e.g. one sent to the dead letters)."""
         self._advance(position, offset)

@@ -136,6 +136,10 @@ class InferenceSettings(BaseModel):
     reuse_responses: bool = True
     # How long a worker may take to read the response store to its end at start.
     store_load_timeout_s: float = Field(default=300.0, gt=0)
+    # Before its first prompt, a worker probes each configured dataset with this many answers
+    # (services/probe: the first N prompts, paid once, reused by the run) and halts a dataset
+    # whose accepted share is below [budget] min_yield. 0: no probe.
+    probe_first: int = Field(default=0, ge=0, le=10_000)
 
 
 class AuditThresholds(BaseModel):
@@ -187,6 +191,11 @@ class BudgetSettings(BaseModel):
     prices: dict[str, dict[str, float]] = Field(default_factory=dict)
     rate_window_s: float = Field(default=60.0, gt=0)
     include_inflight: bool = True
+    # The quality halt (services/budget/quality.py): a dataset, or one OpenRouter upstream of
+    # it, whose accepted share over its last quality_window audit verdicts is below min_yield
+    # is halted on control with the top dead-letter reasons. 0 turns it off.
+    min_yield: float = Field(default=0.9, ge=0, le=1)
+    quality_window: int = Field(default=200, ge=1, le=1_000_000)
 
 
 class ProfileSettings(BaseModel):

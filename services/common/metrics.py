@@ -76,6 +76,25 @@ RESPONSES_WITHOUT_USAGE = Counter(
     "draftstream_responses_without_usage_total", "Responses counted by estimated tokens", ["dataset"]
 )
 HALTS = Counter("draftstream_halts_total", "Halt events published", ["scope", "by"])
+# budget: the quality halt (services/budget/quality.py); upstream "all" is the whole dataset.
+QUALITY_VERDICTS = Counter(
+    "draftstream_quality_verdicts_total",
+    "Verdicts on paid answers (accepted, or a reconstruct/audit dead letter)",
+    ["dataset", "upstream", "outcome"],
+)
+QUALITY_DEAD_LETTERS = Counter(
+    "draftstream_quality_dead_letters_total", "Paid answers thrown away, by primary reason", ["dataset", "reason"]
+)
+QUALITY_YIELD = Gauge(
+    "draftstream_quality_yield_ratio", "Accepted share over the quality window", ["dataset", "upstream"]
+)
+QUALITY_HALTED = Gauge("draftstream_quality_halted", "1 while a quality halt stands for the dataset", ["dataset"])
+DOLLARS_PER_ACCEPTED = Gauge(
+    "draftstream_dollars_per_accepted_sample", "Dollars spent over samples accepted", ["dataset"]
+)
+TOKENS_KEPT = Counter(
+    "draftstream_tokens_kept_total", "Paid completion tokens of accepted samples (tokens kept)", ["dataset"]
+)
 
 # reconstruct / audit / sink
 RECONSTRUCTED = Counter("draftstream_reconstructed_total", "Samples rebuilt, by method", ["dataset", "method"])

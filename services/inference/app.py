@@ -132,6 +132,10 @@ class InferenceWorker:
         self.guard.start_probe()
         call = ProviderCall(settings, provider, announcer, self.halts, self.guard, self.worker_id)
         self.answers = Answerer(settings, provider, producer, call, self.guard, self.store, repay=self.repay)
+        if settings.inference.probe_first and self.store is not None:
+            from services.probe.app import probe_first  # the probe pays through this worker's own parts
+
+            await probe_first(settings, self.answers, self.store, provider, self.halts)
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
         consumer = self._consumer = make_consumer(  # the group waits for a hand-over (_Rebalance)
             kafka, group_id=self.group_id, metadata_max_age_ms=10_000,

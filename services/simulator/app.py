@@ -26,7 +26,7 @@ import random
 import time
 import uuid
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -65,6 +65,7 @@ from services.simulator.limits import OverCap, RequestLimiter, retry_after_text
 __all__ = [
     "FAULT_HEADER",
     "KEY_HEADER",
+    "RunningServer",
     "RunningSimulator",
     "SimulatorOptions",
     "SimulatorServer",
@@ -72,10 +73,14 @@ __all__ = [
     "add_model_routes",
     "create_app",
     "get_profile",
+    "provider_app",
+    "serve_app",
     "start_simulator",
 ]
 
 log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 KEY_HEADER = "X-Draftstream-Key"
 FAULT_HEADER = "X-Simulator-Fault"
@@ -272,17 +277,14 @@ class SimulatorServer:
 
     def web_app(self) -> web.Application:
         """The aiohttp application with every route."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/api/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        # Text completions (``prompt`` rendered by the client): the same handler, the raw text back.
-        app.router.add_post("/api/v1/completions", self.chat)
-        app.router.add_post("/v1/completions", self.chat)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/_sim/stats", self.stats_view)
-        app.router.add_get("/_sim/truth", self.truth_view)
-        add_model_routes(app, self.profile.name, lambda: self.limiter)
-        return app
+        return provider_app(
+            self.profile.name,
+            chat=self.chat,
+            health=self.health,
+            stats=self.stats_view,
+            limiter=lambda: self.limiter,
+            truth=self.truth_view,
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: always ok once serving."""
@@ -506,6 +508,30 @@ def _json(status: int, body: dict[str, Any]) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
 
+def provider_app(
+    profile_name: str,
+    *,
+    chat: Handler,
+    health: Handler,
+    stats: Handler,
+    limiter: Callable[[], RequestLimiter] | None = None,
+    **more: Handler,
+) -> web.Application:
+    """An OpenRouter-shaped application: chat and text completions, health, ``/_sim/stats``, ``/_sim/<name>`` of ``more``."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/api/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions", chat)
+    # Text completions (``prompt`` rendered by the client): the same handler, the raw text back.
+    app.router.add_post("/api/v1/completions", chat)
+    app.router.add_post("/v1/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/_sim/stats", stats)
+    for name, handler in more.items():
+        app.router.add_get(f"/_sim/{name}", handler)
+    add_model_routes(app, profile_name, limiter)
+    return app
+
+
 def add_model_routes(
     app: web.Application, profile_name: str, limiter: Callable[[], RequestLimiter] | None = None
 ) -> None:
@@ -536,16 +562,27 @@ def add_model_routes(
     app.router.add_get("/api/v1/key", key)
 
 
-class RunningSimulator:
-    """A simulator serving on a port, for tests, benchmarks and the demo."""
+class RunningServer:
+    """An aiohttp runner serving on ``host:port``: its URLs, and how to stop it."""
 
-    def __init__(self, server: SimulatorServer, runner: web.AppRunner, host: str, port: int) -> None:
-        self.server = server
+    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
         self._runner = runner
         self.host = host
         self.port = port
         self.base_url = f"http://{host}:{port}"
         self.url = f"{self.base_url}/api/v1"
+
+    async def close(self) -> None:
+        """Stop serving; in-flight handlers are cancelled."""
+        await self._runner.cleanup()
+
+
+class RunningSimulator(RunningServer):
+    """A simulator serving on a port, for tests, benchmarks and the demo."""
+
+    def __init__(self, server: SimulatorServer, runner: web.AppRunner, host: str, port: int) -> None:
+        super().__init__(runner, host, port)
+        self.server = server
 
     def stats(self) -> dict[str, Any]:
         """The same counters ``GET /_sim/stats`` returns."""
@@ -561,9 +598,19 @@ class RunningSimulator:
             raise RuntimeError("this simulator keeps no truth: start it with SimulatorOptions(keep_truth=True)")
         return dict(self.server.truth)
 
-    async def close(self) -> None:
-        """Stop serving; in-flight handlers are cancelled."""
-        await self._runner.cleanup()
+
+async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve an aiohttp application on ``host:port`` (0: any free port); the runner and the bound port."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    await site.start()
+    bound = port
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            bound = int(address[1])
+            break
+    return runner, bound
 
 
 async def start_simulator(
@@ -578,15 +625,7 @@ async def start_simulator(
     if profile is None:
         profile = await asyncio.to_thread(get_profile, options.profile)
     server = SimulatorServer(options, profile)
-    runner = web.AppRunner(server.web_app(), handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
-    await site.start()
-    bound = port
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            bound = int(address[1])
-            break
+    runner, bound = await serve_app(server.web_app(), host, port)
     log.info("simulator (%s) listening: set [provider] base_url = \"http://%s:%d/api/v1\"", profile.name, host, bound)
     return RunningSimulator(server, runner, host, bound)
 

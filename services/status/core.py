@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from schemas import BudgetSnapshot, Halt, topology
+from services.budget.quality import yield_text
 
 # Consumer groups of the stream stages and the logical topics they read (schemas.topology).
 GROUP_INPUTS: Final[dict[str, tuple[str, ...]]] = topology.group_inputs()
@@ -97,8 +98,8 @@ def budget_table(snapshot: StatusSnapshot) -> Table:
     """One row per budget scope: state, tokens and dollars against their caps."""
     table = Table(title="budget", title_justify="left")
     columns = ("scope", "state", "completion tokens", "cap", "spent", "cap $")
-    for name in (*columns, "requests", "updated"):  # topology: not a topic
-        table.add_column(name, justify="left" if name in ("scope", "state", "updated") else "right")
+    for name in (*columns, "requests", "yield", "updated"):  # topology: not a topic
+        table.add_column(name, justify="left" if name in ("scope", "state", "yield", "updated") else "right")
     for b in sorted(snapshot.budgets, key=lambda s: (s.scope != "global", s.scope)):
         style = {"halted": "bold red", "soft-limit": "yellow"}.get(b.state, "green")
         updated = datetime.fromtimestamp(b.updated_at, tz=UTC).strftime("%H:%M:%SZ") if b.updated_at else "-"
@@ -110,10 +111,11 @@ def budget_table(snapshot: StatusSnapshot) -> Table:
             _money(b.cost_usd),
             _money(b.cap_usd),
             f"{b.requests:,}",
+            yield_text(b),
             updated,
         )
     if not snapshot.budgets:
-        table.add_row("(no budget snapshots yet)", "", "", "", "", "", "", "")
+        table.add_row("(no budget snapshots yet)", "", "", "", "", "", "", "", "")
     return table
 
 

@@ -312,6 +312,14 @@ def test_budget_dashboard_shows_spend_cap_burn_projection_and_halts() -> None:
         assert metric in exprs
     annotations = [a for a in budget["annotations"]["list"] if a.get("expr")]
     assert any("draftstream_budget_state" in a["expr"] for a in annotations)
+    # Issue 23: what a sample costs, one panel each.
+    titles = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in budget["panels"]}
+    assert "draftstream_quality_yield_ratio" in titles["Yield per dataset and upstream"]
+    assert "by (dataset, upstream)" in titles["Yield per dataset and upstream"]
+    assert "by (dataset, reason)" in titles["Dead letters of paid answers by reason"]
+    assert "draftstream_dollars_per_accepted_sample" in titles["Dollars per accepted sample"]
+    paid_kept = titles["Tokens paid vs kept"]
+    assert 'kind="completion"' in paid_kept and "draftstream_tokens_kept_total" in paid_kept
     assert any("draftstream_inference_halted" in a["expr"] for a in annotations)
 
 
@@ -390,6 +398,12 @@ HEALTHY_RUN = [
     (f'draftstream_tokens_total{{{_B}, dataset="code", kind="completion"}}', "0+100x40"),
     (f'draftstream_tokens_total{{{_B}, dataset="code", kind="prompt"}}', "0+50x40"),
     (f'draftstream_stage_records_total{{{_B}, stage="budget"}}', "0+10x40"),
+    (f'draftstream_quality_verdicts_total{{{_B}, dataset="code", upstream="unknown", outcome="accepted"}}',
+     "0+10x40"),
+    (f'draftstream_quality_yield_ratio{{{_B}, dataset="code", upstream="all"}}', "1x40"),
+    (f'draftstream_quality_halted{{{_B}, dataset="code"}}', "0x40"),
+    (f'draftstream_dollars_per_accepted_sample{{{_B}, dataset="code"}}', "0.001x40"),
+    (f'draftstream_tokens_kept_total{{{_B}, dataset="code"}}', "0+90x40"),
     (f'draftstream_inference_halted{{{_I}, scope="global"}}', "0x40"),
     (f'draftstream_provider_requests_total{{{_I}, provider="simulator", outcome="ok"}}', "0+10x40"),
     (f'{_LATENCY}{{{_I}, provider="simulator", le="0.1"}}', "0+5x40"),

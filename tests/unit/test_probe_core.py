@@ -1,0 +1,115 @@
+"""The probe's pure findings: evidence from logprob tokens and exact ids, forecast, exit decision.
+
+The answers are built by hand from Qwen3's own special-token strings and ids (TOKENS.md:
+``</think>`` 151668, ``<|im_end|>`` 151645), not by the code under test.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from schemas import (
+    LogprobToken,
+    Message,
+    PromptPublished,
+    ResponseReceived,
+    SampleAudited,
+    SampleReconstructed,
+    Usage,
+)
+from services.probe.core import DatasetReport, ProbeAnswer, ProbeRun, forecast, render, summarize
+
+THINK_END, EOT = "</think>", "<|im_end|>"
+THINK_END_ID, EOT_ID = 151668, 151645
+FACTS = {"think_start": "<think>", "think_end": THINK_END, "end_of_turn": EOT, "end_of_turn_id": EOT_ID}
+
+
+def answer(
+    *,
+    reasoning: str,
+    content: str,
+    raw: list[str] | None,
+    completion: int,
+    accepted: bool = True,
+    upstream: str = "u",
+    prompt_tokens: int = 3,
+    method: str = "logprobs",
+    cost: float = 0.01,
+) -> ProbeAnswer:
+    """A probe answer whose logprob tokens are ``raw`` (None: no logprobs) and whose ids number len(raw)."""
+    prompt = PromptPublished(dataset="d", sample_id="s", messages=[Message(role="user", content="q")])
+    response = ResponseReceived(
+        dataset="d", sample_id="s", prompt=prompt, provider="openrouter", model="m", upstream_provider=upstream,
+        reasoning=reasoning, content=content,
+        logprobs=None if raw is None else [LogprobToken(token=t) for t in raw],
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, cost=cost),
+    )
+    n = len(raw) if raw is not None else completion
+    ids = [7] * (n - 1) + [EOT_ID]
+    sample = SampleReconstructed(
+        dataset="d", sample_id="s", profile="qwen3", response=response, prompt_ids=[1, 2, 3], output_ids=ids,
+        loss_mask=[0, 0, 0] + [1] * n, method=method,  # type: ignore[arg-type]
+    )
+    audited = SampleAudited(dataset="d", sample_id="s", sample=sample, passed=accepted,
+                            reasons=[] if accepted else ["usage_matches"])
+    return ProbeAnswer(response, sample=sample, audited=audited)
+
+
+# The model's text: "\nthink\n</think>\n\nhi<|im_end|>" as seven tokens.
+RAW = ["\n", "think", "\n", THINK_END, "\n\n", "hi", EOT]
+
+
+def test_text_that_keeps_the_whitespace_the_tokens_carry_is_kept_and_all_counted() -> None:
+    found = summarize([answer(reasoning="\nthink\n", content="\n\nhi", raw=RAW, completion=len(RAW))],
+                      logprobs_asked=True, **FACTS)
+    assert found.whitespace == dict.fromkeys(("reasoning_start", "reasoning_end", "content_start"), "kept") | {
+        "content_end": "unproven"  # "hi" ends in no whitespace: nothing to strip, nothing proven
+    }
+    assert (found.logprobs, found.end_of_turn, found.usage_wrong) == ("present", "counted", 0)
+    assert (found.prompt_agrees, found.prompt_compared) == (1, 1)
+
+
+def test_stripped_text_end_of_turn_left_out_and_logprobs_null() -> None:
+    stripped = answer(reasoning="think", content="hi", raw=RAW, completion=len(RAW) - 1, accepted=False)
+    found = summarize([stripped], logprobs_asked=True, **FACTS)
+    assert set(found.whitespace.values()) == {"stripped", "unproven"}
+    assert found.whitespace["reasoning_start"] == found.whitespace["content_start"] == "stripped"
+    assert found.end_of_turn == "not counted"
+    assert found.reasons == {"usage_matches": 1}
+    null = summarize([answer(reasoning="x", content="y", raw=None, completion=5, method="reencode")],
+                     logprobs_asked=True, **FACTS)
+    assert (null.logprobs, null.end_of_turn) == ("null", "unproven")  # re-encoded ids prove no count
+    assert set(null.whitespace.values()) == {"unproven"}
+
+
+def test_disagreeing_answers_are_mixed_and_a_wrong_count_is_counted_apart() -> None:
+    good = answer(reasoning="\nthink\n", content="\n\nhi", raw=RAW, completion=len(RAW))
+    short = answer(reasoning="\nthink\n", content="\n\nhi", raw=RAW, completion=len(RAW) - 1)
+    wrong = answer(reasoning="\nthink\n", content="\n\nhi", raw=RAW, completion=len(RAW) + 9, prompt_tokens=4)
+    found = summarize([good, short, wrong], logprobs_asked=False, **FACTS)
+    assert found.end_of_turn == "mixed" and found.usage_wrong == 1
+    assert found.logprobs == "not asked"
+    assert (found.prompt_agrees, found.prompt_compared) == (2, 3)
+
+
+def test_forecast_cost_per_accepted_sample_and_the_exit_decision() -> None:
+    answers = [answer(reasoning="r", content="c", raw=None, completion=10, method="reencode", accepted=i < 3)
+               for i in range(4)]
+    found = summarize(answers, logprobs_asked=False, **FACTS)
+    assert found.share == 0.75 and found.dollars_per_accepted == 0.04 / 3
+    outlook = forecast(found, 1000)
+    assert (outlook.accepted, outlook.tokens_paid, outlook.tokens_kept) == (750, 10_000, 7_500)
+    assert abs(outlook.dollars - 10.0) < 1e-9
+    report = DatasetReport("d", found, {"u": found}, outlook, requests_sent=4)
+    assert report.below(0.9) and not report.below(0.75)
+    run = ProbeRun([report])
+    assert run.failed(0.9) and not run.failed(0.5)
+    assert ProbeRun(skipped={"x": "halted"}).failed(0.0)
+    console = Console(width=300, record=True)
+    console.print(render(run, 0.9))
+    text = console.export_text()
+    assert "750 of 1,000 accepted" in text and "below min_yield" in text
+    row = next(line for line in text.splitlines() if " all " in line)
+    assert row.index("3 (75%)") < row.index("$0.0133") < row.index("usage_matches 1")  # under their headings
+    heading = next(line for line in text.splitlines() if "reasons of the rest" in line)
+    assert heading.index("accepted") < heading.index("$/accepted") < heading.index("reasons of the rest")
