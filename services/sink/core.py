@@ -80,6 +80,10 @@ class RowMetadata(msgspec.Struct, kw_only=True):
     finish_reason: str
     reconstruction_method: str
     audit: AuditRow
+    # Multi-turn regeneration (issue 26): the conversation and the regenerated turn (from 0) a
+    # row is; "" and -1 for a single-turn prompt (defaults: rows of older sinks still decode).
+    conversation_id: str = ""
+    turn: int = NOT_REPORTED
 
 
 class TrainingRow(msgspec.Struct, kw_only=True):
@@ -112,12 +116,14 @@ def _tool_calls(calls: list[ToolCall] | None) -> str:
     ])
 
 
-def _turn(m: Message) -> TurnRow:
-    # The request never carries earlier turns' reasoning (schemas.wire_messages): the model did
-    # not see it, so the row does not claim it did (a re-render would add ids input_ids lack).
+def _turn(m: Message, *, reasoning: bool = False) -> TurnRow:
+    # A single-turn request never carries earlier turns' reasoning (schemas.wire_messages): the
+    # model did not see it, so the row does not claim it did (a re-render would add ids input_ids
+    # lack). A multi-turn regeneration's request carries the model's own (``reasoning``).
     return TurnRow(
         role=m.role,
         content=m.content,
+        reasoning_content=(m.reasoning_content or "") if reasoning and m.role == "assistant" else "",
         tool_calls=_tool_calls(m.tool_calls),
         tool_call_id=m.tool_call_id or "",
         name=m.name or "",
@@ -132,7 +138,8 @@ def training_row(audited: SampleAudited) -> TrainingRow:
     """The training row of one accepted sample."""
     s = audited.sample
     r = s.response
-    conversations = [_turn(m) for m in r.prompt.messages]
+    conv = r.prompt.conversation
+    conversations = [_turn(m, reasoning=conv is not None) for m in r.prompt.messages]
     generated = TurnRow(
         role="assistant", content=r.content, reasoning_content=r.reasoning, tool_calls=_tool_calls(r.tool_calls)
     )
@@ -164,6 +171,8 @@ def training_row(audited: SampleAudited) -> TrainingRow:
                 passed=audited.passed,
                 checks=[CheckRow(code=c.code, passed=c.passed, message=c.message) for c in audited.results],
             ),
+            conversation_id=conv.conversation_id if conv is not None else "",
+            turn=conv.turn if conv is not None else NOT_REPORTED,
         ),
     )
 
