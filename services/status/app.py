@@ -2,8 +2,8 @@
 
 Everything is read without joining a consumer group or committing anything: end and
 beginning offsets through a group-less consumer, committed offsets of the stage groups
-through the admin client, ``budget-state`` as its latest snapshot per scope
-and ``dead-letter`` read once to its current end.
+through the admin client, ``budget-state`` as its latest snapshot per scope,
+``dead-letter`` read once to its current end, and ``conversation-state`` (latest per conversation).
 """
 
 from __future__ import annotations
@@ -14,7 +14,16 @@ from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from schemas import DEAD_LETTER_TOPIC, DLQ_HEADERS, Halt, topology
+from schemas import (
+    CONVERSATIONS_TOPIC,
+    DEAD_LETTER_TOPIC,
+    DLQ_HEADERS,
+    ConversationProgressed,
+    Halt,
+    SchemaError,
+    decode,
+    topology,
+)
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
 from services.common.topics import partitions_of, read_to_end
@@ -94,9 +103,19 @@ async def collect(
 
     budgets = await read_budget_snapshots(settings, on_unreadable=unreadable)
     await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead)
+    await read_to_end(kafka, kafka.topic(CONVERSATIONS_TOPIC), lambda r: _conversation(snapshot, r))
     snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
     return snapshot
+
+
+def _conversation(snapshot: StatusSnapshot, record: ConsumerRecord[bytes, bytes]) -> None:
+    """Keep the latest state of a conversation (a record that does not decode is left out)."""
+    try:
+        state = decode(record.value, ConversationProgressed)
+    except SchemaError:
+        return
+    snapshot.conversations[(record.key or b"").decode("utf-8", "replace")] = state
 
 
 __all__ = ["collect"]

@@ -3,7 +3,8 @@
 Five panels: the halts standing on ``control`` (scope, who, why: a pre-flight or outage
 halt says what to fix), the budget table (latest :class:`schemas.BudgetSnapshot` per
 scope), records per stage topic (end offsets, with a rate between two snapshots under
-``--watch``), consumer lag per stage group, and dead letters by stage and reason.
+``--watch``), consumer lag per stage group, and dead letters by stage and reason; and, when a
+``turns = "all"`` dataset runs, its conversations in progress, finished and ended early by reason.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
-from schemas import BudgetSnapshot, Halt, topology
+from schemas import BudgetSnapshot, ConversationProgressed, Halt, topology
 
 # Consumer groups of the stream stages and the logical topics they read (schemas.topology).
 GROUP_INPUTS: Final[dict[str, tuple[str, ...]]] = topology.group_inputs()
@@ -58,6 +59,8 @@ class StatusSnapshot:
     halts: list[Halt] = field(default_factory=list)  # standing halts on the control topic
     topic_prefix: str = ""
     groups: tuple[str, ...] = tuple(GROUP_INPUTS)
+    # Multi-turn regeneration (issue 26): the latest state per conversation key.
+    conversations: dict[str, ConversationProgressed] = field(default_factory=dict)
 
     def stage_records(self, logical: str) -> int:
         """Records written to a logical topic (summed over every dataset for ``prompts.*``)."""
@@ -162,6 +165,29 @@ def dead_letter_table(snapshot: StatusSnapshot) -> Table:
     return table
 
 
+def conversation_table(snapshot: StatusSnapshot) -> Table:
+    """Multi-turn conversations per dataset: in progress, finished, and ended early by reason."""
+    counts: Counter[tuple[str, str]] = Counter()
+    early: dict[str, Counter[str]] = {}
+    for state in snapshot.conversations.values():
+        counts[(state.dataset, state.state)] += 1
+        if state.state == "ended_early":
+            early.setdefault(state.dataset, Counter())[state.reason] += 1
+    table = Table(title=f"conversations: {len(snapshot.conversations):,}", title_justify="left")
+    for name in ("dataset", "in progress", "finished", "ended early", "why"):
+        table.add_column(name, justify="left" if name in ("dataset", "why") else "right")
+    for dataset in sorted({d for d, _ in counts}):
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(early.get(dataset, Counter()).items(), key=lambda kv: -kv[1]))
+        table.add_row(
+            dataset,
+            f"{counts[(dataset, 'in_progress')]:,}",
+            f"{counts[(dataset, 'finished')]:,}",
+            f"{counts[(dataset, 'ended_early')]:,}",
+            reasons or "-",
+        )
+    return table
+
+
 def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> RenderableType:
     """The whole status screen."""
     when = datetime.fromtimestamp(snapshot.taken_at, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
@@ -176,6 +202,8 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         lag_table(snapshot),
         dead_letter_table(snapshot),
     ]
+    if snapshot.conversations:
+        parts.append(conversation_table(snapshot))
     if snapshot.unreadable_budget_records:
         parts.append(f"[yellow]{snapshot.unreadable_budget_records} unreadable budget-state record(s)[/]")
     return Group(*parts)
@@ -187,6 +215,7 @@ __all__ = [
     "GroupLag",
     "StatusSnapshot",
     "budget_table",
+    "conversation_table",
     "dead_letter_table",
     "halts_table",
     "lag_table",

@@ -38,6 +38,7 @@ from services.dlq.core import Filters
 from services.publish.app import publish
 from services.publish.core import NormaliseOptions, normalise
 from services.simulator.app import SimulatorOptions, start_simulator
+from services.status.app import collect
 from tests.conformance import truth as T
 from tests.e2e.harness import Pipeline, dead_letters, read_all
 from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3, sink_rows
@@ -199,6 +200,7 @@ async def test_every_turn_is_regenerated_on_the_regenerated_history(
             replays += len(done.replayed)
             replayed.update(p.record.key_text for p in done.replayed)
         states = await conversation_states(settings)
+        status = await collect(settings)
         responses_topic = settings.kafka.topic("responses")
         n_responses = len((await read_all(settings, responses_topic))[responses_topic])
         await pipeline.wait(lambda: sum(s.responses for k, s in budget.ledger.scopes.items() if k != "global")
@@ -260,6 +262,10 @@ async def test_every_turn_is_regenerated_on_the_regenerated_history(
     assert replays > 0 and any(max(turns) >= 1 for turns in dead_at.values()), line
     for cid, turns in dead_at.items():
         assert states[cid].turns_done > max(turns), (cid, turns, states[cid])
+    # `draftstream status` counts the same conversations, by state and reason
+    assert Counter((s.dataset, s.state, s.reason) for s in status.conversations.values()) == Counter(
+        (s.dataset, s.state, s.reason) for s in states.values()
+    )
     assert budget_completion == paid_completion, f"budget {budget_completion} != paid {paid_completion}: {line}"
 
 
