@@ -275,3 +275,33 @@ def test_each_template_family_carries_the_regenerated_history_as_its_official_te
         if turn == 2:
             assert "3C and clear." in text and "(old model)" not in text
             assert "REASON-ONE" not in text or model == "qwen3"
+
+
+# ---- rows: one per regenerated turn, kept by the sink's schema and the exports ----------------------------------
+
+
+def test_rows_carry_conversation_and_turn_and_the_history_reasoning_the_request_sent(tmp_path: Any) -> None:
+    from services.export.core import row_from_line, speculators_row, upgrade_row
+    from services.sink.core import row_line, training_row
+
+    p0 = all_turns(SHAREGPT)
+    v1 = C.continue_conversation(accepted(p0, reasoning="r0", content="2"))
+    assert isinstance(v1, C.Continued)
+    sample = accepted(v1.prompt, reasoning="r1", content="3")
+    row = training_row(sample)
+    assert row.id == "chat:conv-7:1"
+    assert (row.metadata.conversation_id, row.metadata.turn) == ("conv-7", 1)
+    assert [(t.role, t.content, t.reasoning_content) for t in row.conversations] == [
+        ("system", "Be brief.", ""), ("user", "Name a prime.", ""), ("assistant", "2", "r0"),
+        ("user", "And another?", ""), ("assistant", "3", "r1"),
+    ]  # fmt: skip
+    back = row_from_line(row_line(row), "part-00000.jsonl:1")
+    assert back == row and speculators_row(back)["id"] == "chat:conv-7:1"
+    # a single-turn row: no conversation, turn -1, and earlier reasoning never claimed
+    single = training_row(accepted(normalise(SHAREGPT, NormaliseOptions(dataset="chat")), content="x"))
+    assert (single.metadata.conversation_id, single.metadata.turn) == ("", -1)
+    # rows of sinks older than multi-turn upgrade to the same defaults
+    old = json.loads(row_line(single))
+    del old["metadata"]["conversation_id"], old["metadata"]["turn"]
+    assert upgrade_row(old)["metadata"]["turn"] == -1
+    assert row_from_line(json.dumps(old).encode(), "old:1").metadata.turn == -1
