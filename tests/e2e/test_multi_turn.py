@@ -15,7 +15,8 @@ tokenizer of ``tests/conformance/truth.py``.
 Asserts: one row per regenerated turn, no key written twice; every conversation finished or
 ended early with a reason (``conversation-state``); every row's prompt_ids equal the official
 render of its regenerated history; a conversation whose turn was dead-lettered and replayed
-went on to its end; the budget counted every paid turn.
+went on to its end; the budget counted every paid turn. A second test halts the dataset
+mid-conversation: the next turns wait on ``prompts.<dataset>`` unanswered until the resume.
 """
 
 from __future__ import annotations
@@ -271,3 +272,60 @@ async def test_every_turn_is_regenerated_on_the_regenerated_history(
 
 def _messages(original: list[dict[str, Any]]) -> list[Message]:
     return [msgspec.convert(m, Message) for m in original]
+
+
+async def test_a_halt_holds_the_next_turns_and_the_budget_counts_every_turn(
+    settings_factory: Callable[..., Any], report: Callable[..., str], tmp_path: Path
+) -> None:
+    """Continuations are prompts like any other: a dataset halt holds them at inference; after the
+    resume every conversation runs to its end, and the budget has counted each turn once."""
+    from schemas import Halt, Resume
+    from services.control import publish_control
+
+    rows_file = write_jsonl(tmp_path / "chat.jsonl", sharegpt_rows(20, random.Random(7)))
+    turns = sum(sum(1 for t in json.loads(line)["conversations"] if t["from"] == "gpt")
+                for line in rows_file.read_text("utf-8").splitlines())
+    sim = await start_simulator(SimulatorOptions(seed=7, reasoning_tokens=(8, 16), content_tokens=(8, 16),
+                                                 latency_s=0.05, chat_template_file=str(OFFICIAL_QWEN3)))
+    settings = settings_factory(provider={"base_url": sim.url, "concurrency": 8},
+                                datasets={CHAT: {"turns": "all", "audit": {"usage_offset": 0}}})
+    out_dir = Path(settings.sink.out_dir)
+    await ensure_topics(settings.kafka, [CHAT])
+    prompts_topic, responses_topic = settings.kafka.prompts_topic(CHAT), settings.kafka.topic("responses")
+
+    async def counts() -> tuple[int, int]:
+        got = await read_all(settings, prompts_topic, responses_topic)
+        return len({r.key for r in got[prompts_topic]}), len({r.key for r in got[responses_topic]})
+
+    pipeline = Pipeline()
+    try:
+        await pipeline.start_stages(settings, "budget", "inference", "reconstruct", "audit", "sink", "continuation")
+        budget = pipeline.services["budget"]
+        await publish(settings, [rows_file], dataset=CHAT)
+        await pipeline.wait(lambda: len(sink_rows(out_dir)) >= 10, 120, "the first turns accepted")
+        await publish_control(settings, Halt(scope=CHAT, reason="test halt", by="test"))
+        # the halt holds: once what was in flight is through, turns stay published and unanswered
+        held: list[tuple[int, int]] = []
+
+        async def holding() -> bool:
+            held.append(await counts())
+            return len(held) >= 4 and len(set(held[-4:])) == 1 and held[-1][0] > held[-1][1]
+
+        await pipeline.wait(holding, 60, "next turns held on the prompts topic while halted")
+        await publish_control(settings, Resume(scope=CHAT, reason="test over", by="test"))
+
+        async def all_finished() -> bool:
+            states = await conversation_states(settings)
+            return len(states) == 20 and all(s.state == "finished" for s in states.values())
+
+        await pipeline.wait(all_finished, 180, "every conversation finished after the resume")
+        await pipeline.wait(lambda: CHAT in budget.ledger.scopes and budget.ledger.scopes[CHAT].responses >= turns,
+                            60, "the budget counted every turn")
+        counted = budget.ledger.scopes[CHAT].responses
+    finally:
+        await pipeline.stop()
+        await sim.close()
+    rows = sink_rows(out_dir)
+    line = report(turns=turns, rows=len(rows), held_prompts_vs_responses=held[-1], budget_responses=counted)
+    assert len(rows) == turns == len({r["id"] for r in rows}), line
+    assert counted == turns, f"the budget counted {counted} responses for {turns} turns: {line}"
