@@ -276,7 +276,7 @@ _roles = (
     Role(
         "demo",
         None,
-        reads=(DEAD_LETTER,),
+        reads=(DEAD_LETTER, CONVERSATIONS),
         writes=(),
         description="The demo runs every other role as its own process and reads the dead letters to report.",
     ),
