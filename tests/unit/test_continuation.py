@@ -215,6 +215,7 @@ FAMILY = {
     "qwen3": (True, True),  # the reference Qwen3-0.6B copy keeps any reasoning passed (`or reasoning_content`)
     "qwen3-thinking-2507": (True, False),  # kept within the tool loop, dropped before the last user query
     "deepseek-r1": (False, False),  # R1 keeps only the text after </think>
+    "deepseek-v3.1": (False, False),  # V3.1 renders history turns without their reasoning
     "kimi-k2-thinking": (True, False),  # kept after the last assistant turn without tool calls only
 }
 
@@ -224,8 +225,9 @@ def official_ids(
 ) -> tuple[str, list[int]]:
     """The official template's render of ``messages`` (as a server hands them to it) and its true ids."""
     spec = T._SPECS[model]
+    thinking = {spec.thinking_kwarg: True} if spec.thinking_kwarg else {}  # the profiles think
     text = T.render_template(T._template_text(model), T.server_messages(model, messages), tools=tools,
-                             add_generation_prompt=True, bos_token=spec.bos, eos_token=spec.eos)
+                             add_generation_prompt=True, bos_token=spec.bos, eos_token=spec.eos, **thinking)
     return text, list(T.truth_tokenizer(model).encode_prompt(text))
 
 
