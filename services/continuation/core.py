@@ -5,9 +5,9 @@ A ``turns = "all"`` dataset regenerates every assistant turn of a conversation o
 comes here and yields turn k+1's prompt: the original conversation up to the next user (or
 tool-result) turn, every earlier assistant turn replaced by the model's own answer: its
 content, its tool calls and its reasoning. The reasoning is passed back on every regenerated
-turn and the model's chat template decides what of it the model sees (Qwen3 and DeepSeek-R1
-drop it before the last user query, Kimi-K2-Thinking keeps it after the last assistant turn
-without tool calls): the request carries it (:func:`schemas.wire_messages`), and the prompt ids
+turn and the model's chat template decides what of it the model sees (DeepSeek-R1 and V3.1 drop
+it, Qwen3-2507 drops it before the last user query, Kimi-K2-Thinking keeps it after the last
+assistant turn without tool calls): the request carries it (:func:`schemas.wire_messages`), and the prompt ids
 are the template's render of exactly that.
 
 Tool results are paired semi-on-policy (vLLM speculators PR #750): tools are not executed;
