@@ -24,6 +24,7 @@ __all__ = [
     "ACCEPTED_TOPIC",
     "BUDGET_STATE_TOPIC",
     "CONTROL_TOPIC",
+    "CONVERSATIONS_TOPIC",
     "DEAD_LETTER_TOPIC",
     "DLQ_HEADERS",
     "GLOBAL_SCOPE",
@@ -36,6 +37,8 @@ __all__ = [
     "BudgetSnapshot",
     "CheckResult",
     "ControlEvent",
+    "ConversationTurn",
+    "ConversationProgressed",
     "DeadLetterHeaders",
     "Halt",
     "LogprobToken",
@@ -74,6 +77,8 @@ DEAD_LETTER_TOPIC: Final = _topology.DEAD_LETTER
 CONTROL_TOPIC: Final = _topology.CONTROL
 BUDGET_STATE_TOPIC: Final = _topology.BUDGET_STATE
 RESPONSE_STORE_TOPIC: Final = _topology.RESPONSE_STORE
+# Multi-turn regeneration (issue 26).
+CONVERSATIONS_TOPIC: Final = _topology.CONVERSATIONS
 GLOBAL_SCOPE: Final = "global"
 
 # Bounds that make absurd numbers a decode error instead of a silent corruption.
@@ -117,15 +122,20 @@ class Message(Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
 
 
-def wire_messages(messages: list[Message]) -> list[dict[str, Any]]:
+def wire_messages(messages: list[Message], *, reasoning: bool = False) -> list[dict[str, Any]]:
     """The OpenAI ``messages`` a request carries for a prompt: what the server's template sees.
 
     ``content`` always present; ``tool_calls``, ``tool_call_id`` and ``name`` when set; earlier
-    turns' ``reasoning_content`` is never sent. The prompt ids are rendered from exactly this.
+    turns' ``reasoning_content`` only with ``reasoning`` (a multi-turn regeneration passes the
+    model's own reasoning back and lets its chat template decide what of it to render; a dataset's
+    history written by another model is never sent with its reasoning). The prompt ids are rendered
+    from exactly this.
     """
     out: list[dict[str, Any]] = []
     for m in messages:
         item: dict[str, Any] = {"role": m.role, "content": m.content}
+        if reasoning and m.role == "assistant" and m.reasoning_content:
+            item["reasoning_content"] = m.reasoning_content
         if m.tool_calls:
             item["tool_calls"] = [
                 {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
@@ -139,8 +149,25 @@ def wire_messages(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
+class ConversationTurn(Struct, kw_only=True, omit_defaults=True):
+    """Which turn of which conversation a prompt is, in a ``turns = "all"`` dataset (issue 26).
+
+    ``original`` is the dataset's whole conversation as published (every assistant turn
+    included): the continuation stage takes the next user turn and the cached tool results from
+    it. ``turn`` counts the regenerated assistant turns from 0.
+    """
+
+    conversation_id: Name
+    turn: Annotated[int, Meta(ge=0, le=100_000)]
+    original: list[Message]
+
+
 class PromptPublished(Struct, kw_only=True):
-    """A prompt waiting for the target model's answer, on ``prompts.<dataset>``."""
+    """A prompt waiting for the target model's answer, on ``prompts.<dataset>``.
+
+    ``conversation`` is set on the prompts of a ``turns = "all"`` dataset: their sample id is
+    ``<conversation_id>:<turn>`` and their messages carry the regenerated history.
+    """
 
     dataset: Name
     sample_id: Name
@@ -151,6 +178,12 @@ class PromptPublished(Struct, kw_only=True):
     source: str = ""
     published_at: float = 0.0
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    conversation: ConversationTurn | None = None
+
+    @property
+    def wire(self) -> list[dict[str, Any]]:
+        """The messages as a request carries them (:func:`wire_messages`; reasoning in a regenerated history)."""
+        return wire_messages(self.messages, reasoning=self.conversation is not None)
 
 
 class RequestStarted(Struct, kw_only=True):
@@ -358,6 +391,26 @@ class ReplayRecorded(Struct, kw_only=True):
     schema_version: Version = SCHEMA_VERSION
 
 
+class ConversationProgressed(Struct, kw_only=True):
+    """Where a multi-turn conversation stands, on ``conversation-state`` keyed ``<dataset>:<conversation_id>``.
+
+    The continuation stage writes one per accepted turn: ``in_progress`` (turn ``next_turn`` was
+    published), ``finished`` (the last turn was regenerated) or ``ended_early`` with ``reason``
+    (a regenerated tool call named another function, the turn structure diverged, ...). The topic
+    is compacted: the latest record of a conversation is its state.
+    """
+
+    dataset: Name
+    conversation_id: Name
+    state: Literal["in_progress", "finished", "ended_early"]
+    turns_done: NonNegInt
+    next_turn: NonNegInt | None = None
+    reason: str = ""
+    message: str = ""
+    at: float = 0.0
+    schema_version: Version = SCHEMA_VERSION
+
+
 class DeadLetterHeaders:
     """Header names on ``dead-letter`` records, in the style of Kafka Connect's DLQ."""
 
@@ -403,6 +456,7 @@ _EVENTS: Final[tuple[Any, ...]] = (
     SampleAudited,
     BudgetSnapshot,
     Halt | Resume,
+    ConversationProgressed,
 )
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {t: msgspec.json.Decoder(t) for t in _EVENTS}
 _type_infos: dict[Any, msgspec.inspect.Type] = {t: msgspec.inspect.type_info(t) for t in _EVENTS}

@@ -20,6 +20,8 @@ EVENTS: dict[str, Any] = {
     "sample_audited": s.SampleAudited,
     "control_event": s.Halt | s.Resume,
     "budget_snapshot": s.BudgetSnapshot,
+    # Multi-turn regeneration (issue 26).
+    "conversation_progressed": s.ConversationProgressed,
 }
 
 

@@ -73,6 +73,9 @@ CONTROL: Final = "control"
 BUDGET_STATE: Final = "budget-state"
 RESPONSE_STORE: Final = "response-store"
 DLQ_REPLAYED: Final = "dlq-replayed"
+# Multi-turn regeneration (issue 26).
+CONVERSATIONS: Final = "conversation-state"
+CONVERSATION_KEY: Final = "<dataset>:<conversation_id>"
 
 PROMPTS_PREFIX: Final = PROMPTS.removesuffix("*")
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
@@ -159,6 +162,14 @@ _topics = (
         "The replay ledger: dead letters already re-sent, so a second replay sends nothing twice.",
         partitions=1,
     ),
+    # Multi-turn regeneration (issue 26).
+    Topic(
+        CONVERSATIONS,
+        ("ConversationProgressed",),
+        CONVERSATION_KEY,
+        True,
+        "Where each multi-turn conversation stands: in progress, finished, or ended early with its reason.",
+    ),
 )
 TOPICS: Final[Mapping[str, Topic]] = MappingProxyType({t.name: t for t in _topics})
 
@@ -167,20 +178,25 @@ STAGES: Final[tuple[str, ...]] = ("publish", "inference", "reconstruct", "audit"
 """The pipeline's stages in order; each one's main output is the next one's input."""
 
 STAGE_INPUT: Final[Mapping[str, str]] = MappingProxyType(
-    {"inference": PROMPTS, "reconstruct": RESPONSES, "audit": SAMPLES, "sink": ACCEPTED}
+    {"inference": PROMPTS, "reconstruct": RESPONSES, "audit": SAMPLES, "sink": ACCEPTED, "continuation": ACCEPTED}
 )
 """The topic each consuming stage reads (publish reads files)."""
 
 STAGE_OUTPUT: Final[Mapping[str, str]] = MappingProxyType(
-    {"publish": PROMPTS, "inference": RESPONSES, "reconstruct": SAMPLES, "audit": ACCEPTED}
+    {"publish": PROMPTS, "inference": RESPONSES, "reconstruct": SAMPLES, "audit": ACCEPTED, "continuation": PROMPTS}
 )
-"""The main output topic of each stage (sink writes files); dead letters aside."""
+"""The main output topic of each stage (sink writes files); dead letters aside.
+
+``continuation`` is outside :data:`STAGES`: it closes the loop, from ``accepted`` back to
+``prompts.<dataset>`` (the next turn of a multi-turn conversation).
+"""
 
 # --- consumer groups ----------------------------------------------------------------------
 INFERENCE_GROUP: Final = "draftstream-inference"
 RECONSTRUCT_GROUP: Final = "draftstream-reconstruct"
 AUDIT_GROUP: Final = "draftstream-audit"
 SINK_GROUP: Final = "draftstream-sink"
+CONTINUATION_GROUP: Final = "draftstream-continuation"
 
 _FIXED = tuple(t.name for t in _topics if not t.is_pattern and t.name != DLQ_REPLAYED)
 _ALL_CREATED = (*_FIXED, PROMPTS)  # what ensure_topics creates
@@ -248,11 +264,11 @@ _roles = (
     Role(
         "status",
         None,
-        reads=(BUDGET_STATE, DEAD_LETTER, CONTROL),
+        reads=(BUDGET_STATE, DEAD_LETTER, CONTROL, CONVERSATIONS),
         writes=(),
         description="The status screen: end offsets, group lag, budget, halts, dead letters; commits nothing.",
         describes=(PROMPTS, RESPONSES, SAMPLES, ACCEPTED, DEAD_LETTER),
-        describes_groups=(INFERENCE_GROUP, RECONSTRUCT_GROUP, AUDIT_GROUP, SINK_GROUP),
+        describes_groups=(INFERENCE_GROUP, RECONSTRUCT_GROUP, AUDIT_GROUP, SINK_GROUP, CONTINUATION_GROUP),
     ),
     Role(
         "operator",
@@ -265,9 +281,17 @@ _roles = (
     Role(
         "demo",
         None,
-        reads=(DEAD_LETTER,),
+        reads=(DEAD_LETTER, CONVERSATIONS),
         writes=(),
         description="The demo runs every other role as its own process and reads the dead letters to report.",
+    ),
+    # Multi-turn regeneration (issue 26).
+    Role(
+        "continuation",
+        CONTINUATION_GROUP,
+        reads=(ACCEPTED,),
+        writes=(PROMPTS, CONVERSATIONS, DEAD_LETTER),
+        description="Turns an accepted turn of a multi-turn dataset into the next turn's prompt (regenerated history).",
     ),
     Role(
         "admin",
@@ -337,7 +361,10 @@ __all__ = [
     "ACCEPTED",
     "AUDIT_GROUP",
     "BUDGET_STATE",
+    "CONTINUATION_GROUP",
     "CONTROL",
+    "CONVERSATIONS",
+    "CONVERSATION_KEY",
     "DEAD_LETTER",
     "DEAD_LETTER_MESSAGE",
     "DLQ_REPLAYED",

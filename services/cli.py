@@ -343,6 +343,8 @@ _CONTRIBUTORS = (
     "services.export.cli",
     "services.status.cli",
     "services.demo.cli",
+    # Multi-turn regeneration (issue 26).
+    "services.continuation.cli",
 )
 
 

@@ -41,6 +41,7 @@ def settings_factory(
             "budget_port": 0,
             "sink_port": 0,
             "simulator_port": 0,
+            "continuation_port": 0,
             **overrides.pop("metrics", {}),
         }
         sink = {"out_dir": str(tmp_path / "out"), **overrides.pop("sink", {})}

@@ -177,6 +177,10 @@ class DatasetSettings(BaseModel):
     cap_usd: float | None = Field(default=None, gt=0)
     expected_prompts: int | None = Field(default=None, ge=0)
     audit: AuditThresholds = Field(default_factory=AuditThresholds)
+    # Multi-turn regeneration (issue 26): "last" regenerates the final assistant turn on the
+    # dataset's history; "all" regenerates every assistant turn on the regenerated history
+    # (publish sends the first turn, the continuation stage the next ones).
+    turns: Literal["last", "all"] = "last"
 
 
 class BudgetSettings(BaseModel):
@@ -251,6 +255,8 @@ class MetricsSettings(BaseModel):
     sink_port: int = 9405
     simulator_port: int = 9406
     publish_port: int = 0
+    # Multi-turn regeneration (issue 26).
+    continuation_port: int = 9407
 
 
 class SinkSettings(BaseModel):

@@ -32,8 +32,10 @@ from services.common.config import Settings, load_settings
 from services.common.console import data_console, styled
 
 DATA = Path(__file__).parent / "data"
-DATASETS = ("math", "code", "tools")
-SERVICES = ("inference", "reconstruct", "audit", "budget", "sink")
+DATASETS = ("math", "code", "tools", "chat")
+# Multi-turn regeneration (issue 26): every assistant turn regenerated on the regenerated history.
+MULTI_TURN = ("chat",)
+SERVICES = ("inference", "reconstruct", "audit", "budget", "sink", "continuation")
 REPO = Path(__file__).resolve().parents[2]
 
 console = data_console()
@@ -77,6 +79,7 @@ reconstruct_port = {free_port()}
 audit_port = {free_port()}
 budget_port = {free_port()}
 sink_port = {free_port()}
+continuation_port = {free_port()}
 simulator_port = 0
 
 [datasets.math]
@@ -90,6 +93,11 @@ max_tokens = 2048
 [datasets.tools]
 profile = "qwen3"
 max_tokens = 2048
+
+[datasets.chat]
+profile = "qwen3"
+max_tokens = 2048
+turns = "all"
 """
 
 
@@ -195,6 +203,47 @@ async def read_dead_letters(settings: Settings) -> DeadLetterView:
     )
 
 
+async def read_conversations(settings: Settings) -> dict[str, s.ConversationProgressed]:
+    """The latest state of every multi-turn conversation (``<dataset>:<conversation_id>``)."""
+    from services.common.topics import read_to_end
+
+    latest: dict[str, s.ConversationProgressed] = {}
+
+    def keep(record: object) -> None:
+        with suppress(s.SchemaError):
+            latest[(getattr(record, "key", None) or b"").decode()] = s.decode(
+                getattr(record, "value", None), s.ConversationProgressed
+            )
+
+    await read_to_end(settings.kafka, settings.kafka.topic(s.CONVERSATIONS_TOPIC), keep)
+    return latest
+
+
+def concluded(settings: Settings, rows: set[str], dead: set[str], conversations: dict[str, int]) -> dict[str, str]:
+    """How each multi-turn conversation ended, for those that did: finished, ended early (why), dead letter."""
+    states = asyncio.run(read_conversations(settings))
+    out: dict[str, str] = {}
+    for cid in conversations:
+        state = states.get(cid)
+        if state is not None and state.state != "in_progress":
+            out[cid] = "finished" if state.state == "finished" else f"ended early: {state.reason}"
+            continue
+        key = f"{cid}:{0 if state is None else state.turns_done}"
+        if key in dead and key not in rows:
+            out[cid] = "stopped at a dead letter"
+    return out
+
+
+def conversation_ids(files: dict[str, Path]) -> dict[str, int]:
+    """``<dataset>:<id>`` of every conversation of the multi-turn datasets (the bundled rows have ids)."""
+    ids: dict[str, int] = {}
+    for name in MULTI_TURN:
+        for line in files[name].read_text("utf-8").splitlines():
+            if line.strip():
+                ids[f"{name}:{json.loads(line)['id']}"] = 1
+    return ids
+
+
 def count_prompts(files: dict[str, Path]) -> dict[str, int]:
     """Prompts in each bundled dataset (non-empty lines)."""
     return {
@@ -202,8 +251,13 @@ def count_prompts(files: dict[str, Path]) -> dict[str, int]:
     }
 
 
-def wait_accounted(settings: Settings, out_dir: Path, expected: int, procs: Processes, timeout: float) -> None:
-    """Block until accepted keys plus dead-lettered keys cover every published prompt."""
+def wait_accounted(
+    settings: Settings, out_dir: Path, expected: int, procs: Processes, timeout: float, conversations: dict[str, int]
+) -> None:
+    """Block until accepted keys plus dead-lettered keys cover every published prompt.
+
+    A multi-turn conversation counts once it finished, ended early, or stopped at a dead letter.
+    """
     with Progress(
         TextColumn("accounted for", style="bold", markup=False),
         BarColumn(),
@@ -217,7 +271,8 @@ def wait_accounted(settings: Settings, out_dir: Path, expected: int, procs: Proc
             procs.check_alive()
             accepted = set(accepted_keys(out_dir))
             dead = asyncio.run(read_dead_letters(settings)).keys()
-            done = len(accepted | dead)
+            single = {k for k in accepted | dead if k.split(":", 1)[0] not in MULTI_TURN}
+            done = len(single) + len(concluded(settings, accepted, dead, conversations))
             progress.update(task, completed=min(done, expected))
             if done >= expected:
                 return
@@ -226,8 +281,34 @@ def wait_accounted(settings: Settings, out_dir: Path, expected: int, procs: Proc
             time.sleep(1.0)
 
 
-def summary(settings: Settings, out_dir: Path, published: dict[str, int]) -> tuple[Counter[str], DeadLetterView]:
-    """Print accepted and dead-lettered per dataset, reasons, spend, and where the files are."""
+def conversation_summary(settings: Settings, out_dir: Path, conversations: dict[str, int], dead: set[str]) -> None:
+    """Print how the multi-turn conversations ended and how many rows (regenerated turns) they made.
+
+    ``dead``: the keys whose last dead letter stands (not replayed since).
+    """
+    accepted = accepted_keys(out_dir)
+    ends = concluded(settings, set(accepted), dead, conversations)
+    table = Table(title="multi-turn conversations: one row per regenerated turn")
+    for col in ("dataset", "conversations", "rows", "how they ended"):
+        table.add_column(col, justify="left" if col in ("dataset", "how they ended") else "right")
+    for name in MULTI_TURN:
+        outcomes = Counter(v for k, v in ends.items() if k.startswith(f"{name}:"))
+        in_progress = sum(1 for k in conversations if k.startswith(f"{name}:")) - sum(outcomes.values())
+        if in_progress:
+            outcomes["in progress"] = in_progress
+        rows = sum(1 for k in accepted if k.startswith(f"{name}:"))
+        table.add_row(name, str(sum(1 for k in conversations if k.startswith(f"{name}:"))), str(rows),
+                      ", ".join(f"{what} {n}" for what, n in outcomes.most_common()))
+    console.print(table)
+
+
+def summary(
+    settings: Settings, out_dir: Path, published: dict[str, int], conversations: dict[str, int]
+) -> tuple[Counter[str], DeadLetterView]:
+    """Print accepted and dead-lettered per dataset, reasons, spend, and where the files are.
+
+    For a multi-turn dataset ``published`` counts conversations; its accepted rows are turns.
+    """
     accepted = accepted_keys(out_dir)
     view = asyncio.run(read_dead_letters(settings))
     dead_only = view.keys() - set(accepted)
@@ -237,6 +318,11 @@ def summary(settings: Settings, out_dir: Path, published: dict[str, int]) -> tup
     for name, n in published.items():
         acc = sum(1 for k in accepted if k.startswith(f"{name}:"))
         dead = sum(1 for k in dead_only if k.startswith(f"{name}:"))
+        if name in MULTI_TURN:
+            ours = {k: 1 for k in conversations if k.startswith(f"{name}:")}
+            done = len(concluded(settings, set(accepted), view.keys(), ours))
+            table.add_row(f"{name} (turns)", f"{n} conv.", str(acc), str(dead), "yes" if done == n else "NO")
+            continue
         table.add_row(name, str(n), str(acc), str(dead), "yes" if acc + dead == n else "NO")
     console.print(table)
     reasons: Counter[tuple[str, str]] = Counter((stage, reason) for k, stage, reason in view.records if k in dead_only)
@@ -281,6 +367,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     procs = Processes(run_dir / "logs")
     files = {name: DATA / f"{name}.jsonl" for name in DATASETS}
     published = count_prompts(files)
+    conversations = conversation_ids(files)
     try:
         console.print(styled("config", "bold", f" {config}"))
         run_cli(
@@ -317,21 +404,28 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
             console.print(out.strip().splitlines()[-1] if out.strip() else f"published {name}")
         expected = sum(published.values())
         out_dir = Path(settings.sink.out_dir)
-        wait_accounted(settings, out_dir, expected, procs, timeout)
-        accepted, view = summary(settings, out_dir, published)
+        wait_accounted(settings, out_dir, expected, procs, timeout, conversations)
+        accepted, view = summary(settings, out_dir, published, conversations)
+        conversation_summary(settings, out_dir, conversations, view.keys())
         show(run_cli(cli("budget", "--config", str(config)), env, "budget"))
         # Replay: inference dead letters were transient provider failures; send them again.
         retryable = {k for k, stage, _ in view.records if stage == "inference"} - set(accepted)
         if retryable:
             console.print(styled("replaying", "bold", f" {len(retryable)} inference dead letter(s)"))
             before = Counter(k for k, _, _ in view.records)
+            standing = view.keys() - retryable
             show(run_cli(cli("dlq", "replay", "--stage", "inference", "--config", str(config)), env, "replay"))
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 procs.check_alive()
                 now_accepted = set(accepted_keys(out_dir))
                 again = Counter(k for k, _, _ in asyncio.run(read_dead_letters(settings)).records)
-                if all(k in now_accepted or again[k] > before[k] for k in retryable):
+                standing = {k for k in again if k not in retryable or again[k] > before[k]}
+                # a replayed turn of a conversation goes on: wait for the conversation's end too
+                ended = concluded(settings, now_accepted, standing, conversations)
+                if all(k in now_accepted or again[k] > before[k] for k in retryable) and len(ended) == len(
+                    conversations
+                ):
                     break
                 time.sleep(1)
             final = accepted_keys(out_dir)
@@ -347,6 +441,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
             console.print(
                 f"duplicate keys in the training files after replay: {sum(1 for n in final.values() if n > 1)}"
             )
+            conversation_summary(settings, out_dir, conversations, standing)
         else:
             console.print("no inference dead letters to replay this time")
         console.print(styled("demo finished", "bold green", f" in {time.monotonic() - started:.0f} s"))

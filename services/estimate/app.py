@@ -46,7 +46,7 @@ class Estimator:
     def render(self, prompt: PromptPublished) -> str:
         """The prompt text the server would tokenize for this request."""
         tools = prompt.tools if sends_tools(prompt, self.dataset_settings) else None
-        return self.profile.render_prompt(prompt.messages, tools)
+        return self.profile.render_prompt(prompt.messages, tools, reasoning=prompt.conversation is not None)
 
     def add(self, prompt: PromptPublished) -> None:
         """Count one prompt (tokenized in batches)."""
@@ -94,6 +94,7 @@ def estimate_files(settings: Settings, files: DatasetFiles, observed: Observed |
         system=files.system,
         tools_field=files.tools_field,
         max_prompt_chars=settings.provider.max_prompt_chars,
+        turns=settings.dataset(files.dataset).turns,
     )
     estimator = Estimator(settings, files.dataset, observed)
     for item in iter_prompts(paths, options, limit=files.limit):

@@ -91,6 +91,8 @@ def _upgrade_metadata(meta: dict[str, Any]) -> dict[str, Any]:
         "finish_reason": meta.get("finish_reason") or "",
         "reconstruction_method": meta.get("reconstruction_method") or "",
         "audit": {"passed": bool(audit.get("passed")), "checks": checks},
+        "conversation_id": meta.get("conversation_id") or "",
+        "turn": NOT_REPORTED if meta.get("turn") is None else meta["turn"],
     }
 
 

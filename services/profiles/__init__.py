@@ -424,15 +424,18 @@ class Profile:
                 self._template = env.from_string(self.chat_template)
             return self._template
 
-    def render_prompt(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> str:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None, *, reasoning: bool = False
+    ) -> str:
         """The prompt text the server renders: the chat template over the messages as sent.
 
         ``messages`` go through :func:`schemas.wire_messages` (what a request carries:
-        no ``reasoning_content``), the generation prompt is on, and the profile's template
-        kwargs (thinking on or off) are passed as a server gets them.
+        ``reasoning_content`` only with ``reasoning``, a multi-turn regeneration's history),
+        the generation prompt is on, and the profile's template kwargs (thinking on or off)
+        are passed as a server gets them.
         """
         template = self._compiled_template()
-        sent = wire_messages(list(messages))
+        sent = wire_messages(list(messages), reasoning=reasoning)
         if self.spec.tool_arguments == "dict":
             sent = [_arguments_as_dicts(m) for m in sent]
         rendered: str = template.render(

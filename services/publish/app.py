@@ -170,6 +170,7 @@ def scan(
         system=system,
         tools_field=tools_field,
         max_prompt_chars=settings.provider.max_prompt_chars,
+        turns=settings.dataset(dataset).turns,
     )
     report = PublishReport(dataset=dataset, topic=settings.kafka.prompts_topic(dataset))
     try:
@@ -241,6 +242,7 @@ async def publish(
         system=system,
         tools_field=tools_field,
         max_prompt_chars=settings.provider.max_prompt_chars,
+        turns=settings.dataset(dataset).turns,
     )
     report = PublishReport(dataset=dataset, topic=settings.kafka.prompts_topic(dataset), dry_run=dry_run)
     report.forced = force

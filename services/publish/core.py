@@ -6,7 +6,9 @@ Three input shapes are understood:
 * ShareGPT ``conversations``: ``{"conversations": [{"from": "human", "value": ...}, ...]}``
 * Alpaca: ``{"instruction": ..., "input": ..., "output": ...}``
 
-A trailing assistant turn is dropped (it is what the target model regenerates). Tool
+A trailing assistant turn is dropped (it is what the target model regenerates). With
+``turns = "all"`` the whole conversation is kept as the prompt's ``conversation`` and the prompt
+is its turn 0 (see ``services/continuation/core.py``). Tool
 definitions come from a ``tools`` field (or the one named by ``tools_field``), or, in the
 Glaive style, from JSON function specs written inside the system message: the system
 text is kept verbatim and the specs are also parsed into ``tools``.
@@ -26,6 +28,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from schemas import Message, PromptPublished, ToolCall, ToolFunction
+from services.continuation.core import ConversationError, first_turn, turn_sample_id
 
 Format = Literal["messages", "sharegpt", "alpaca"]
 FORMATS: Final[tuple[str, ...]] = ("auto", "messages", "sharegpt", "alpaca")
@@ -91,6 +94,8 @@ class NormaliseOptions:
     system: str | None = None
     tools_field: str | None = None
     max_prompt_chars: int = 2_000_000
+    # "all": every assistant turn is regenerated (issue 26); the row becomes its conversation's turn 0.
+    turns: str = "last"
 
 
 def detect_format(record: Mapping[str, Any]) -> Format:
@@ -340,8 +345,9 @@ def normalise(record: Any, options: NormaliseOptions, *, source: str = "") -> Pr
         elif options.system:
             messages.insert(0, Message(role="system", content=options.system))
 
-    while messages and messages[-1].role == "assistant":
-        messages.pop()  # the answer we regenerate
+    if options.turns != "all":
+        while messages and messages[-1].role == "assistant":
+            messages.pop()  # the answer we regenerate
     _check(messages)
 
     tools_field = options.tools_field or "tools"
@@ -355,12 +361,32 @@ def normalise(record: Any, options: NormaliseOptions, *, source: str = "") -> Pr
         raise RowError(OVERSIZE, f"prompt is {size} characters, over the limit of {options.max_prompt_chars}")
 
     sample_id = own_id(record) or content_hash(messages, tools)
+    if options.turns == "all":
+        return _first_turn(options.dataset, sample_id, messages, tools, source)
     return PromptPublished(
         dataset=options.dataset,
         sample_id=sample_id,
         messages=messages,
         tools=tools,
         source=source,
+    )
+
+
+def _first_turn(
+    dataset: str, conversation_id: str, original: list[Message], tools: list[dict[str, Any]] | None, source: str
+) -> PromptPublished:
+    """Turn 0 of a multi-turn conversation, keyed ``<dataset>:<conversation_id>:0``, carrying the original."""
+    try:
+        messages, conversation = first_turn(original, conversation_id)
+    except ConversationError as exc:
+        raise RowError(NO_USER_TURN, exc.message) from None
+    return PromptPublished(
+        dataset=dataset,
+        sample_id=turn_sample_id(conversation_id, 0),
+        messages=messages,
+        tools=tools,
+        source=source,
+        conversation=conversation,
     )
 
 

@@ -121,8 +121,10 @@ class ReconstructProfile(Protocol):
         """Raw vocabulary strings of ids."""
         ...
 
-    def render_prompt(self, messages: Sequence[Message], tools: list[dict[str, object]] | None) -> str:
-        """The chat-templated prompt over the messages as sent, generation prompt on."""
+    def render_prompt(
+        self, messages: Sequence[Message], tools: list[dict[str, object]] | None, *, reasoning: bool = False
+    ) -> str:
+        """The chat-templated prompt over the messages as sent (history reasoning with ``reasoning``)."""
         ...
 
     def prompt_state(self, prompt_text: str) -> PromptState:
@@ -541,7 +543,9 @@ def _plan(response: ResponseReceived, profile: ReconstructProfile, convention: C
     if tools and convention.tool_null_fields:
         tools = server_tools(tools, convention.tool_null_fields)
     try:
-        prompt_text = profile.render_prompt(response.prompt.messages, tools)
+        prompt_text = profile.render_prompt(
+            response.prompt.messages, tools, reasoning=response.prompt.conversation is not None
+        )
     except Exception as exc:  # a template error is this record's fault, not the stage's
         return DeadLetter(TEMPLATE_ERROR, f"chat template of {profile.name} failed: {type(exc).__name__}: {exc}")
     if response.native_output_ids:

@@ -132,7 +132,9 @@ def plan_raw(response: ResponseReceived, profile: ReconstructProfile) -> _Plan |
     if not prompt_text:  # a record from before the prompt travelled along: render it again
         tools = response.prompt.tools if response.tools_sent else None
         try:
-            prompt_text = profile.render_prompt(response.prompt.messages, tools)
+            prompt_text = profile.render_prompt(
+                response.prompt.messages, tools, reasoning=response.prompt.conversation is not None
+            )
         except Exception as exc:  # a template error is this record's fault, not the stage's
             return DeadLetter(TEMPLATE_ERROR, f"chat template of {profile.name} failed: {type(exc).__name__}: {exc}")
     state = profile.prompt_state(prompt_text)

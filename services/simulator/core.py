@@ -133,7 +133,9 @@ class ProfileLike(Protocol):
     def id_of_bytes(self, data: bytes) -> int | None:
         """The id of the vocab entry with exactly these bytes."""
 
-    def render_prompt(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> str:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None, *, reasoning: bool = False
+    ) -> str:
         """The profile's own rendering of the prompt (its chat template, generation prompt on)."""
 
     def prompt_state(self, prompt_text: str) -> str:
@@ -351,7 +353,7 @@ def request_messages(request: ChatRequest) -> list[Message]:
 def profile_prompt_text(profile: ProfileLike, request: ChatRequest) -> str:
     """The prompt rendered by the profile's own template, else as plain text (no template)."""
     try:
-        return profile.render_prompt(request_messages(request), request.tools)
+        return profile.render_prompt(request_messages(request), request.tools, reasoning=True)
     except Exception:  # no chat template, or an unusual prompt: count plain text instead
         return prompt_text_fallback(request)
 

@@ -83,6 +83,10 @@ class RowMetadata(msgspec.Struct, kw_only=True):
     # The answer was cut at the token limit (finish_reason "length"), accepted by the
     # dataset's accept_truncated: exact ids up to the cut. Default: rows written before it.
     truncated: bool = False
+    # Multi-turn regeneration (issue 26): the conversation and the regenerated turn (from 0) a
+    # row is; "" and -1 for a single-turn prompt (defaults: rows of older sinks still decode).
+    conversation_id: str = ""
+    turn: int = NOT_REPORTED
 
 
 class TrainingRow(msgspec.Struct, kw_only=True):
@@ -115,12 +119,14 @@ def _tool_calls(calls: list[ToolCall] | None) -> str:
     ])
 
 
-def _turn(m: Message) -> TurnRow:
-    # The request never carries earlier turns' reasoning (schemas.wire_messages): the model did
-    # not see it, so the row does not claim it did (a re-render would add ids input_ids lack).
+def _turn(m: Message, *, reasoning: bool = False) -> TurnRow:
+    # A single-turn request never carries earlier turns' reasoning (schemas.wire_messages): the
+    # model did not see it, so the row does not claim it did (a re-render would add ids input_ids
+    # lack). A multi-turn regeneration's request carries the model's own (``reasoning``).
     return TurnRow(
         role=m.role,
         content=m.content,
+        reasoning_content=(m.reasoning_content or "") if reasoning and m.role == "assistant" else "",
         tool_calls=_tool_calls(m.tool_calls),
         tool_call_id=m.tool_call_id or "",
         name=m.name or "",
@@ -135,7 +141,8 @@ def training_row(audited: SampleAudited) -> TrainingRow:
     """The training row of one accepted sample."""
     s = audited.sample
     r = s.response
-    conversations = [_turn(m) for m in r.prompt.messages]
+    conv = r.prompt.conversation
+    conversations = [_turn(m, reasoning=conv is not None) for m in r.prompt.messages]
     generated = TurnRow(
         role="assistant", content=r.content, reasoning_content=r.reasoning, tool_calls=_tool_calls(r.tool_calls)
     )
@@ -168,6 +175,8 @@ def training_row(audited: SampleAudited) -> TrainingRow:
                 passed=audited.passed,
                 checks=[CheckRow(code=c.code, passed=c.passed, message=c.message) for c in audited.results],
             ),
+            conversation_id=conv.conversation_id if conv is not None else "",
+            turn=conv.turn if conv is not None else NOT_REPORTED,
         ),
     )
 

@@ -2,9 +2,9 @@
 
 Everything is read without joining a consumer group or committing anything: end and
 beginning offsets through a group-less consumer, committed offsets of the stage groups
-through the admin client, ``budget-state`` as its latest snapshot per scope, and
+through the admin client, ``budget-state`` as its latest snapshot per scope,
 ``dead-letter`` and ``accepted`` (for the truncated answers accepted, a header) read once to
-their current end.
+their current end, and ``conversation-state`` (latest per conversation).
 """
 
 from __future__ import annotations
@@ -16,7 +16,17 @@ from typing import Any
 import httpx
 from aiokafka import ConsumerRecord, TopicPartition
 
-from schemas import ACCEPTED_TOPIC, DEAD_LETTER_TOPIC, DLQ_HEADERS, Halt, topology
+from schemas import (
+    ACCEPTED_TOPIC,
+    CONVERSATIONS_TOPIC,
+    DEAD_LETTER_TOPIC,
+    DLQ_HEADERS,
+    ConversationProgressed,
+    Halt,
+    SchemaError,
+    decode,
+    topology,
+)
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
 from services.common.topics import partitions_of, read_to_end
@@ -101,6 +111,7 @@ async def collect(
     budgets = await read_budget_snapshots(settings, on_unreadable=unreadable)
     await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead)
     await read_to_end(kafka, kafka.topic(ACCEPTED_TOPIC), accepted)
+    await read_to_end(kafka, kafka.topic(CONVERSATIONS_TOPIC), lambda r: _conversation(snapshot, r))
     snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
     await _rate_limits(settings, snapshot)
@@ -121,6 +132,13 @@ async def _rate_limits(settings: Settings, snapshot: StatusSnapshot) -> None:
     except httpx.HTTPError:
         return  # no worker here: the table says so
     snapshot.rate_limits = rate_limits_from_metrics(response.text)
+def _conversation(snapshot: StatusSnapshot, record: ConsumerRecord[bytes, bytes]) -> None:
+    """Keep the latest state of a conversation (a record that does not decode is left out)."""
+    try:
+        state = decode(record.value, ConversationProgressed)
+    except SchemaError:
+        return
+    snapshot.conversations[(record.key or b"").decode("utf-8", "replace")] = state
 
 
 __all__ = ["collect"]

@@ -8,7 +8,8 @@ halt says what to fix), the inference worker's rate-limit window (read from its 
 endpoint), the budget table (latest :class:`schemas.BudgetSnapshot` per
 scope), records per stage topic (end offsets, with a rate between two snapshots under
 ``--watch``), consumer lag per stage group, and dead letters by stage and reason; then the
-accepted answers that were truncated (``accept_truncated``), counted apart per dataset.
+accepted answers that were truncated (``accept_truncated``), counted apart per dataset; and, when a
+``turns = "all"`` dataset runs, its conversations in progress, finished and ended early by reason.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from schemas import BudgetSnapshot, Halt, topology
+from schemas import BudgetSnapshot, ConversationProgressed, Halt, topology
 from services.budget.quality import yield_text
 
 # Consumer groups of the stream stages and the logical topics they read (schemas.topology).
@@ -80,6 +81,8 @@ class StatusSnapshot:
     # The local inference worker's rate limits, from its metrics endpoint (None: not reachable).
     rate_limits: list[RateLimitRow] | None = None
     rate_limits_source: str = ""
+    # Multi-turn regeneration (issue 26): the latest state per conversation key.
+    conversations: dict[str, ConversationProgressed] = field(default_factory=dict)
 
     def stage_records(self, logical: str) -> int:
         """Records written to a logical topic (summed over every dataset for ``prompts.*``)."""
@@ -200,6 +203,29 @@ def dead_letter_table(snapshot: StatusSnapshot) -> Table:
     return table
 
 
+def conversation_table(snapshot: StatusSnapshot) -> Table:
+    """Multi-turn conversations per dataset: in progress, finished, and ended early by reason."""
+    counts: Counter[tuple[str, str]] = Counter()
+    early: dict[str, Counter[str]] = {}
+    for state in snapshot.conversations.values():
+        counts[(state.dataset, state.state)] += 1
+        if state.state == "ended_early":
+            early.setdefault(state.dataset, Counter())[state.reason] += 1
+    table = Table(title=f"conversations: {len(snapshot.conversations):,}", title_justify="left")
+    for name in ("dataset", "in progress", "finished", "ended early", "why"):
+        table.add_column(name, justify="left" if name in ("dataset", "why") else "right")
+    for dataset in sorted({d for d, _ in counts}):
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(early.get(dataset, Counter()).items(), key=lambda kv: -kv[1]))
+        table.add_row(
+            dataset,
+            f"{counts[(dataset, 'in_progress')]:,}",
+            f"{counts[(dataset, 'finished')]:,}",
+            f"{counts[(dataset, 'ended_early')]:,}",
+            reasons or "-",
+        )
+    return table
+
+
 def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> RenderableType:
     """The whole status screen."""
     when = datetime.fromtimestamp(snapshot.taken_at, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
@@ -219,6 +245,8 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         per_dataset = ", ".join(f"{d} {n:,}" for d, n in sorted(snapshot.accepted_truncated.items()))
         total = sum(snapshot.accepted_truncated.values())
         parts.append(Text(f"accepted truncated (finish_reason length, accept_truncated): {total:,} ({per_dataset})"))
+    if snapshot.conversations:
+        parts.append(conversation_table(snapshot))
     if snapshot.unreadable_budget_records:
         parts.append(Text(f"{snapshot.unreadable_budget_records} unreadable budget-state record(s)", style="yellow"))
     return Group(*parts)
@@ -231,6 +259,7 @@ __all__ = [
     "RateLimitRow",
     "StatusSnapshot",
     "budget_table",
+    "conversation_table",
     "dead_letter_table",
     "halts_table",
     "lag_table",

@@ -153,6 +153,7 @@ reconstruct_port = 0
 audit_port = 0
 budget_port = 0
 sink_port = 0
+continuation_port = 0
 
 {sections}
 """
@@ -269,6 +270,7 @@ class Pipeline:
         """Start the named stages (inference, reconstruct, audit, sink, budget), in that order."""
         from services.audit.app import create_app as audit_app
         from services.budget.app import create_app as budget_app
+        from services.continuation.app import create_app as continuation_app
         from services.inference.app import create_app as inference_app
         from services.reconstruct.app import create_app as reconstruct_app
         from services.sink.app import create_app as sink_app
@@ -279,6 +281,7 @@ class Pipeline:
             "audit": audit_app,
             "sink": sink_app,
             "budget": budget_app,
+            "continuation": continuation_app,
         }
         for name in names:
             await self.start(name, apps[name](settings))

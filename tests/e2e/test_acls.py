@@ -69,6 +69,7 @@ FORBIDDEN: dict[str, tuple[str, str]] = {
     "status": ("control", "responses"),
     "operator": ("responses", f"prompts.{DATASET}"),
     "demo": ("dead-letter", "accepted"),
+    "continuation": ("control", "samples"),
 }
 
 

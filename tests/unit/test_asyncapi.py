@@ -123,7 +123,7 @@ def test_every_topic_message_header_and_group_is_named() -> None:
         for op in doc["operations"].values()
         for g in op.get("bindings", {}).get("kafka", {}).get("groupId", {}).get("enum", [])
     }
-    assert groups == set(topology.GROUPS.values()) and len(groups) == 4
+    assert groups == set(topology.GROUPS.values()) and len(groups) == 5
     assert doc["operations"]["reconstruct-receive-responses"]["bindings"]["kafka"]["groupId"]["enum"] == [
         "draftstream-reconstruct"
     ]

@@ -54,7 +54,7 @@ KAFKA_NODES = ("kafka", "kafka-1", "kafka-2", "kafka-3")
 KAFKA_DATA = "/var/lib/kafka/data"
 METRICS_PORTS = {
     name: getattr(MetricsSettings(), f"{name}_port")
-    for name in ("inference", "reconstruct", "audit", "budget", "sink", "simulator")
+    for name in ("inference", "reconstruct", "audit", "budget", "sink", "simulator", "continuation")
 }
 
 
@@ -297,7 +297,8 @@ def test_one_build_for_every_app_service() -> None:
     text = COMPOSE_FILE.read_text(encoding="utf-8")
     apps = _app_services()
     assert set(apps) == {
-        "topics", "simulator", "inference", "inference-openrouter", "reconstruct", "audit", "budget", "sink"
+        "topics", "simulator", "inference", "inference-openrouter", "reconstruct", "audit", "budget", "sink",
+        "continuation",
     }
     # declared once (the x-app anchor) and merged into each service
     assert len(re.findall(r"^\s+build:", text, re.M)) == 1

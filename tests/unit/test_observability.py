@@ -43,6 +43,7 @@ STAGE_PORTS = {
     "budget": MetricsSettings().budget_port,
     "sink": MetricsSettings().sink_port,
     "simulator": MetricsSettings().simulator_port,
+    "continuation": MetricsSettings().continuation_port,
 }
 
 

@@ -65,6 +65,18 @@ def all_events() -> list[msgspec.Struct]:
         s.Halt(scope="global", reason="cap", by="budget"),
         s.Resume(scope="math", by="alice"),
         s.BudgetSnapshot(scope="math", completion_tokens=5, offsets={"responses:0": 3}),
+        s.ConversationProgressed(
+            dataset="chat", conversation_id="c1", state="ended_early", turns_done=2, reason="tool_name_mismatch"
+        ),
+        s.PromptPublished(
+            dataset="chat",
+            sample_id="c1:1",
+            messages=[s.Message(role="user", content="hi"), s.Message(role="assistant", content="yo",
+                                                                        reasoning_content="r")],
+            conversation=s.ConversationTurn(
+                conversation_id="c1", turn=1, original=[s.Message(role="user", content="hi")]
+            ),
+        ),
     ]
 
 

@@ -92,3 +92,30 @@ def test_accepted_truncated_answers_are_counted_apart() -> None:
     console = Console(record=True, width=200)
     console.print(render(snap))
     assert "accepted truncated (finish_reason length, accept_truncated): 4 (code 1, math 3)" in console.export_text()
+
+
+def test_conversations_show_in_progress_finished_and_ended_early_by_reason() -> None:
+    from schemas import ConversationProgressed
+
+    def state(cid: str, kind: str, reason: str = "") -> tuple[str, ConversationProgressed]:
+        return f"chat:{cid}", ConversationProgressed(dataset="chat", conversation_id=cid, state=kind,  # type: ignore[arg-type]
+                                                     turns_done=2, reason=reason)
+
+    snap = snapshot(100.0, 60, 40)
+    assert "conversations" not in _text(snap)  # no multi-turn dataset: no panel
+    snap.conversations = dict([
+        state("a", "in_progress"), state("b", "finished", "finished"), state("c", "finished", "finished"),
+        state("d", "ended_early", "tool_name_mismatch"), state("e", "ended_early", "tool_name_mismatch"),
+        state("f", "ended_early", "unexpected_tool_call"),
+    ])
+    text = _text(snap)
+    assert "conversations: 6" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("│ chat"))
+    assert [c.strip() for c in row.split("│")[2:5]] == ["1", "2", "3"]
+    assert "tool_name_mismatch 2, unexpected_tool_call 1" in text
+
+
+def _text(snap: StatusSnapshot) -> str:
+    console = Console(width=200, record=True)
+    console.print(render(snap))
+    return console.export_text()

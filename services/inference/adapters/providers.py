@@ -30,7 +30,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 from httpx_aiohttp.transport import AiohttpTransport
 from msgspec import Meta, Struct
 
-from schemas import LogprobToken, PromptPublished, ToolCall, ToolFunction, Usage, sample_key, wire_messages
+from schemas import LogprobToken, PromptPublished, ToolCall, ToolFunction, Usage, sample_key
 from services.common.config import DatasetSettings, Settings
 from services.inference.core import (
     FATAL_STATUSES,
@@ -446,7 +446,7 @@ def chat_request_body(
     """
     body: dict[str, Any] = {
         "model": model,
-        "messages": wire_messages(prompt.messages),
+        "messages": prompt.wire,
         "max_tokens": max_tokens,
     }
     if sends_tools(prompt, dataset):
@@ -769,7 +769,8 @@ class OpenRouterProvider(_HttpProvider):
             self._load_profile = default_profile_loader(self._settings)
         tools = prompt.tools if sends_tools(prompt, dataset) else None
         try:
-            return self._load_profile(dataset.profile).render_prompt(prompt.messages, tools)
+            profile = self._load_profile(dataset.profile)
+            return profile.render_prompt(prompt.messages, tools, reasoning=prompt.conversation is not None)
         except Exception as exc:  # noqa: BLE001 - jinja2 and profile errors alike: this prompt cannot be sent
             raise ProviderFailure(
                 reason="chat_template_error",
@@ -923,7 +924,7 @@ class SimulatorProvider(OpenRouterProvider):
 class PromptEncoder(Protocol):
     """What the SGLang provider needs from a model profile."""
 
-    def render_prompt(self, messages: Any, tools: Any) -> str:
+    def render_prompt(self, messages: Any, tools: Any, *, reasoning: bool = False) -> str:
         """The chat-template text of a prompt, ending where the assistant turn starts."""
         ...
 
@@ -975,7 +976,8 @@ class SGLangProvider(_HttpProvider):
 
         def render() -> list[int]:
             tools = prompt.tools if self.tools_sent(prompt, dataset) else None
-            return profile.encode_prompt(profile.render_prompt(prompt.messages, tools))
+            text = profile.render_prompt(prompt.messages, tools, reasoning=prompt.conversation is not None)
+            return profile.encode_prompt(text)
 
         return await asyncio.to_thread(render)
 
@@ -991,7 +993,7 @@ class SGLangProvider(_HttpProvider):
         return {
             "provider": self.name,
             "model": self._provider.model,
-            "messages": wire_messages(prompt.messages),
+            "messages": prompt.wire,
             "tools": prompt.tools if self.tools_sent(prompt, dataset) else None,
             "profile": dataset.profile,
             "sampling_params": sampling,
