@@ -14,10 +14,11 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 
 def run_continuation(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Regenerate every turn of turns="all" datasets: each accepted turn publishes the next one."""
+    from services.cli import settings_from
     from services.common.service import run_from_cli
     from services.continuation.app import create_app
 
-    run_from_cli("continuation", create_app, config=config, log_level=log_level)
+    run_from_cli("continuation", create_app, settings=settings_from(config), log_level=log_level)
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

@@ -517,7 +517,7 @@ def provider_app(
     limiter: Callable[[], RequestLimiter] | None = None,
     **more: Handler,
 ) -> web.Application:
-    """An OpenRouter-shaped application: chat and text completions, health, ``/_sim/stats``, ``/_sim/<name>`` of ``more``."""
+    """An OpenRouter-shaped app: chat and text completions, health, ``/_sim/stats``, ``/_sim/<name>`` of ``more``."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/api/v1/chat/completions", chat)
     app.router.add_post("/v1/chat/completions", chat)
