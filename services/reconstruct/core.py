@@ -618,16 +618,34 @@ def _check_truncated_tail(plan: _Plan, ids: list[int], profile: ReconstructProfi
             f"{len(ids)} ids rebuilt, usage.completion_tokens says {completion}: "
             "the cut answer's tail is not in the text",
         )
-    tail = (plan.output_text or "").encode("utf-8")[-16:]
+    data = (plan.output_text or "").encode("utf-8")
+    tail = data[-16:]
     prefixes = profile.partial_char_prefixes()
-    for start in range(len(tail)):
-        if tail[start:] in prefixes:
-            return DeadLetter(
-                TRUNCATED_TAIL_AMBIGUOUS,
-                f"the cut answer ends with {tail[start:]!r}, which a token can extend with part of a character the "
-                "server would not show: the last id is not pinned",
-            )
+    suffixes = [tail[start:] for start in range(len(tail)) if tail[start:] in prefixes]
+    if not suffixes:
+        return None
+    # The other reading of such an end: the last token is the suffix plus a withheld partial character,
+    # after the rest of the text's own ids. It fits the count only when the rest encodes to one id fewer
+    # than the count (the rest re-encoded as everywhere here: a same-length non-canonical split stays
+    # invisible). A suffix that does not end a whole character's text cannot be told apart: refused.
+    rests: list[str] = []
+    for suffix in suffixes:
+        try:
+            rests.append(data[: -len(suffix)].decode("utf-8"))
+        except UnicodeDecodeError:
+            return _tail_ambiguous(suffix)
+    for suffix, rest_ids in zip(suffixes, profile.encode_batch(rests), strict=True):
+        if len(rest_ids) + 1 == completion:
+            return _tail_ambiguous(suffix)
     return None
+
+
+def _tail_ambiguous(suffix: bytes) -> DeadLetter:
+    return DeadLetter(
+        TRUNCATED_TAIL_AMBIGUOUS,
+        f"the cut answer ends with {suffix!r}, which a token can extend with part of a character the "
+        "server would not show, and the count fits that reading too: the last id is not pinned",
+    )
 
 
 def _refusal(plan: _Plan, ids: list[int], matches: int, why: str = "", code: str | None = None) -> DeadLetter:

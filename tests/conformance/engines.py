@@ -130,7 +130,12 @@ class _Vllm:
         text, ids = _output_text(case, T)
         got = self.parse(text, ids, _request_fields(case), TokenizerShim(T.truth_tokenizer(case.model)),
                          VLLM_PARSERS[case.model], finished=case.finished)  # fmt: skip
-        return {**got, "prompt_token_ids": list(case.prompt_ids)}
+        request = self.request_cls(**_request_fields(case))
+        server_tools = [tool.model_dump() for tool in request.tools] if request.tools else None
+        # vLLM returns the ids of the prompt it rendered: the official template over the tools as its
+        # request model dumps them (serve/tokenize/serving.py: `tool.model_dump()`).
+        prompt_ids = T.with_server_tools(case, server_tools).prompt_ids
+        return {**got, "prompt_token_ids": list(prompt_ids), "server_tools": server_tools}
 
     def parse(self, text: str, ids: list[int], fields: dict[str, Any], tok: TokenizerShim,
               names: tuple[str | None, str | None], *, finished: bool) -> dict[str, Any]:  # fmt: skip
@@ -216,8 +221,10 @@ class _Sglang:
                 if items and finish == "stop":
                     finish = "tool_calls"
         # "content should not be None but empty string"; reasoning None when empty (_build_chat_response).
+        # The template sees `item.model_dump()` of each request tool (serving_chat.py, "Apply chat template").
+        server_tools = [item.model_dump() for item in tools] if tools else None
         return {"reasoning": reasoning or None, "content": text or "", "tool_calls": tool_calls,
-                "finish_reason": finish, "prompt_token_ids": None}  # fmt: skip
+                "finish_reason": finish, "prompt_token_ids": None, "server_tools": server_tools}  # fmt: skip
 
 
 def _history_tool_calls(messages: list[dict]) -> int:

@@ -6,13 +6,18 @@ code (``engines.py``, in a child process, from the hash-pinned ``.run/engines``)
 + audit exactly as ``test_matrix.py`` runs them. Required, per engine:
 
 - 0 accepted samples whose prompt_ids, output_ids, input_ids or loss_mask differ from the truth;
-- ≥ 95 % accepted of the answers whose text lost nothing: the engine's fields reassemble to the raw text
-  byte for byte, by the truth's own reassembly (``truth.reassemble``);
+- ≥ 95 % accepted of the answers whose text lost nothing, as in ``test_matrix.py``: by the bytes (the
+  engine's fields reassemble to the raw text byte for byte, by the truth's own reassembly,
+  ``truth.reassemble``) and by the convention (a re-serialising tool parser loses the model's JSON even
+  when one answer's result equals it). Answers whose bytes came through are also counted apart and printed:
+  those a re-serialising parser returned are accepted only when the count singles out one candidate;
 - every dead letter names a specific reason;
 - no import-time stand-in (``engine_stubs.py``) was called while parsing: the engines never touched a tensor.
 
-The table is printed (``make conformance`` shows it). Prompt ids: vLLM returns the rendered prompt's ids
-(here the official template's, as in ``test_matrix.py``); SGLang returns none unless asked.
+The table is printed (``make conformance`` shows it). Prompt ids: the truth is the official template over
+the tools as the engine's own request model dumps them (``model_dump()``: SGLang 0.5.23 adds
+``"defer_loading": null`` to every tool, vLLM ``"description": null`` to a tool without one); vLLM returns
+that prompt's ids, SGLang returns none unless asked, so ``usage.prompt_tokens`` is its length.
 """
 
 from __future__ import annotations
@@ -31,7 +36,15 @@ from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import reconstruct_batch
 from tests.conformance import engines as E
 from tests.conformance import truth as T
-from tests.conformance.test_matrix import THRESHOLDS, VAGUE, Cell, _differences, _messages, profile_for
+from tests.conformance.test_matrix import (
+    THRESHOLDS,
+    VAGUE,
+    Cell,
+    _differences,
+    _messages,
+    lossy_by_convention,
+    profile_for,
+)
 
 ENGINE_CONVENTION = {"real-vllm": "vllm", "real-sglang": "sglang"}
 # The one stand-in call allowed while parsing: vLLM's logger asks whether this process is the first rank
@@ -80,15 +93,23 @@ def run_engine_cell(model: str, engine: str) -> Cell:
     groups: dict[bool, list[tuple[T.Case, ResponseReceived, bool]]] = {}
     for index, case in enumerate(T.build_cases(model)):
         got = responses[f"{engine}/{model}/{index}"]
-        item = (case, _received(case, engine, index, got), lost_nothing(case, got))
-        groups.setdefault(case.conversation.thinking, []).append(item)
+        case = T.with_server_tools(case, got["server_tools"])  # the prompt the engine renders is the truth
+        response = _received(case, engine, index, got)
+        profile = profile_for(model, case.conversation.thinking)
+        # As in test_matrix.py: lossless when the bytes came through AND the engine's convention cannot have
+        # lost them (a re-serialising tool parser loses the model's JSON even when, for one answer, the result
+        # equals it: nothing in the answer can show that). Byte-identical answers are counted apart.
+        bytes_kept = lost_nothing(case, got)
+        lossless = bytes_kept and not lossy_by_convention(response, profile, convention.name)
+        groups.setdefault(case.conversation.thinking, []).append((case, response, lossless, bytes_kept))
     for thinking, members in groups.items():
         profile = profile_for(model, thinking)
-        verdicts = reconstruct_batch([r for _, r, _ in members], profile, convention)
+        verdicts = reconstruct_batch([r for _, r, _, _ in members], profile, convention)
         audited = iter(audit_batch([v for v in verdicts if isinstance(v, SampleReconstructed)], profile, THRESHOLDS))
-        for (case, response, lossless), verdict in zip(members, verdicts, strict=True):
+        for (case, response, lossless, bytes_kept), verdict in zip(members, verdicts, strict=True):
             cell.cases += 1
             cell.lossless += lossless
+            cell.bytes_kept += bytes_kept
             if isinstance(verdict, DeadLetter):
                 cell.reasons[f"reconstruct/{verdict.reason}{'' if lossless else ' (lossy)'}"] += 1
                 if verdict.reason in VAGUE:
@@ -100,6 +121,7 @@ def run_engine_cell(model: str, engine: str) -> Cell:
                 continue
             cell.accepted += 1
             cell.accepted_lossless += lossless
+            cell.accepted_bytes_kept += bytes_kept
             wrong = _differences(verdict, case)
             if wrong:
                 cell.wrong.append(f"{response.sample_id} ({'+'.join(wrong)}; {sorted(case.conversation.features)})")
@@ -128,9 +150,11 @@ def _print_engine_table(cells: dict[tuple[str, str], Cell]) -> None:
     for engine in E.ENGINES:
         column = [c for (_, e), c in cells.items() if e == engine]
         lossless, kept = sum(c.lossless for c in column), sum(c.accepted_lossless for c in column)
+        same, same_kept = sum(c.bytes_kept for c in column), sum(c.accepted_bytes_kept for c in column)
         print(f"{engine}: {sum(c.cases for c in column)} samples, {sum(c.accepted for c in column)} accepted, "
               f"{sum(len(c.wrong) for c in column)} accepted with ids that differ from the truth; "
-              f"lost nothing: {kept}/{lossless} accepted ({kept / max(lossless, 1):.1%})")  # fmt: skip
+              f"lost nothing (bytes and convention): {kept}/{lossless} accepted ({kept / max(lossless, 1):.1%}); "
+              f"bytes unchanged: {same_kept}/{same} accepted ({same_kept / max(same, 1):.1%})")  # fmt: skip
 
 
 def test_engines_env_is_the_pinned_one() -> None:

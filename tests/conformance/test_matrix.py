@@ -114,6 +114,9 @@ class Cell:
     lossless: int = 0
     accepted: int = 0
     accepted_lossless: int = 0
+    # Answers whose bytes came through unchanged, whatever the convention (the real-engine columns).
+    bytes_kept: int = 0
+    accepted_bytes_kept: int = 0
     exact: int = 0
     wrong: list[str] = field(default_factory=list)
     vague: list[str] = field(default_factory=list)
@@ -143,12 +146,26 @@ def lossy_by_convention(response: ResponseReceived, profile: Profile, convention
     convention = CONVENTIONS[convention_name]
     if convention.strips_whitespace and not response.logprobs:
         return True
+    if response.finish_reason == "length" and not response.logprobs and _may_hide_a_partial_character(response, profile):
+        return True
     calls = response.tool_calls
     if not calls or response.logprobs:
         return False
     return profile.tool_format in convention.reserialized_tool_formats or (
         len(calls) > 1 and profile.tool_format in ("deepseek-r1", "qwen")
     )
+
+
+def _may_hide_a_partial_character(response: ResponseReceived, profile: Profile) -> bool:
+    """A cut answer whose text ends where every server's detokenizer would withhold an incomplete character.
+
+    The visible end is then one of the vocabulary's "prefix + partial character" tokens' prefixes: whether
+    bytes were withheld there, nothing in the text can show (the same reason a re-serialising parser is lossy).
+    """
+    text = response.content or response.reasoning
+    tail = text.encode("utf-8")[-16:]
+    prefixes = profile.partial_char_prefixes()
+    return any(tail[start:] in prefixes for start in range(len(tail)))
 
 
 def run_cell(model: str, server: str) -> Cell:

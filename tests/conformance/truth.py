@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import base64
 import copy
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -827,13 +828,17 @@ def server_messages(model: str, messages: list[dict]) -> list[dict]:
     return msgs
 
 
-def render_prompt(model: str, conv: Conversation) -> str:
-    """The official template rendered the way the server renders it (generation prompt on)."""
+def render_prompt(model: str, conv: Conversation, tools: list[dict] | None = None) -> str:
+    """The official template rendered the way the server renders it (generation prompt on).
+
+    ``tools``: the tool dicts the server's own request model hands its template (a real engine's
+    ``model_dump()`` may add null fields); by default the tools as the request sent them.
+    """
     spec = _SPECS[model]
     return render_template(
         _template_text(model),
         server_messages(model, conv.messages),
-        tools=conv.tools if conv.tools_sent else None,
+        tools=(tools if tools is not None else conv.tools) if conv.tools_sent else None,
         add_generation_prompt=True,
         bos_token=spec.bos,
         eos_token=spec.eos,
@@ -857,6 +862,21 @@ def build_cases(model: str, n: int = 32, seed: int = 0) -> list[Case]:
             Case(model, conv, raw, prompt_text, prompt_ids, output_ids, prompt_ids + output_ids, mask, finished)
         )
     return cases
+
+
+def with_server_tools(case: Case, tools: list[dict] | None) -> Case:
+    """``case`` with the prompt a server renders from ``tools`` as its request model dumps them.
+
+    The truth stays the official template's: only the tool dicts it is given are the engine's.
+    """
+    if not case.conversation.tools_sent or tools is None or tools == case.conversation.tools:
+        return case
+    prompt_text = render_prompt(case.model, case.conversation, tools)
+    prompt_ids = truth_tokenizer(case.model).encode_prompt(prompt_text)
+    mask = [0] * len(prompt_ids) + [1] * len(case.output_ids)
+    return dataclasses.replace(
+        case, prompt_text=prompt_text, prompt_ids=prompt_ids, input_ids=prompt_ids + case.output_ids, loss_mask=mask
+    )
 
 
 # ---- Server emulators (PARSERS.md / OPENROUTER.md) ---------------------------------------------------------------
