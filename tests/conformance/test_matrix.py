@@ -146,7 +146,8 @@ def lossy_by_convention(response: ResponseReceived, profile: Profile, convention
     convention = CONVENTIONS[convention_name]
     if convention.strips_whitespace and not response.logprobs:
         return True
-    if response.finish_reason == "length" and not response.logprobs and _may_hide_a_partial_character(response, profile):
+    cut = response.finish_reason == "length" and not response.logprobs
+    if cut and _may_hide_a_partial_character(response, profile):
         return True
     calls = response.tool_calls
     if not calls or response.logprobs:
