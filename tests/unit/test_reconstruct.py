@@ -263,6 +263,17 @@ def test_a_cut_answer_whose_last_token_may_hold_part_of_a_character_is_refused()
     assert held_back.reason == "truncated_tail_lost"
 
 
+def test_a_cut_end_that_could_hide_part_of_a_character_is_pinned_when_that_reading_misses_the_count() -> None:
+    """"The word  " ends with " ", which "ĠâĦ" extends; read so, the rest "The word " would be its own ids
+    plus that one token: one id more than the count the server gave for the visible two-space end."""
+    p = qwen()
+    truth = qwen_ids("<think>r</think>The word  ")
+    assert len(qwen_ids("<think>r</think>The word ")) + 1 != len(truth)
+    sample = ok(reconstruct(response(reasoning="r", content="The word  ", finish="length", completion=len(truth)),
+                            p, VLLM))
+    assert sample.output_ids == truth
+
+
 # -- structured tool calls ---------------------------------------------------------------
 
 CALC_PARAMETERS = {"type": "object", "properties": {"expr": {"type": "string"}}}
