@@ -73,6 +73,7 @@ CONTROL: Final = "control"
 BUDGET_STATE: Final = "budget-state"
 RESPONSE_STORE: Final = "response-store"
 DLQ_REPLAYED: Final = "dlq-replayed"
+LEASES: Final = "leases"
 
 PROMPTS_PREFIX: Final = PROMPTS.removesuffix("*")
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
@@ -143,6 +144,14 @@ _topics = (
         partitions=1,
     ),
     Topic(
+        LEASES,
+        ("LeasePolicy", "LeaseRequested", "LeaseGranted", "LeaseReleased"),
+        "'policy', or '<action>|<worker>|<dataset>'",
+        True,
+        "Headroom under the caps: the budget's leases per worker and dataset, and the workers' requests.",
+        partitions=1,
+    ),
+    Topic(
         RESPONSE_STORE,
         ("ResponseReceived",),
         "<dataset>:<sample_id>|<request hash>",
@@ -195,8 +204,8 @@ _roles = (
     Role(
         "inference",
         INFERENCE_GROUP,
-        reads=(PROMPTS, CONTROL, RESPONSE_STORE),
-        writes=(REQUESTS, RESPONSES, DEAD_LETTER, RESPONSE_STORE, CONTROL),
+        reads=(PROMPTS, CONTROL, RESPONSE_STORE, LEASES),
+        writes=(REQUESTS, RESPONSES, DEAD_LETTER, RESPONSE_STORE, CONTROL, LEASES),
         description="Calls the provider per prompt; pauses on halts; halts all on an outage or a failed pre-flight.",
         creates=_ALL_CREATED,
     ),
@@ -224,8 +233,8 @@ _roles = (
     Role(
         "budget",
         None,
-        reads=(REQUESTS, RESPONSES, CONTROL, DEAD_LETTER, BUDGET_STATE),
-        writes=(CONTROL, BUDGET_STATE, DEAD_LETTER),
+        reads=(REQUESTS, RESPONSES, CONTROL, DEAD_LETTER, BUDGET_STATE, LEASES),
+        writes=(CONTROL, BUDGET_STATE, DEAD_LETTER, LEASES),
         description="Counts spend per dataset and in total from every partition (manual assignment); halts over caps.",
         describes=(PROMPTS,),
         creates=_ALL_CREATED,
@@ -338,6 +347,7 @@ __all__ = [
     "DLQ_REPLAYED",
     "GROUPS",
     "INFERENCE_GROUP",
+    "LEASES",
     "PROMPTS",
     "PROMPTS_PREFIX",
     "RECONSTRUCT_GROUP",

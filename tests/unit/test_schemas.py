@@ -65,6 +65,10 @@ def all_events() -> list[msgspec.Struct]:
         s.Halt(scope="global", reason="cap", by="budget"),
         s.Resume(scope="math", by="alice"),
         s.BudgetSnapshot(scope="math", completion_tokens=5, offsets={"responses:0": 3}),
+        s.LeasePolicy(epoch="e1", ttl_s=5.0),
+        s.LeaseRequested(worker="w1", dataset="math", epoch="e1", target=200, step=100),
+        s.LeaseGranted(worker="w1", dataset="math", epoch="e1", granted=200),
+        s.LeaseReleased(worker="w1", dataset="math", epoch="e1"),
     ]
 
 
@@ -74,6 +78,8 @@ def test_every_event_round_trips_and_carries_its_version(event: msgspec.Struct) 
     assert b'"schema_version":1' in data
     if isinstance(event, s.Halt | s.Resume):
         assert s.decode_control(data) == event
+    elif isinstance(event, s.LeaseEvent):
+        assert s.decode_lease(data) == event
     else:
         assert s.decode(data, type(event)) == event
 
