@@ -36,6 +36,7 @@ from schemas import (
     encode,
 )
 from services.budget.core import Caps, Counted, Ledger
+from services.budget.lease_desk import LeaseDesk
 from services.common.acls import used_topics
 from services.common.config import Settings
 from services.common.halts import HaltFollower
@@ -93,7 +94,8 @@ def ledger_for(settings: Settings) -> Ledger:
         caps_for=caps_for,
         soft_threshold=budget.soft_threshold,
         prices=budget.prices,
-        include_inflight=budget.include_inflight,
+        # With leases a request waits for headroom: in-flight worst case never halts a scope.
+        include_inflight=budget.include_inflight and not budget.leases,
         # A request unanswered after every attempt's timeout and backoff is not billing.
         inflight_ttl_s=(provider.timeout_s + provider.backoff_max_s) * provider.max_attempts,
         rate_window_s=budget.rate_window_s,
@@ -117,6 +119,7 @@ class BudgetService:
         self.checkpoint_interval_s = checkpoint_interval_s
         self.prompts_refresh_s = prompts_refresh_s
         self.ledger = ledger_for(settings)
+        self.leases = LeaseDesk(settings, self.ledger) if settings.budget.leases else None
         self.published_control: list[Halt | Resume] = []
         self._stopping = asyncio.Event()
         # The standing halt or resume of every scope, as control events arrive (its own too).
@@ -162,6 +165,8 @@ class BudgetService:
             ", ".join(f"{k}@{v}" for k, v in sorted(seek.items())) or "from the beginning",
         )
         await self._publish_control(self.ledger.startup_resumes(now))
+        if self.leases is not None:
+            await self.leases.start(self._producer, now)
         self.started.set()
 
     async def run(self) -> None:
@@ -182,6 +187,8 @@ class BudgetService:
             assert self._producer is not None  # noqa: S101 - set in start()
             await publish_all(self._producer, dead)
             await self._publish_control(decisions)
+            if self.leases is not None:
+                await self._publish_control(await self.leases.tick(self.clock()))
             await self._tick()
 
     def stop(self) -> None:
@@ -199,6 +206,8 @@ class BudgetService:
     async def abort(self) -> None:
         """Release the clients without a final checkpoint (what a crash leaves behind)."""
         await self.control.close()
+        if self.leases is not None:
+            await self.leases.close()
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -219,13 +228,18 @@ class BudgetService:
                 if header(record.headers, DLQ_HEADERS.STAGE) == "inference" and ":" in key:
                     dataset, _, sample_id = key.partition(":")
                     self.ledger.on_request_failed(dataset, sample_id, position, record.offset)
+                    if self.leases is not None:
+                        self.leases.on_failed(dataset, sample_id)
                 else:
                     self.ledger.skip(position, record.offset)
                 return []
             if logical == REQUESTS_TOPIC:
                 request = decode(record.value, RequestStarted)
                 self._check_dataset(request.dataset)
-                return list(self.ledger.on_request(request, position, record.offset, now))
+                halts = self.ledger.on_request(request, position, record.offset, now)
+                if self.leases is not None:
+                    self.leases.on_request(request)
+                return list(halts)
             response = decode(record.value, ResponseReceived)
             self._check_dataset(response.dataset)
             replayed = int(header(record.headers, DLQ_HEADERS.REPLAY_COUNT) or "0") > 0
@@ -235,6 +249,8 @@ class BudgetService:
             counted, halts = self.ledger.on_response(response, position, record.offset, now, replay=again)
             if counted is not None:
                 self._count_metrics(counted, response.model)
+                if self.leases is not None:
+                    self.leases.on_answer(response.dataset, response.sample_id, counted.completion_tokens)
             return list(halts)
         except SchemaError as exc:
             verdict = DeadLetter(exc.reason, exc.message)

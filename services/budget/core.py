@@ -22,15 +22,18 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from schemas import (
     GLOBAL_SCOPE,
     BudgetSnapshot,
     Halt,
+    LogprobToken,
     RequestStarted,
     ResponseReceived,
     Resume,
+    ToolCall,
+    Usage,
     sample_key,
 )
 
@@ -92,6 +95,39 @@ class ScopeTotals:
         return offset >= self.floor.get(position, 0)
 
 
+class Answer(Protocol):
+    """What an answer needs for its completion count: a response, or a provider's raw result."""
+
+    @property
+    def usage(self) -> Usage: ...
+    @property
+    def native_output_ids(self) -> list[int] | None: ...
+    @property
+    def logprobs(self) -> list[LogprobToken] | None: ...
+    @property
+    def reasoning(self) -> str: ...
+    @property
+    def content(self) -> str: ...
+    @property
+    def tool_calls(self) -> list[ToolCall]: ...
+
+
+def completion_tokens_of(answer: Answer) -> int:
+    """Completion tokens of an answer: reported usage, else native ids, logprob tokens, characters / 4.
+
+    The budget counts a response by it, and a worker its lease, so both agree on every answer.
+    """
+    if answer.usage.completion_tokens is not None:
+        return answer.usage.completion_tokens
+    if answer.native_output_ids is not None:
+        return len(answer.native_output_ids)
+    if answer.logprobs is not None:
+        return len(answer.logprobs)
+    chars = len(answer.reasoning) + len(answer.content)
+    chars += sum(len(c.function.name) + len(c.function.arguments) for c in answer.tool_calls)
+    return math.ceil(chars / CHARS_PER_TOKEN)
+
+
 def estimate_usage(response: ResponseReceived) -> tuple[int, int, int]:
     """Prompt, completion and reasoning tokens of a response, estimating what usage lacks.
 
@@ -100,16 +136,7 @@ def estimate_usage(response: ResponseReceived) -> tuple[int, int, int]:
     calls; missing prompt tokens from ``ceil(characters / 4)`` of the prompt's messages.
     """
     usage = response.usage
-    completion = usage.completion_tokens
-    if completion is None:
-        if response.native_output_ids is not None:
-            completion = len(response.native_output_ids)
-        elif response.logprobs is not None:
-            completion = len(response.logprobs)
-        else:
-            chars = len(response.reasoning) + len(response.content)
-            chars += sum(len(c.function.name) + len(c.function.arguments) for c in response.tool_calls)
-            completion = math.ceil(chars / CHARS_PER_TOKEN)
+    completion = completion_tokens_of(response)
     reasoning = usage.reasoning_tokens
     if reasoning is None:
         reasoning = min(completion, math.ceil(len(response.reasoning) / CHARS_PER_TOKEN))
@@ -402,12 +429,16 @@ class Ledger:
             reason = self.over_cap(scope)
             if reason is None:
                 continue
-            halt = Halt(scope=scope, reason=reason, by=BUDGET_ACTOR, at=now)
-            self.control[scope] = halt
-            self._resume_candidates.discard(scope)
-            self._dirty.add(scope)
-            out.append(halt)
+            out.append(self.record_halt(scope, reason, now))
         return out
+
+    def record_halt(self, scope: str, reason: str, now: float) -> Halt:
+        """The budget's halt of a scope, recorded as standing here (to be published)."""
+        halt = Halt(scope=scope, reason=reason, by=BUDGET_ACTOR, at=now)
+        self.control[scope] = halt
+        self._resume_candidates.discard(scope)
+        self._dirty.add(scope)
+        return halt
 
     def _resumes(self, now: float) -> list[Resume]:
         out: list[Resume] = []

@@ -171,6 +171,12 @@ class BudgetSettings(BaseModel):
     prices: dict[str, dict[str, float]] = Field(default_factory=dict)
     rate_window_s: float = Field(default=60.0, gt=0)
     include_inflight: bool = True
+    # Admission by headroom: the budget hands out leases (docs/operations.md#leases) and a
+    # request waits for room under the caps instead of the scope being halted early.
+    leases: bool = True
+    # A lease not renewed for this long (plus the grace) is taken back from its worker.
+    lease_ttl_s: float = Field(default=10.0, gt=0)
+    lease_grace_s: float = Field(default=2.0, ge=0)
 
 
 class ProfileSettings(BaseModel):

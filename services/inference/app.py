@@ -61,6 +61,7 @@ from services.inference.answers import Answerer
 from services.inference.calls import ProviderCall
 from services.inference.core import GROUP_ID, STAGE, dataset_of_topic
 from services.inference.guard import ProviderGuard
+from services.inference.headroom import Headroom
 from services.inference.store import ResponseStore
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class InferenceWorker:
         self.failure: BaseException | None = None
         self.guard: ProviderGuard | None = None
         self.answers: Answerer | None = None
+        self.headroom: Headroom | None = None  # leases of headroom under the caps
         self._producer: AIOKafkaProducer | None = None
         self._announcer: AIOKafkaProducer | None = None  # RequestStarted records only
         self._consumer: AIOKafkaConsumer | None = None
@@ -130,7 +132,10 @@ class InferenceWorker:
         with refused_as(kafka, "READ"):
             self.store = await open_store(settings, producer)
         self.guard.start_probe()
-        call = ProviderCall(settings, provider, announcer, self.halts, self.guard, self.worker_id)
+        with refused_as(kafka, "READ"):
+            self.headroom = Headroom(kafka, self.worker_id, self.halts)
+            await self.headroom.start(producer)
+        call = ProviderCall(settings, provider, announcer, self.halts, self.guard, self.worker_id, self.headroom)
         self.answers = Answerer(settings, provider, producer, call, self.guard, self.store, repay=self.repay)
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
         consumer = self._consumer = make_consumer(  # the group waits for a hand-over (_Rebalance)
@@ -160,6 +165,8 @@ class InferenceWorker:
         """Cancel what is left and release the Kafka and HTTP clients."""
         self._stopping.set()
         await self.inflight.cancel()
+        if self.headroom is not None:
+            await self.headroom.close()
         await release(self._consumer)  # leave the group first: no rebalance runs on meanwhile
         if self.guard is not None:
             await self.guard.close()

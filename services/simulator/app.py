@@ -174,6 +174,7 @@ class _Stats:
         self.key_faults: defaultdict[str, list[str]] = defaultdict(list)
         self.statuses: Counter[str] = Counter()
         self.open = 0  # requests received and not yet answered (or abandoned)
+        self.completion_tokens = 0  # usage.completion_tokens of every answer served whole (what was billed)
         self.peak_open = 0  # the most of those at once
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         # SHA-256 of each Authorization header seen (never the header itself), so a test can
@@ -205,6 +206,7 @@ class _Stats:
             "key_faults": dict(self.key_faults),
             "statuses": dict(self.statuses),
             "peak_open_requests": self.peak_open,
+            "completion_tokens": self.completion_tokens,
             "last_request_at": self.times[-1] if self.times else None,
             "last_request_times": self.times[-_RECENT:],
             "recent": list(self.recent),
@@ -411,6 +413,7 @@ class SimulatorServer:
         if transient == "drop":
             return await self._drop(request, body)
         self.stats.statuses["200"] += 1
+        self.stats.completion_tokens += generation.completion_tokens
         self._keep_truth(key, generation)
         return web.Response(status=200, body=body, content_type="application/json")
 
