@@ -119,7 +119,7 @@ class BudgetService:
         self.checkpoint_interval_s = checkpoint_interval_s
         self.prompts_refresh_s = prompts_refresh_s
         self.ledger = ledger_for(settings)
-        self.leases = LeaseDesk(settings, self.ledger) if settings.budget.leases else None
+        self.leases = LeaseDesk(settings, self.ledger, self._requests_read) if settings.budget.leases else None
         self.published_control: list[Halt | Resume] = []
         self._stopping = asyncio.Event()
         # The standing halt or resume of every scope, as control events arrive (its own too).
@@ -191,6 +191,16 @@ class BudgetService:
                 await self._publish_control(await self.leases.tick(self.clock()))
             await self._tick()
 
+    async def _requests_read(self) -> bool:
+        """Whether every request announced until now was read (before a lease is taken back)."""
+        consumer = self._consumer
+        if consumer is None:
+            return False
+        topic = self.settings.kafka.topic(REQUESTS_TOPIC)
+        parts = [tp for tp in consumer.assignment() if tp.topic == topic]
+        ends = await consumer.end_offsets(parts)
+        return all([await consumer.position(tp) >= end for tp, end in ends.items()])
+
     def stop(self) -> None:
         """Ask :meth:`run` to return after the current batch."""
         self._stopping.set()
@@ -250,7 +260,9 @@ class BudgetService:
             if counted is not None:
                 self._count_metrics(counted, response.model)
                 if self.leases is not None:
-                    self.leases.on_answer(response.dataset, response.sample_id, counted.completion_tokens)
+                    self.leases.on_answer(
+                        response.dataset, response.sample_id, counted.completion_tokens, response.attempt
+                    )
             return list(halts)
         except SchemaError as exc:
             verdict = DeadLetter(exc.reason, exc.message)

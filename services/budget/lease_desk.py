@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -42,8 +43,9 @@ STAGE = "budget"
 class LeaseDesk:
     """Hands out the headroom under the caps as leases (see services.budget.leases)."""
 
-    def __init__(self, settings: Settings, ledger: Ledger) -> None:
+    def __init__(self, settings: Settings, ledger: Ledger, caught_up: Callable[[], Awaitable[bool]]) -> None:
         self._settings = settings
+        self._caught_up = caught_up
         self._ledger = ledger
         self._topic = settings.kafka.topic(LEASES_TOPIC)
         self._consumer: AIOKafkaConsumer | None = None
@@ -96,10 +98,10 @@ class LeaseDesk:
         if self.book is not None:
             self.book.on_request(event)
 
-    def on_answer(self, dataset: str, sample_id: str, completion_tokens: int) -> None:
+    def on_answer(self, dataset: str, sample_id: str, completion_tokens: int, attempt: int) -> None:
         """An answer the ledger counted."""
         if self.book is not None:
-            self.book.on_answer(dataset, sample_id, completion_tokens)
+            self.book.on_answer(dataset, sample_id, completion_tokens, attempt)
 
     def on_failed(self, dataset: str, sample_id: str) -> None:
         """A request that ended as a dead letter."""
@@ -127,8 +129,9 @@ class LeaseDesk:
                     book.on_lease_request(event, now)
                 elif isinstance(event, LeaseReleased):
                     book.on_release(event)
-        for lease in book.expire(now):
-            log.warning("budget: lease of %s for %s expired: taken back", lease.worker, lease.dataset)
+        if book.due(now) and await self._caught_up():
+            for lease in book.expire(now):
+                    log.warning("budget: lease of %s for %s expired: taken back", lease.worker, lease.dataset)
         grants, finished = book.decide(now)
         dead.extend(Outgoing(self._topic, encode(g), lease_key(g).encode()) for g in grants)
         await publish_all(producer, dead)

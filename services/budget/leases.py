@@ -38,6 +38,8 @@ from schemas import (
 )
 from services.budget.core import Ledger
 
+_EARLY_MEMORY = 10_000
+
 CAPPED_PREFIX = "capped:"
 """How the reason of a halt that finished a scope at its cap begins (status shows it)."""
 
@@ -107,6 +109,7 @@ class LeaseBook:
         self.leases: dict[tuple[str, str], Lease] = {}
         self._reserved: dict[str, Reservation] = {}
         self._pending: set[tuple[str, str]] = set()
+        self._early: dict[str, tuple[int, int]] = {}  # key -> (attempt, tokens) of answers read first
 
     def _lease(self, worker: str, dataset: str) -> Lease:
         lease = self.leases.get((worker, dataset))
@@ -126,12 +129,26 @@ class LeaseBook:
                 self._unreserve(key, 0)
             return
         self._unreserve(key, 0)  # an earlier attempt of the same prompt failed: it used nothing
+        early = self._early.pop(key, None)
+        if early is not None and early[0] == event.attempt:
+            self._lease(event.worker, event.dataset).consumed += early[1]
+            return
         self._reserved[key] = Reservation(event.worker, event.dataset, event.max_tokens, event.started_at)
         self._lease(event.worker, event.dataset).consumed += event.max_tokens
 
-    def on_answer(self, dataset: str, sample_id: str, completion_tokens: int) -> None:
-        """An answer landed: its request consumed what it used, not its worst case."""
-        self._unreserve(sample_key(dataset, sample_id), completion_tokens)
+    def on_answer(self, dataset: str, sample_id: str, completion_tokens: int, attempt: int = 1) -> None:
+        """An answer landed: its request consumed what it used, not its worst case.
+
+        An answer read before its request (another partition fetched first) is kept until
+        the request comes, so the request is charged what it used, not its worst case.
+        """
+        key = sample_key(dataset, sample_id)
+        if key in self._reserved:
+            self._unreserve(key, completion_tokens)
+            return
+        self._early[key] = (attempt, completion_tokens)
+        while len(self._early) > _EARLY_MEMORY:
+            self._early.pop(next(iter(self._early)))
 
     def on_failed(self, dataset: str, sample_id: str) -> None:
         """A request that ended as a dead letter used nothing."""
@@ -149,7 +166,6 @@ class LeaseBook:
             return  # it has not seen this epoch's policy yet: it asks again once it has
         lease = self._lease(event.worker, event.dataset)
         lease.live = True
-        lease.granted = max(lease.granted, lease.consumed)  # back after an expiry: start from what it holds
         lease.target = event.target
         lease.step = event.step
         lease.asked_at = now
@@ -167,9 +183,17 @@ class LeaseBook:
         lease.granted = min(lease.granted, max(0, lease.consumed))
         lease.live = False
 
+    def due(self, now: float) -> list[Lease]:
+        """The live leases not renewed within TTL + grace (their workers stopped sending by now)."""
+        return [lease for lease in self.leases.values() if lease.live and now > lease.expires_at + self.grace_s]
+
     def expire(self, now: float) -> list[Lease]:
-        """Take back the leases not renewed within TTL + grace; returns them."""
-        gone = [lease for lease in self.leases.values() if lease.live and now > lease.expires_at + self.grace_s]
+        """Take back the leases :meth:`due`; returns them.
+
+        Only once every request announced so far was read: what such a worker sent before
+        its lease lapsed must be in flight here before its grant shrinks to what it consumed.
+        """
+        gone = self.due(now)
         for lease in gone:
             self._take_back(lease)
         return gone
@@ -182,12 +206,29 @@ class LeaseBook:
         caps = self.ledger.caps(scope)
         return caps.completion_tokens is None and caps.usd is None
 
+    def lost(self, scope: str) -> int:
+        """Worst case of requests whose worker's lease expired and which the ledger no longer counts in flight.
+
+        Their worker died before their answers were published: the provider may have billed
+        them in full, and the budget never learns how much, so their worst case stays held.
+        """
+        lost = 0
+        for key, held in self._reserved.items():
+            lease = self.leases[(held.worker, held.dataset)]
+            inflight = self.ledger.scopes.get(held.dataset)
+            if scope not in (GLOBAL_SCOPE, held.dataset) or lease.live:
+                continue
+            if inflight is None or key not in inflight.inflight:
+                lost += held.max_tokens
+        return lost
+
     def free(self, scope: str) -> float:
         """Tokens no request and no grant holds yet under every cap of ``scope`` (inf: uncapped)."""
         caps = self.ledger.caps(scope)
         totals = self.ledger.scopes.get(scope)
         spent = totals.completion_tokens if totals else 0
         held = self.ledger.inflight_tokens(scope) + sum(lease.unused for lease in self._leases_of(scope))
+        held += self.lost(scope)
         free = math.inf
         if caps.completion_tokens is not None:
             free = caps.completion_tokens - spent - held
@@ -201,7 +242,6 @@ class LeaseBook:
 
         A finished scope comes with its halt reason (see :data:`CAPPED_PREFIX`).
         """
-        self.expire(now)
         grants: list[LeaseGranted] = []
         for worker, dataset in sorted(self._pending, key=lambda k: self.leases[k].asked_at):
             lease = self.leases[(worker, dataset)]

@@ -223,10 +223,11 @@ class Headroom:
         elif isinstance(event, LeaseGranted):
             if event.worker != self.worker_id or self.policy is None or event.epoch != self.policy.epoch:
                 return
+            # Valid a little less than its TTL from when it was granted (the budget's clock) and
+            # from when it arrived, whichever ends first: a stalled worker does not outlive it.
             margin = min(1.0, event.ttl_s / 10)
-            self._grants[event.dataset] = _Grant(
-                event.granted, event.unlimited, time.monotonic() + event.ttl_s - margin
-            )
+            left = min(event.ttl_s, event.at + event.ttl_s - time.time()) - margin
+            self._grants[event.dataset] = _Grant(event.granted, event.unlimited, time.monotonic() + left)
         else:
             return
         self._wake()

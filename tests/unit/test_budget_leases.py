@@ -10,8 +10,8 @@ import random
 
 from schemas import (
     GLOBAL_SCOPE,
-    LeaseRequested,
     LeaseReleased,
+    LeaseRequested,
     Message,
     PromptPublished,
     RequestStarted,
@@ -41,6 +41,7 @@ class Run:
         self.book.on_lease_request(event, self.now)
 
     def decide(self) -> tuple[dict[str, int], list[tuple[str, str]]]:
+        self.book.expire(self.now)  # every request was read (the shell checks before expiring)
         grants, finished = self.book.decide(self.now)
         return {g.worker: g.granted for g in grants}, finished
 
@@ -90,6 +91,15 @@ def test_an_answer_below_its_worst_case_hands_the_rest_back_to_its_worker() -> N
     run.answer("s1", 5_000)
     assert lease.unused == 2 * MAX - 9_000  # now one more fits
     assert lease.unused >= MAX
+
+
+def test_an_answer_read_before_its_request_charges_what_it_used() -> None:
+    run = Run({"d": Caps(completion_tokens=2 * MAX)})
+    run.ask("w1", 2 * MAX)
+    run.decide()
+    run.answer("s0", 3_000)  # the responses partition was fetched first
+    run.send("w1", "s0")
+    assert run.book.leases[("w1", "d")].consumed == 3_000
 
 
 def test_withheld_and_failed_requests_cost_nothing() -> None:
@@ -213,3 +223,15 @@ def test_workers_that_keep_within_their_leases_end_at_the_cap_never_past_it() ->
     assert true_spend <= cap
     assert true_spend >= cap - len(workers) * MAX
     assert f"{true_spend} of {cap} completion tokens used, {cap - true_spend} unused" in reason
+
+
+def test_a_dead_workers_unanswered_request_stays_held_after_the_ledger_forgets_it() -> None:
+    run = Run({"d": Caps(completion_tokens=2 * MAX)}, ttl_s=5.0)
+    run.ledger.inflight_ttl_s = 30.0
+    run.ask("w1", MAX)
+    run.decide()
+    run.send("w1", "s0")  # w1 dies: its answer is never published, the provider may bill it in full
+    run.now += 60.0
+    assert run.ledger.expire_inflight(run.now) == 1
+    run.ask("w2", 2 * MAX)
+    assert run.decide()[0] == {"w2": MAX}
