@@ -94,8 +94,7 @@ def ledger_for(settings: Settings) -> Ledger:
         caps_for=caps_for,
         soft_threshold=budget.soft_threshold,
         prices=budget.prices,
-        # With leases a request waits for headroom: in-flight worst case never halts a scope.
-        include_inflight=budget.include_inflight and not budget.leases,
+        include_inflight=budget.include_inflight,
         # A request unanswered after every attempt's timeout and backoff is not billing.
         inflight_ttl_s=(provider.timeout_s + provider.backoff_max_s) * provider.max_attempts,
         rate_window_s=budget.rate_window_s,

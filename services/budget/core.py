@@ -83,6 +83,8 @@ class ScopeTotals:
     responses_without_usage: int = 0
     # key -> (max_tokens, started_at); only kept on dataset scopes.
     inflight: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Keys of requests admitted under a lease (services.budget.leases bounds those, not a halt).
+    leased: set[str] = field(default_factory=set)
     # Offsets below which this scope already counted records (from its snapshot).
     floor: dict[str, int] = field(default_factory=dict)
     # Caps recorded in the last snapshot (to tell a raised cap at restart).
@@ -284,11 +286,16 @@ class Ledger:
                 announced = dataset.inflight.get(key)
                 if scope is dataset and announced is not None and announced[1] == event.started_at:
                     del dataset.inflight[key]
+                    dataset.leased.discard(key)
                 continue
             scope.requests += 1
             if scope is dataset and (answered is None or event.attempt > answered):
                 started = event.started_at or now
                 dataset.inflight[key] = (event.max_tokens, started)
+                if event.lease_epoch:
+                    dataset.leased.add(key)
+                else:
+                    dataset.leased.discard(key)
         return self._halts(now)
 
     def on_request_failed(self, dataset: str, sample_id: str, position: str, offset: int) -> None:
@@ -296,6 +303,7 @@ class Ledger:
         self._advance(position, offset)
         scope = self.scopes.get(dataset)
         if scope is not None and scope.counts(position, offset):
+            scope.leased.discard(sample_key(dataset, sample_id))
             if scope.inflight.pop(sample_key(dataset, sample_id), None) is not None:
                 self._dirty.add(scope.scope)
 
@@ -338,6 +346,7 @@ class Ledger:
             self._dirty.add(scope.scope)
             if scope is dataset:
                 dataset.inflight.pop(key, None)
+                dataset.leased.discard(key)
                 counted = Counted(event.dataset, prompt, completion, reasoning, cost, estimated, priced)
         return counted, self._halts(now)
 
@@ -348,6 +357,7 @@ class Ledger:
             stale = [k for k, (_, t) in scope.inflight.items() if now - t > self.inflight_ttl_s]
             for k in stale:
                 del scope.inflight[k]
+                scope.leased.discard(k)
             if stale:
                 dropped += len(stale)
                 self._dirty.add(name)
@@ -366,12 +376,15 @@ class Ledger:
         """The current caps of a scope."""
         return self._caps_for(scope)
 
-    def inflight_tokens(self, scope: str) -> int:
-        """Worst-case completion tokens of the scope's unanswered requests."""
-        if scope == GLOBAL_SCOPE:
-            return sum(v for name, s in self.scopes.items() if name != GLOBAL_SCOPE for v, _ in s.inflight.values())
-        totals = self.scopes.get(scope)
-        return sum(v for v, _ in totals.inflight.values()) if totals else 0
+    def inflight_tokens(self, scope: str, *, unleased: bool = False) -> int:
+        """Worst case of the scope's unanswered requests (``unleased``: only those sent without a lease)."""
+        names = [n for n in self.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
+        total = 0
+        for name in names:
+            totals = self.scopes.get(name)
+            if totals is not None:
+                total += sum(v for k, (v, _) in totals.inflight.items() if not (unleased and k in totals.leased))
+        return total
 
     def over_cap(self, scope: str) -> str | None:
         """Why the scope must stop now (cap reached, or would be by in-flight worst case)."""
@@ -379,7 +392,8 @@ class Ledger:
         if totals is None:
             return None
         caps = self.caps(scope)
-        inflight = self.inflight_tokens(scope) if self.include_inflight else 0
+        # Requests sent under a lease wait for headroom instead (services.budget.leases).
+        inflight = self.inflight_tokens(scope, unleased=True) if self.include_inflight else 0
         label = "global" if scope == GLOBAL_SCOPE else f"dataset {scope}"
         if caps.completion_tokens is not None:
             spent = totals.completion_tokens

@@ -281,8 +281,11 @@ class LeaseBook:
                 continue
             if self.ledger.inflight_tokens(scope):
                 continue  # answers still to land may hand headroom back
+            leases = self._leases_of(scope)
+            if not any(lease.live and lease.target > lease.granted for lease in leases):
+                continue  # no request waits for room: the scope is idle, not finished
             free = self.free(scope)
-            best = max((lease.unused for lease in self._leases_of(scope)), default=0)
+            best = max((lease.unused for lease in leases), default=0)
             if free + best >= need:
                 continue
             out.append((scope, self._reason(scope, need)))

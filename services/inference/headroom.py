@@ -21,7 +21,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -62,11 +64,29 @@ class _Reserved:
     max_tokens: int
 
 
+class Slots(Protocol):
+    """The provider slots of the worker's requests: given up while a request waits, taken back to send."""
+
+    def yield_slot(self) -> None: ...
+    async def reclaim_slot(self, slots: int) -> None: ...
+
+
 class Headroom:
     """This worker's leases, kept current from ``leases``; the wait every request passes."""
 
-    def __init__(self, kafka: KafkaSettings, worker_id: str, halts: HaltFollower) -> None:
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        worker_id: str,
+        halts: HaltFollower,
+        slots: Slots | None = None,
+        concurrency: int = 1,
+    ) -> None:
         self._kafka = kafka
+        self._slots = slots
+        self._concurrency = concurrency
+        self.listeners: list[Callable[[], None]] = []
+        """Called when the datasets short of headroom may have changed (the worker pauses them)."""
         self._topic = kafka.topic(LEASES_TOPIC)
         self.worker_id = worker_id
         self._halts = halts
@@ -118,12 +138,24 @@ class Headroom:
         """
         task = asyncio.current_task()
         while True:
+            if self._halts.is_halted(dataset):
+                self._yield_slot()  # a halted prompt does not keep another dataset's request waiting
             await self._halts.gate(dataset)
             room = self.room(dataset)
             if room is None or room >= max_tokens:
-                return self._reserve(dataset, key, max_tokens)
+                epoch = self._reserve(dataset, key, max_tokens)
+                if self._slots is not None:
+                    try:
+                        await self._slots.reclaim_slot(self._concurrency)
+                    except BaseException:
+                        self.settle(key, None)
+                        raise
+                return epoch
+            self._yield_slot()
             waiting = self._waiting.setdefault(dataset, [])
             waiting.append(max_tokens)
+            if len(waiting) == 1:
+                self._notify()
             if task is not None:
                 self._halts.held.add(task)
             try:
@@ -134,6 +166,20 @@ class Headroom:
                 waiting.remove(max_tokens)
                 if task is not None:
                     self._halts.held.discard(task)
+                if not waiting:
+                    self._notify()
+
+    def short(self) -> set[str]:
+        """Datasets with a request waiting for headroom (no more of their prompts should be fetched)."""
+        return {dataset for dataset, waiting in self._waiting.items() if waiting}
+
+    def _yield_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.yield_slot()
+
+    def _notify(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     def _reserve(self, dataset: str, key: str, max_tokens: int) -> str:
         if not self.in_force or self.policy is None:
