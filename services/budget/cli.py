@@ -119,6 +119,8 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
     from rich.table import Table
 
     from schemas import GLOBAL_SCOPE, Halt
+    from services.budget.core import BUDGET_ACTOR
+    from services.budget.leases import capped_summary
 
     table = Table(title="draftstream budget")
     for name, justify in (
@@ -164,7 +166,12 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
                 f" ({_fmt_int(snap.remaining_prompts)} prompts left)"
             )
         event = control.get(scope)
-        if isinstance(event, Halt):
+        capped = None
+        if snap is not None and isinstance(event, Halt) and event.by == BUDGET_ACTOR:
+            capped = capped_summary(snap, event.reason)
+        if capped is not None:
+            state = f"[red]{capped}[/]"
+        elif isinstance(event, Halt):
             state = f"[red]halted[/] by {event.by}: {event.reason}"
         elif scope != GLOBAL_SCOPE and isinstance(global_halt, Halt):
             state = f"[red]halted[/] (global) by {global_halt.by}: {global_halt.reason}"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from schemas import (
     GLOBAL_SCOPE,
+    BudgetSnapshot,
     Halt,
     LeaseGranted,
     LeaseReleased,
@@ -36,12 +37,30 @@ from schemas import (
     RequestStarted,
     sample_key,
 )
-from services.budget.core import Ledger
+from services.budget.core import BUDGET_ACTOR, Ledger
 
 _EARLY_MEMORY = 10_000
 
 CAPPED_PREFIX = "capped:"
 """How the reason of a halt that finished a scope at its cap begins (status shows it)."""
+
+
+def capped_summary(snapshot: BudgetSnapshot, reason: str | None = None) -> str | None:
+    """``capped: X of Y used, Z prompts not sent`` for a scope the budget finished at its cap, else None.
+
+    ``reason``: the budget's standing halt's reason, when fresher than the snapshot's.
+    """
+    if reason is None:
+        reason = snapshot.halted_reason if snapshot.halted_by == BUDGET_ACTOR else ""
+    if not reason.startswith(CAPPED_PREFIX):
+        return None
+    used: list[str] = []
+    if snapshot.cap_completion_tokens is not None:
+        used.append(f"{snapshot.completion_tokens:,} of {snapshot.cap_completion_tokens:,} tokens")
+    if snapshot.cap_usd is not None:
+        used.append(f"${snapshot.cost_usd:,.2f} of ${snapshot.cap_usd:,.2f}")
+    prompts = "?" if snapshot.remaining_prompts is None else f"{snapshot.remaining_prompts:,}"
+    return f"capped: {' and '.join(used)} used, {prompts} prompts not sent"
 
 
 @dataclass
@@ -307,5 +326,5 @@ class LeaseBook:
             parts.append(f"${spent_usd:.4f} of ${caps.usd:.4f} used, ${caps.usd - spent_usd:.4f} unused")
         return (
             f"{CAPPED_PREFIX} {label} finished at its cap: {'; '.join(parts)} "
-            f"(less than one request's worst case of {need} tokens left); raise the cap to send the rest"
+            f"(no worker can fit another request's worst case of {need} tokens in it); raise the cap to send the rest"
         )

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from schemas import BudgetSnapshot, Halt, topology
+from services.budget.leases import capped_summary
 
 # Consumer groups of the stream stages and the logical topics they read (schemas.topology).
 GROUP_INPUTS: Final[dict[str, tuple[str, ...]]] = topology.group_inputs()
@@ -83,7 +84,7 @@ def budget_table(snapshot: StatusSnapshot) -> Table:
         updated = datetime.fromtimestamp(b.updated_at, tz=UTC).strftime("%H:%M:%SZ") if b.updated_at else "-"
         table.add_row(
             b.scope,
-            f"[{style}]{b.state}[/]",
+            f"[{style}]{capped_summary(b) or b.state}[/]",
             _tokens(b.completion_tokens),
             _tokens(b.cap_completion_tokens),
             _money(b.cost_usd),

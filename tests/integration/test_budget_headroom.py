@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from schemas import LEASES_TOPIC, Halt, LeaseGranted, Resume, decode_lease
 from services.budget.app import BudgetService
 from services.budget.app import create_app as create_budget
+from services.budget.cli import budget_table
 from services.budget.leases import CAPPED_PREFIX
 from services.common.config import Settings
 from services.common.kafka import ensure_topics
@@ -129,6 +132,10 @@ async def test_a_capped_dataset_ends_at_its_cap_never_past_it(
         assert 0 < answered < PROMPTS
         snapshot = (await read_budget_snapshots(settings))["capped"]
         assert snapshot.state == "halted" and snapshot.halted_reason == halt.reason
+        console = Console(width=400, record=True, file=io.StringIO())
+        console.print(budget_table(await read_budget_snapshots(settings), await read_control_state(settings), settings))
+        table = console.export_text()
+        assert f"capped: {spent:,} of {CAP:,} tokens used, {PROMPTS - answered} prompts not sent" in table, table
 
         # The rest stayed on the topic: once the cap is raised, the same workers send it all.
         bigger = raised(settings, 10_000_000)
