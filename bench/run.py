@@ -23,6 +23,7 @@ BENCHMARKS: tuple[tuple[str, str], ...] = (
     ("concurrency", "bench.bench_concurrency"),
     ("halt", "bench.bench_halt"),
     ("scaleout", "bench.bench_scaleout"),
+    ("headroom", "bench.bench_headroom"),
 )
 KEYS = ("name", "value", "reference", "ratio", "spread", "target", "met")
 RESULTS = Path(__file__).resolve().parent / "results.json"
