@@ -12,7 +12,6 @@ dataset stands finished at its cap, as a fraction of the cap (target >= 0.95; ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 from bench.common import BOOTSTRAP, Result, delete_topics, main, result, unique_prefix
@@ -72,14 +71,10 @@ async def measure(quick: bool) -> list[Result]:
             await asyncio.sleep(0.5)
         stats = sim.stats()
     finally:
-        for worker in pool:
-            worker.stop()
-        budget.stop()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(task, 60)
-        for worker in pool:
-            await worker.close()
+        for service in (*pool, budget):
+            service.stop()
+        await asyncio.wait(tasks, timeout=60)
+        await asyncio.gather(*(worker.close() for worker in pool))
         await budget.close()
         await sim.close()
         await delete_topics(prefix)
