@@ -67,6 +67,10 @@ class LeaseDesk:
             else:
                 if isinstance(old, LeasePolicy) and old.in_force:
                     grants_from = now + old.ttl_s + budget.lease_grace_s
+        # Requests restored in flight from the checkpoint were sent under the previous epoch's
+        # leases: they count against the caps, and never towards the early in-flight halt.
+        for totals in self._ledger.scopes.values():
+            totals.leased.update(totals.inflight)
         completion_price = budget.prices.get(self._settings.provider.model, {}).get("completion")
         self.book = LeaseBook(
             self._ledger,

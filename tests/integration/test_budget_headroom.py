@@ -205,3 +205,37 @@ async def test_a_killed_workers_lease_expires_and_goes_to_another_worker(
         if victim_task is not None and not victim_task.done():
             victim_task.cancel()
         await sim.close()
+
+
+async def test_a_budget_restarted_mid_run_starts_a_new_epoch_and_still_stops_at_the_cap(
+    settings_factory: Callable[..., Settings],
+) -> None:
+    from services.simulator.app import SimulatorOptions, start_simulator
+
+    sim = await start_simulator(SimulatorOptions(latency_s=0.5, **LONG))  # type: ignore[arg-type]
+    settings = long_answer_settings(settings_factory, sim.url, 24, 1)
+    try:
+        await ensure_topics(settings.kafka, settings.datasets)
+        await publish_prompts(settings, "capped", PROMPTS)
+        first = running_budget(settings)  # the budget first: workers started before it send without leases
+        budget = await first.__aenter__()
+        async with running_workers(settings, 1) as (worker,):
+            try:
+                await wait_until(lambda: budget.ledger.scopes.get("capped") is not None
+                                 and budget.ledger.scopes["capped"].completion_tokens >= CAP // 3, 60, 0.1,
+                                 message="a third of the cap spent")
+                epoch = worker.headroom.policy.epoch
+            finally:
+                await first.__aexit__(None, None, None)
+            # Down, with requests in flight; then back with a new epoch.
+            async with running_budget(settings) as budget:
+                await wait_until(lambda: worker.headroom.policy.epoch != epoch, 30, 0.1, message="the new epoch")
+                halt = await wait_until(lambda: capped_halt(settings), 90, 0.2, message="'capped' finished at its cap")
+                served = sim.stats()["completion_tokens"]
+                await wait_until(lambda: budget.ledger.scopes["capped"].completion_tokens == served, 30,
+                                 message="the budget counted every answer")
+        print(f"\nbudget restarted at a third of the cap: {served} of {CAP} served; {halt.reason}")
+        assert served <= CAP
+        assert served >= CAP - MAX_TOKENS
+    finally:
+        await sim.close()
