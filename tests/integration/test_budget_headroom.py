@@ -78,17 +78,30 @@ async def running_workers(settings: Settings, count: int) -> AsyncIterator[list[
             await worker.close()
 
 
-def long_answer_settings(
-    settings_factory: Callable[..., Settings], url: str, concurrency: int, workers: int
-) -> Settings:
-    """A capped dataset whose worst case in flight (workers x concurrency x max_tokens) is above its cap."""
+@contextlib.asynccontextmanager
+async def long_answers(
+    settings_factory: Callable[..., Settings], *, latency_s: float, concurrency: int, workers: int
+) -> AsyncIterator[tuple[Any, Settings]]:
+    """The simulator with long answers and a capped dataset of :data:`PROMPTS` prompts on the topic.
+
+    The worst case in flight (workers x concurrency x max_tokens) is above the cap.
+    """
+    from services.simulator.app import SimulatorOptions, start_simulator
+
     assert workers * concurrency * MAX_TOKENS > CAP
-    return settings_factory(
-        provider={"kind": "simulator", "base_url": url, "concurrency": concurrency, "max_attempts": 2,
-                  "timeout_s": 10.0, "backoff_max_s": 0.5},
-        datasets={"capped": {"cap_completion_tokens": CAP, "max_tokens": MAX_TOKENS}},
-        budget={"lease_ttl_s": 2.0, "lease_grace_s": 0.5},
-    )
+    sim = await start_simulator(SimulatorOptions(latency_s=latency_s, **LONG))  # type: ignore[arg-type]
+    try:
+        settings = settings_factory(
+            provider={"kind": "simulator", "base_url": sim.url, "concurrency": concurrency, "max_attempts": 2,
+                      "timeout_s": 10.0, "backoff_max_s": 0.5},
+            datasets={"capped": {"cap_completion_tokens": CAP, "max_tokens": MAX_TOKENS}},
+            budget={"lease_ttl_s": 2.0, "lease_grace_s": 0.5},
+        )
+        await ensure_topics(settings.kafka, settings.datasets)
+        await publish_prompts(settings, "capped", PROMPTS)
+        yield sim, settings
+    finally:
+        await sim.close()
 
 
 def raised(settings: Settings, cap: int) -> Settings:
@@ -101,14 +114,11 @@ def raised(settings: Settings, cap: int) -> Settings:
 async def test_a_capped_dataset_ends_at_its_cap_never_past_it(
     settings_factory: Callable[..., Settings], workers: int
 ) -> None:
-    from services.simulator.app import SimulatorOptions, start_simulator
-
-    sim = await start_simulator(SimulatorOptions(latency_s=0.3, **LONG))  # type: ignore[arg-type]
     concurrency = 24 if workers == 1 else 8  # 24 x 16,384 = 393k; 3 x 8 x 16,384 = 393k
-    settings = long_answer_settings(settings_factory, sim.url, concurrency, workers)
-    try:
-        await ensure_topics(settings.kafka, settings.datasets)
-        await publish_prompts(settings, "capped", PROMPTS)
+    async with long_answers(settings_factory, latency_s=0.3, concurrency=concurrency, workers=workers) as (
+        sim,
+        settings,
+    ):
         async with running_budget(settings) as budget, running_workers(settings, workers) as running:
             halt = await wait_until(lambda: capped_halt(settings), 90, 0.2, message="'capped' finished at its cap")
             for worker in running:
@@ -146,23 +156,15 @@ async def test_a_capped_dataset_ends_at_its_cap_never_past_it(
         stats = sim.stats()
         assert stats["statuses"].get("200", 0) == PROMPTS
         assert sorted(stats["keys"]) == sorted(f"capped:p{i}" for i in range(PROMPTS))
-    finally:
-        await sim.close()
 
 
 async def test_a_killed_workers_lease_expires_and_goes_to_another_worker(
     settings_factory: Callable[..., Settings],
 ) -> None:
     from services.inference.app import create_app as create_worker
-    from services.simulator.app import SimulatorOptions, start_simulator
 
-    sim = await start_simulator(SimulatorOptions(latency_s=1.0, **LONG))  # type: ignore[arg-type]
-    settings = long_answer_settings(settings_factory, sim.url, 12, 2)
-    victim = create_worker(settings, worker_id="victim")
-    victim_task: asyncio.Task[None] | None = None
-    try:
-        await ensure_topics(settings.kafka, settings.datasets)
-        await publish_prompts(settings, "capped", PROMPTS)
+    async with long_answers(settings_factory, latency_s=1.0, concurrency=12, workers=2) as (sim, settings):
+        victim = create_worker(settings, worker_id="victim")
         async with running_budget(settings) as budget:
             await victim.start()
             victim_task = asyncio.create_task(victim.run())
@@ -174,13 +176,15 @@ async def test_a_killed_workers_lease_expires_and_goes_to_another_worker(
                 lease = book.leases.get(("victim", "capped"))
                 return lease if lease is not None and lease.unused >= 2 * MAX_TOKENS else None
 
-            killed_with = await wait_until(victim_lease, 60, 0.01, message="the victim holds a lease")
-            # Killed: no drain, no release; its requests in flight are cut off.
-            assert victim.headroom is not None
-            victim.headroom._producer = None  # noqa: SLF001 - a killed process sends nothing more
-            victim_task.cancel()
-            held = (killed_with.granted, killed_with.consumed)
-            await victim.close()
+            try:
+                killed_with = await wait_until(victim_lease, 60, 0.01, message="the victim holds a lease")
+                held = (killed_with.granted, killed_with.consumed)
+                # Killed: no drain, no release; its requests in flight are cut off.
+                assert victim.headroom is not None
+                victim.headroom._producer = None  # noqa: SLF001 - a killed process sends nothing more
+            finally:
+                victim_task.cancel()
+                await victim.close()
             async with running_workers(settings, 1):
                 await wait_until(lambda: not killed_with.live, 30, 0.1, message="the victim's lease expired")
                 expired_at = killed_with.expires_at + settings.budget.lease_grace_s
@@ -201,22 +205,12 @@ async def test_a_killed_workers_lease_expires_and_goes_to_another_worker(
               f"served {served} of {CAP}")
         assert served <= CAP
         assert max(after, default=0) > max(before, default=0)  # the headroom went on to another worker
-    finally:
-        if victim_task is not None and not victim_task.done():
-            victim_task.cancel()
-        await sim.close()
 
 
 async def test_a_budget_restarted_mid_run_starts_a_new_epoch_and_still_stops_at_the_cap(
     settings_factory: Callable[..., Settings],
 ) -> None:
-    from services.simulator.app import SimulatorOptions, start_simulator
-
-    sim = await start_simulator(SimulatorOptions(latency_s=0.5, **LONG))  # type: ignore[arg-type]
-    settings = long_answer_settings(settings_factory, sim.url, 24, 1)
-    try:
-        await ensure_topics(settings.kafka, settings.datasets)
-        await publish_prompts(settings, "capped", PROMPTS)
+    async with long_answers(settings_factory, latency_s=0.5, concurrency=24, workers=1) as (sim, settings):
         first = running_budget(settings)  # the budget first: workers started before it send without leases
         budget = await first.__aenter__()
         async with running_workers(settings, 1) as (worker,):
@@ -237,5 +231,3 @@ async def test_a_budget_restarted_mid_run_starts_a_new_epoch_and_still_stops_at_
         print(f"\nbudget restarted at a third of the cap: {served} of {CAP} served; {halt.reason}")
         assert served <= CAP
         assert served >= CAP - MAX_TOKENS
-    finally:
-        await sim.close()
