@@ -51,6 +51,7 @@ class LeaseDesk:
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self.book: LeaseBook | None = None
+        self._releases: list[LeaseReleased] = []  # applied once every request was read
 
     async def start(self, producer: AIOKafkaProducer, now: float) -> None:
         """Announce a new epoch (after the previous one's grants can have expired), follow requests."""
@@ -132,10 +133,15 @@ class LeaseDesk:
                 if isinstance(event, LeaseRequested):
                     book.on_lease_request(event, now)
                 elif isinstance(event, LeaseReleased):
-                    book.on_release(event)
-        if book.due(now) and await self._caught_up():
+                    self._releases.append(event)
+        # A lease shrinks to what its worker consumed only once every request it announced was
+        # read: a stopping worker's last request may still be on its way to this budget.
+        if (self._releases or book.due(now)) and await self._caught_up():
+            for release in self._releases:
+                book.on_release(release)
+            self._releases.clear()
             for lease in book.expire(now):
-                    log.warning("budget: lease of %s for %s expired: taken back", lease.worker, lease.dataset)
+                log.warning("budget: lease of %s for %s expired: taken back", lease.worker, lease.dataset)
         grants, finished = book.decide(now)
         dead.extend(Outgoing(self._topic, encode(g), lease_key(g).encode()) for g in grants)
         await publish_all(producer, dead)

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 ASK_EVERY_S = 0.25
 """A worker waiting for headroom repeats its request this often (the budget may have freed some)."""
+ASK_MORE_EVERY_S = 0.05
+"""How soon a worker asks again when more of its requests wait than it last asked for."""
 
 
 @dataclass
@@ -203,8 +205,8 @@ class Headroom:
         target = self.consumed.get(dataset, 0) + sum(self._waiting.get(dataset, ()))
         last = self._asked.get(dataset)
         now = time.monotonic()
-        if last is not None and last[0] >= target and now - last[1] < ASK_EVERY_S:
-            return
+        if last is not None and now - last[1] < (ASK_MORE_EVERY_S if target > last[0] else ASK_EVERY_S):
+            return  # thousands of requests starting to wait at once make one ask, not thousands
         self._asked[dataset] = (target, now)
         await self._send_request(dataset, target, step)
 
