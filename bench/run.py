@@ -24,6 +24,7 @@ BENCHMARKS: tuple[tuple[str, str], ...] = (
     ("halt", "bench.bench_halt"),
     ("scaleout", "bench.bench_scaleout"),
     ("ratelimit", "bench.bench_ratelimit"),
+    ("headroom", "bench.bench_headroom"),
 )
 KEYS = ("name", "value", "reference", "ratio", "spread", "target", "met")
 RESULTS = Path(__file__).resolve().parent / "results.json"

@@ -28,6 +28,7 @@ __all__ = [
     "DEAD_LETTER_TOPIC",
     "DLQ_HEADERS",
     "GLOBAL_SCOPE",
+    "LEASES_TOPIC",
     "PROMPTS_TOPIC_PREFIX",
     "REQUESTS_TOPIC",
     "RESPONSES_TOPIC",
@@ -41,6 +42,11 @@ __all__ = [
     "ConversationProgressed",
     "DeadLetterHeaders",
     "Halt",
+    "LeaseEvent",
+    "LeaseGranted",
+    "LeasePolicy",
+    "LeaseReleased",
+    "LeaseRequested",
     "LogprobToken",
     "Message",
     "PromptPublished",
@@ -57,6 +63,8 @@ __all__ = [
     "YieldFigures",
     "decode",
     "decode_control",
+    "decode_lease",
+    "lease_key",
     "encode",
     "encode_forwarding",
     "sample_key",
@@ -79,6 +87,7 @@ BUDGET_STATE_TOPIC: Final = _topology.BUDGET_STATE
 RESPONSE_STORE_TOPIC: Final = _topology.RESPONSE_STORE
 # Multi-turn regeneration (issue 26).
 CONVERSATIONS_TOPIC: Final = _topology.CONVERSATIONS
+LEASES_TOPIC: Final = _topology.LEASES
 GLOBAL_SCOPE: Final = "global"
 
 # Bounds that make absurd numbers a decode error instead of a silent corruption.
@@ -202,6 +211,8 @@ class RequestStarted(Struct, kw_only=True):
     started_at: float = 0.0
     withheld: bool = False
     schema_version: Version = SCHEMA_VERSION
+    # The budget's lease epoch the request was admitted under ("" when no lease was needed).
+    lease_epoch: str = ""
 
 
 class Usage(Struct, kw_only=True, omit_defaults=True):
@@ -342,6 +353,62 @@ class YieldFigures(Struct, kw_only=True):
     window_accepted: int = 0
     window_reasons: dict[str, int] = msgspec.field(default_factory=dict)
     kept_completion_tokens: int = 0
+class LeasePolicy(Struct, kw_only=True, tag="policy", tag_field="action"):
+    """The budget's announcement on ``leases``: whether requests need a lease, and its epoch.
+
+    A new epoch (a budget restart) voids every grant of an older one.
+    """
+
+    epoch: Name
+    in_force: bool = True
+    ttl_s: NonNegFloat = 10.0
+    at: float = 0.0
+    schema_version: Version = SCHEMA_VERSION
+
+
+class LeaseRequested(Struct, kw_only=True, tag="request", tag_field="action"):
+    """A worker asks for (or renews) headroom of one dataset: a cumulative grant of ``target`` tokens.
+
+    ``step`` is one waiting request's worst case: the budget grants whole steps only.
+    """
+
+    worker: Name
+    dataset: Name
+    epoch: str
+    target: NonNegInt = 0
+    step: NonNegInt = 0
+    at: float = 0.0
+    schema_version: Version = SCHEMA_VERSION
+
+
+class LeaseGranted(Struct, kw_only=True, tag="grant", tag_field="action"):
+    """The budget's lease of one worker and dataset: cumulative ``granted`` tokens, valid ``ttl_s``.
+
+    The worker keeps the worst case of its requests in flight plus what its answers used
+    (this epoch) within ``granted``; ``unlimited`` when no cap applies to the dataset.
+    """
+
+    worker: Name
+    dataset: Name
+    epoch: Name
+    granted: NonNegInt = 0
+    unlimited: bool = False
+    ttl_s: NonNegFloat = 10.0
+    at: float = 0.0
+    schema_version: Version = SCHEMA_VERSION
+
+
+class LeaseReleased(Struct, kw_only=True, tag="release", tag_field="action"):
+    """A stopping worker gives its unused headroom back (a killed one's lease expires instead)."""
+
+    worker: Name
+    dataset: Name
+    epoch: str
+    at: float = 0.0
+    schema_version: Version = SCHEMA_VERSION
+
+
+LeaseEvent = LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased
 
 
 class BudgetSnapshot(Struct, kw_only=True):
@@ -457,6 +524,7 @@ _EVENTS: Final[tuple[Any, ...]] = (
     BudgetSnapshot,
     Halt | Resume,
     ConversationProgressed,
+    LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased,
 )
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {t: msgspec.json.Decoder(t) for t in _EVENTS}
 _type_infos: dict[Any, msgspec.inspect.Type] = {t: msgspec.inspect.type_info(t) for t in _EVENTS}
@@ -649,6 +717,22 @@ def decode_control(data: bytes | None) -> Halt | Resume:
             raise SchemaError("unknown_action", exc.message) from None
         raise
     return obj
+
+
+def decode_lease(data: bytes | None) -> LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased:
+    """Decode a ``leases`` record; raises :class:`SchemaError` naming what is wrong."""
+    if data is None or not data.strip():
+        raise SchemaError("empty_record", "lease record has no value")
+    obj: LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased = _decode_wire(data, LeaseEvent)
+    return obj
+
+
+def lease_key(event: LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased) -> str:
+    """The compaction key of a ``leases`` record: ``policy``, or ``<action>|<worker>|<dataset>``."""
+    if isinstance(event, LeasePolicy):
+        return "policy"
+    action = type(event).__struct_config__.tag
+    return f"{action}|{event.worker}|{event.dataset}"
 
 
 def sample_key(dataset: str, sample_id: str) -> str:

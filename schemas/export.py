@@ -19,6 +19,7 @@ EVENTS: dict[str, Any] = {
     "sample_reconstructed": s.SampleReconstructed,
     "sample_audited": s.SampleAudited,
     "control_event": s.Halt | s.Resume,
+    "lease_event": s.LeaseEvent,
     "budget_snapshot": s.BudgetSnapshot,
     # Multi-turn regeneration (issue 26).
     "conversation_progressed": s.ConversationProgressed,

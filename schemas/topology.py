@@ -76,6 +76,7 @@ DLQ_REPLAYED: Final = "dlq-replayed"
 # Multi-turn regeneration (issue 26).
 CONVERSATIONS: Final = "conversation-state"
 CONVERSATION_KEY: Final = "<dataset>:<conversation_id>"
+LEASES: Final = "leases"
 
 PROMPTS_PREFIX: Final = PROMPTS.removesuffix("*")
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
@@ -148,6 +149,14 @@ _topics = (
         partitions=1,
     ),
     Topic(
+        LEASES,
+        ("LeasePolicy", "LeaseRequested", "LeaseGranted", "LeaseReleased"),
+        "'policy', or '<action>|<worker>|<dataset>'",
+        True,
+        "Headroom under the caps: the budget's leases per worker and dataset, and the workers' requests.",
+        partitions=1,
+    ),
+    Topic(
         RESPONSE_STORE,
         ("ResponseReceived",),
         "<dataset>:<sample_id>|<request hash>",
@@ -213,8 +222,8 @@ _roles = (
     Role(
         "inference",
         INFERENCE_GROUP,
-        reads=(PROMPTS, CONTROL, RESPONSE_STORE),
-        writes=(REQUESTS, RESPONSES, DEAD_LETTER, RESPONSE_STORE, CONTROL),
+        reads=(PROMPTS, CONTROL, RESPONSE_STORE, LEASES),
+        writes=(REQUESTS, RESPONSES, DEAD_LETTER, RESPONSE_STORE, CONTROL, LEASES),
         description="Calls the provider per prompt; pauses on halts; halts all on an outage or a failed pre-flight.",
         creates=_ALL_CREATED,
     ),
@@ -242,11 +251,12 @@ _roles = (
     Role(
         "budget",
         None,
-        reads=(REQUESTS, RESPONSES, CONTROL, DEAD_LETTER, BUDGET_STATE, ACCEPTED),
-        writes=(CONTROL, BUDGET_STATE, DEAD_LETTER),
+        reads=(REQUESTS, RESPONSES, CONTROL, DEAD_LETTER, BUDGET_STATE, ACCEPTED, LEASES),
+        writes=(CONTROL, BUDGET_STATE, DEAD_LETTER, LEASES),
         description=(
-            "Counts spend per dataset and in total from every partition (manual assignment); halts over caps, "
-            "and on the audit verdicts (accepted, dead letters) when the accepted share falls below min_yield."
+            "Counts spend per dataset and in total from every partition (manual assignment); leases headroom "
+            "under the caps; finishes a dataset at its cap; halts on the audit verdicts (accepted, dead letters) "
+            "when the accepted share falls below min_yield."
         ),
         describes=(PROMPTS,),
         creates=_ALL_CREATED,
@@ -370,6 +380,7 @@ __all__ = [
     "DLQ_REPLAYED",
     "GROUPS",
     "INFERENCE_GROUP",
+    "LEASES",
     "PROMPTS",
     "PROMPTS_PREFIX",
     "RECONSTRUCT_GROUP",

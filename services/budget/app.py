@@ -41,6 +41,7 @@ from schemas import (
     encode,
 )
 from services.budget.core import Caps, Counted, Ledger
+from services.budget.lease_desk import LeaseDesk
 from services.budget.quality import (
     QUALITY_ACTOR,
     QualityGate,
@@ -137,6 +138,7 @@ class BudgetService:
         self.prompts_refresh_s = prompts_refresh_s
         self.ledger = ledger_for(settings)
         self.quality = QualityGate(window=settings.budget.quality_window, min_yield=settings.budget.min_yield)
+        self.leases = LeaseDesk(settings, self.ledger, self._requests_read) if settings.budget.leases else None
         self.published_control: list[Halt | Resume] = []
         self._stopping = asyncio.Event()
         # The standing halt or resume of every scope, as control events arrive (its own too).
@@ -184,6 +186,8 @@ class BudgetService:
             ", ".join(f"{k}@{v}" for k, v in sorted(seek.items())) or "from the beginning",
         )
         await self._publish_control(self.ledger.startup_resumes(now))
+        if self.leases is not None:
+            await self.leases.start(self._producer, now)
         self.started.set()
 
     async def run(self) -> None:
@@ -204,7 +208,19 @@ class BudgetService:
             assert self._producer is not None  # noqa: S101 - set in start()
             await publish_all(self._producer, dead)
             await self._publish_control(decisions)
+            if self.leases is not None:
+                await self._publish_control(await self.leases.tick(self.clock()))
             await self._tick()
+
+    async def _requests_read(self) -> bool:
+        """Whether every request announced until now was read (before a lease is taken back)."""
+        consumer = self._consumer
+        if consumer is None:
+            return False
+        topic = self.settings.kafka.topic(REQUESTS_TOPIC)
+        parts = [tp for tp in consumer.assignment() if tp.topic == topic]
+        ends = await consumer.end_offsets(parts)
+        return all([await consumer.position(tp) >= end for tp, end in ends.items()])
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after the current batch."""
@@ -221,6 +237,8 @@ class BudgetService:
     async def abort(self) -> None:
         """Release the clients without a final checkpoint (what a crash leaves behind)."""
         await self.control.close()
+        if self.leases is not None:
+            await self.leases.close()
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -247,6 +265,8 @@ class BudgetService:
                 if stage == "inference" and ":" in key:
                     dataset, _, sample_id = key.partition(":")
                     self.ledger.on_request_failed(dataset, sample_id, position, record.offset)
+                    if self.leases is not None:
+                        self.leases.on_failed(dataset, sample_id)
                     return []
                 self.ledger.skip(position, record.offset)
                 reason = header(record.headers, DLQ_HEADERS.REASON)
@@ -254,7 +274,10 @@ class BudgetService:
             if logical == REQUESTS_TOPIC:
                 request = decode(record.value, RequestStarted)
                 self._check_dataset(request.dataset)
-                return list(self.ledger.on_request(request, position, record.offset, now))
+                halts = self.ledger.on_request(request, position, record.offset, now)
+                if self.leases is not None:
+                    self.leases.on_request(request)
+                return list(halts)
             response = decode(record.value, ResponseReceived)
             self._check_dataset(response.dataset)
             replayed = int(header(record.headers, DLQ_HEADERS.REPLAY_COUNT) or "0") > 0
@@ -264,6 +287,10 @@ class BudgetService:
             counted, halts = self.ledger.on_response(response, position, record.offset, now, replay=again)
             if counted is not None:
                 self._count_metrics(counted, response.model)
+                if self.leases is not None:
+                    self.leases.on_answer(
+                        response.dataset, response.sample_id, counted.completion_tokens, response.attempt
+                    )
             return list(halts)
         except SchemaError as exc:
             verdict = DeadLetter(exc.reason, exc.message)

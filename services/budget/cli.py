@@ -120,6 +120,8 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
     from rich.table import Table
 
     from schemas import GLOBAL_SCOPE, Halt
+    from services.budget.core import BUDGET_ACTOR
+    from services.budget.leases import capped_summary
     from services.budget.quality import dollars_per_accepted, yield_text
     from services.common.console import styled
 
@@ -169,7 +171,12 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
                 f" ({_fmt_int(snap.remaining_prompts)} prompts left)"
             )
         event = control.get(scope)
-        if isinstance(event, Halt):
+        capped = None
+        if snap is not None and isinstance(event, Halt) and event.by == BUDGET_ACTOR:
+            capped = capped_summary(snap, event.reason)
+        if capped is not None:
+            state = styled(capped, "red")
+        elif isinstance(event, Halt):
             state = styled("halted", "red", f" by {event.by}: {event.reason}")
         elif scope != GLOBAL_SCOPE and isinstance(global_halt, Halt):
             state = styled("halted", "red", f" (global) by {global_halt.by}: {global_halt.reason}")

@@ -22,15 +22,18 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from schemas import (
     GLOBAL_SCOPE,
     BudgetSnapshot,
     Halt,
+    LogprobToken,
     RequestStarted,
     ResponseReceived,
     Resume,
+    ToolCall,
+    Usage,
     sample_key,
 )
 
@@ -80,6 +83,8 @@ class ScopeTotals:
     responses_without_usage: int = 0
     # key -> (max_tokens, started_at); only kept on dataset scopes.
     inflight: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Keys of requests admitted under a lease (services.budget.leases bounds those, not a halt).
+    leased: set[str] = field(default_factory=set)
     # Offsets below which this scope already counted records (from its snapshot).
     floor: dict[str, int] = field(default_factory=dict)
     # Caps recorded in the last snapshot (to tell a raised cap at restart).
@@ -92,6 +97,39 @@ class ScopeTotals:
         return offset >= self.floor.get(position, 0)
 
 
+class Answer(Protocol):
+    """What an answer needs for its completion count: a response, or a provider's raw result."""
+
+    @property
+    def usage(self) -> Usage: ...
+    @property
+    def native_output_ids(self) -> list[int] | None: ...
+    @property
+    def logprobs(self) -> list[LogprobToken] | None: ...
+    @property
+    def reasoning(self) -> str: ...
+    @property
+    def content(self) -> str: ...
+    @property
+    def tool_calls(self) -> list[ToolCall]: ...
+
+
+def completion_tokens_of(answer: Answer) -> int:
+    """Completion tokens of an answer: reported usage, else native ids, logprob tokens, characters / 4.
+
+    The budget counts a response by it, and a worker its lease, so both agree on every answer.
+    """
+    if answer.usage.completion_tokens is not None:
+        return answer.usage.completion_tokens
+    if answer.native_output_ids is not None:
+        return len(answer.native_output_ids)
+    if answer.logprobs is not None:
+        return len(answer.logprobs)
+    chars = len(answer.reasoning) + len(answer.content)
+    chars += sum(len(c.function.name) + len(c.function.arguments) for c in answer.tool_calls)
+    return math.ceil(chars / CHARS_PER_TOKEN)
+
+
 def estimate_usage(response: ResponseReceived) -> tuple[int, int, int]:
     """Prompt, completion and reasoning tokens of a response, estimating what usage lacks.
 
@@ -100,16 +138,7 @@ def estimate_usage(response: ResponseReceived) -> tuple[int, int, int]:
     calls; missing prompt tokens from ``ceil(characters / 4)`` of the prompt's messages.
     """
     usage = response.usage
-    completion = usage.completion_tokens
-    if completion is None:
-        if response.native_output_ids is not None:
-            completion = len(response.native_output_ids)
-        elif response.logprobs is not None:
-            completion = len(response.logprobs)
-        else:
-            chars = len(response.reasoning) + len(response.content)
-            chars += sum(len(c.function.name) + len(c.function.arguments) for c in response.tool_calls)
-            completion = math.ceil(chars / CHARS_PER_TOKEN)
+    completion = completion_tokens_of(response)
     reasoning = usage.reasoning_tokens
     if reasoning is None:
         reasoning = min(completion, math.ceil(len(response.reasoning) / CHARS_PER_TOKEN))
@@ -262,11 +291,16 @@ class Ledger:
                 announced = dataset.inflight.get(key)
                 if scope is dataset and announced is not None and announced[1] == event.started_at:
                     del dataset.inflight[key]
+                    dataset.leased.discard(key)
                 continue
             scope.requests += 1
             if scope is dataset and (answered is None or event.attempt > answered):
                 started = event.started_at or now
                 dataset.inflight[key] = (event.max_tokens, started)
+                if event.lease_epoch:
+                    dataset.leased.add(key)
+                else:
+                    dataset.leased.discard(key)
         return self._halts(now)
 
     def on_request_failed(self, dataset: str, sample_id: str, position: str, offset: int) -> None:
@@ -274,6 +308,7 @@ class Ledger:
         self._advance(position, offset)
         scope = self.scopes.get(dataset)
         if scope is not None and scope.counts(position, offset):
+            scope.leased.discard(sample_key(dataset, sample_id))
             if scope.inflight.pop(sample_key(dataset, sample_id), None) is not None:
                 self._dirty.add(scope.scope)
 
@@ -316,6 +351,7 @@ class Ledger:
             self._dirty.add(scope.scope)
             if scope is dataset:
                 dataset.inflight.pop(key, None)
+                dataset.leased.discard(key)
                 counted = Counted(event.dataset, prompt, completion, reasoning, cost, estimated, priced)
         return counted, self._halts(now)
 
@@ -326,6 +362,7 @@ class Ledger:
             stale = [k for k, (_, t) in scope.inflight.items() if now - t > self.inflight_ttl_s]
             for k in stale:
                 del scope.inflight[k]
+                scope.leased.discard(k)
             if stale:
                 dropped += len(stale)
                 self._dirty.add(name)
@@ -344,12 +381,15 @@ class Ledger:
         """The current caps of a scope."""
         return self._caps_for(scope)
 
-    def inflight_tokens(self, scope: str) -> int:
-        """Worst-case completion tokens of the scope's unanswered requests."""
-        if scope == GLOBAL_SCOPE:
-            return sum(v for name, s in self.scopes.items() if name != GLOBAL_SCOPE for v, _ in s.inflight.values())
-        totals = self.scopes.get(scope)
-        return sum(v for v, _ in totals.inflight.values()) if totals else 0
+    def inflight_tokens(self, scope: str, *, unleased: bool = False) -> int:
+        """Worst case of the scope's unanswered requests (``unleased``: only those sent without a lease)."""
+        names = [n for n in self.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
+        total = 0
+        for name in names:
+            totals = self.scopes.get(name)
+            if totals is not None:
+                total += sum(v for k, (v, _) in totals.inflight.items() if not (unleased and k in totals.leased))
+        return total
 
     def over_cap(self, scope: str) -> str | None:
         """Why the scope must stop now (cap reached, or would be by in-flight worst case)."""
@@ -357,7 +397,8 @@ class Ledger:
         if totals is None:
             return None
         caps = self.caps(scope)
-        inflight = self.inflight_tokens(scope) if self.include_inflight else 0
+        # Requests sent under a lease wait for headroom instead (services.budget.leases).
+        inflight = self.inflight_tokens(scope, unleased=True) if self.include_inflight else 0
         label = "global" if scope == GLOBAL_SCOPE else f"dataset {scope}"
         if caps.completion_tokens is not None:
             spent = totals.completion_tokens
@@ -407,12 +448,16 @@ class Ledger:
             reason = self.over_cap(scope)
             if reason is None:
                 continue
-            halt = Halt(scope=scope, reason=reason, by=BUDGET_ACTOR, at=now)
-            self.control[scope] = halt
-            self._resume_candidates.discard(scope)
-            self._dirty.add(scope)
-            out.append(halt)
+            out.append(self.record_halt(scope, reason, now))
         return out
+
+    def record_halt(self, scope: str, reason: str, now: float) -> Halt:
+        """The budget's halt of a scope, recorded as standing here (to be published)."""
+        halt = Halt(scope=scope, reason=reason, by=BUDGET_ACTOR, at=now)
+        self.control[scope] = halt
+        self._resume_candidates.discard(scope)
+        self._dirty.add(scope)
+        return halt
 
     def _resumes(self, now: float) -> list[Resume]:
         out: list[Resume] = []

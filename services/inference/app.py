@@ -61,6 +61,7 @@ from services.inference.answers import Answerer
 from services.inference.calls import ProviderCall
 from services.inference.core import GROUP_ID, STAGE, dataset_of_topic
 from services.inference.guard import ProviderGuard
+from services.inference.headroom import Headroom
 from services.inference.store import ResponseStore
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class InferenceWorker:
         self.failure: BaseException | None = None
         self.guard: ProviderGuard | None = None
         self.answers: Answerer | None = None
+        self.headroom: Headroom | None = None  # leases of headroom under the caps
         self._producer: AIOKafkaProducer | None = None
         self._announcer: AIOKafkaProducer | None = None  # RequestStarted records only
         self._consumer: AIOKafkaConsumer | None = None
@@ -130,7 +132,11 @@ class InferenceWorker:
         with refused_as(kafka, "READ"):
             self.store = await open_store(settings, producer)
         self.guard.start_probe()
-        call = ProviderCall(settings, provider, announcer, self.halts, self.guard, self.worker_id)
+        with refused_as(kafka, "READ"):
+            self.headroom = Headroom(kafka, self.worker_id, self.halts, self.inflight, settings.provider.concurrency)
+            self.headroom.listeners.append(self.apply_pauses)
+            await self.headroom.start(producer)
+        call = ProviderCall(settings, provider, announcer, self.halts, self.guard, self.worker_id, self.headroom)
         self.answers = Answerer(settings, provider, producer, call, self.guard, self.store, repay=self.repay)
         if settings.inference.probe_first and self.store is not None:
             from services.probe.app import probe_first  # the probe pays through this worker's own parts
@@ -164,6 +170,8 @@ class InferenceWorker:
         """Cancel what is left and release the Kafka and HTTP clients."""
         self._stopping.set()
         await self.inflight.cancel()
+        if self.headroom is not None:
+            await self.headroom.close()
         await release(self._consumer)  # leave the group first: no rebalance runs on meanwhile
         if self.guard is not None:
             await self.guard.close()
@@ -214,7 +222,9 @@ class InferenceWorker:
         if consumer is None:
             return
         prefix = self._kafka.topic(PROMPTS_TOPIC_PREFIX)
-        halt = [tp for tp in consumer.assignment() if self.halts.is_halted(dataset_of_topic(tp.topic, prefix) or "")]
+        short = self.headroom.short() if self.headroom is not None else set()  # requests wait for room
+        halt = [tp for tp in consumer.assignment()
+                if self.halts.is_halted(ds := dataset_of_topic(tp.topic, prefix) or "") or ds in short]
         resume = [tp for tp in consumer.paused() if tp not in halt]
         if halt:
             consumer.pause(*halt)
@@ -271,7 +281,9 @@ class InFlight:
     def __init__(self) -> None:
         self._tasks: dict[asyncio.Task[None], TopicPartition] = {}  # each task's prompt partition
         self._holding: set[asyncio.Task[None]] = set()
+        self._yielded: set[asyncio.Task[None]] = set()  # waiting without a slot (see yield_slot)
         self._freed = asyncio.Event()
+        self._slot_event = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -302,11 +314,37 @@ class InFlight:
         if task in self._holding:
             self._holding.discard(task)
             self._freed.set()
+            self._slot_freed()
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
         self._holding.discard(task)
+        self._yielded.discard(task)
         self._freed.set()
+        self._slot_freed()
+
+    def yield_slot(self) -> None:
+        """The calling task waits (a halt, no headroom): its slot goes to another prompt meanwhile."""
+        task = asyncio.current_task()
+        if task in self._holding:
+            self._holding.discard(task)
+            self._yielded.add(task)  # type: ignore[arg-type]
+            self._freed.set()
+            self._slot_freed()
+
+    async def reclaim_slot(self, slots: int) -> None:
+        """Take the calling task's slot back before its request goes out (waits for a free one)."""
+        task = asyncio.current_task()
+        while task in self._yielded:
+            if len(self._holding) < slots:
+                self._yielded.discard(task)  # type: ignore[arg-type]
+                self._holding.add(task)  # type: ignore[arg-type]
+                return
+            await self._slot_event.wait()
+
+    def _slot_freed(self) -> None:
+        old, self._slot_event = self._slot_event, asyncio.Event()
+        old.set()
 
     async def hand_over(self, partitions: Iterable[TopicPartition], timeout_s: float,
                         held: Collection[asyncio.Task[Any]]) -> int:

@@ -24,6 +24,7 @@ import stamina
 from aiokafka import AIOKafkaProducer
 
 from schemas import REQUESTS_TOPIC, PromptPublished, RequestStarted, encode, sample_key
+from services.budget.core import completion_tokens_of
 from services.common.config import DatasetSettings, Settings
 from services.common.halts import HaltFollower, Stopped
 from services.common.metrics import INFLIGHT, REQUEST_LATENCY, REQUESTS, RETRIES
@@ -41,6 +42,7 @@ from services.inference.core import (
     request_started,
 )
 from services.inference.guard import ProviderGuard
+from services.inference.headroom import Headroom
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class ProviderCall:
         halts: HaltFollower,
         guard: ProviderGuard,
         worker_id: str,
+        headroom: Headroom | None = None,
     ) -> None:
         self._cfg = settings.provider
         self._provider = provider
@@ -77,6 +80,7 @@ class ProviderCall:
         self._halts = halts
         self._guard = guard
         self._worker_id = worker_id
+        self._headroom = headroom
         self._requests_topic = settings.kafka.topic(REQUESTS_TOPIC)
 
     async def pay(self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int) -> Paid | DeadLetter:
@@ -157,6 +161,7 @@ class ProviderCall:
                 t0 = time.monotonic()
                 outage_seq = outage.begin()
                 sent = True
+                result: ProviderResult | None = None
                 try:
                     result = await provider.complete(prompt, dataset, max_tokens=max_tokens, may_send=may_send)
                 except NotSent:
@@ -186,6 +191,7 @@ class ProviderCall:
                     throttle.release()  # cancelled: the request's place goes to the next
                     raise
                 finally:
+                    self._settle(started, result)
                     latency = time.monotonic() - t0
                     inflight.dec()
                     if sent:
@@ -217,13 +223,28 @@ class ProviderCall:
         A halt that arrives while the broker acknowledges is caught by ``may_send``, asked
         before the client is called: the attempt is withdrawn and goes back to the gate.
         """
-        await self._halts.gate(prompt.dataset)
+        key = sample_key(prompt.dataset, prompt.sample_id)
+        if self._headroom is None:
+            await self._halts.gate(prompt.dataset)
+            epoch = ""
+        else:  # the halt gate, then room under the caps (this worker's lease)
+            epoch = await self._headroom.admit(prompt.dataset, key, max_tokens)
         started = request_started(
             prompt, max_tokens=max_tokens, worker=self._worker_id, attempt=attempt, now=time.time()
         )
-        key = sample_key(prompt.dataset, prompt.sample_id).encode()
-        await (await self._producer.send(self._requests_topic, encode(started), key=key))
+        started.lease_epoch = epoch
+        try:
+            await (await self._producer.send(self._requests_topic, encode(started), key=key.encode()))
+        except BaseException:
+            self._settle(started, None)
+            raise
         return started
+
+    def _settle(self, started: RequestStarted, result: ProviderResult | None) -> None:
+        """Hand the lease what the request used: its answer's tokens, or nothing when unanswered."""
+        if self._headroom is not None:
+            used = None if result is None else completion_tokens_of(result)
+            self._headroom.settle(sample_key(started.dataset, started.sample_id), used)
 
     async def _withdraw(self, started: RequestStarted) -> None:
         """Tell the budget (and any reader of ``requests``) that an announced request was never sent."""

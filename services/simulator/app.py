@@ -199,6 +199,7 @@ class _Stats:
         self.key_faults: defaultdict[str, list[str]] = defaultdict(list)
         self.statuses: Counter[str] = Counter()
         self.open = 0  # requests received and not yet answered (or abandoned)
+        self.completion_tokens = 0  # usage.completion_tokens of every answer served whole (what was billed)
         self.peak_open = 0  # the most of those at once
         # Seconds during which more requests were open than the rate limit's max_open.
         self.over_cap = OverCap(cap=None)
@@ -236,6 +237,7 @@ class _Stats:
             "max_open_requests": self.over_cap.cap,
             "seconds_over_max_open": round(self.over_cap.over_s, 6),
             "rate_limited": self.rate_limited,
+            "completion_tokens": self.completion_tokens,
             "last_request_at": self.times[-1] if self.times else None,
             "last_request_times": self.times[-_RECENT:],
             "recent": list(self.recent),
@@ -488,6 +490,7 @@ class SimulatorServer:
         if transient == "drop":
             return await self._drop(request, body)
         self.stats.statuses["200"] += 1
+        self.stats.completion_tokens += generation.completion_tokens
         self._keep_truth(key, generation)
         return web.Response(status=200, body=body, content_type="application/json")
 

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from schemas import BudgetSnapshot, ConversationProgressed, Halt, topology
+from services.budget.leases import capped_summary
 from services.budget.quality import yield_text
 
 # Consumer groups of the stream stages and the logical topics they read (schemas.topology).
@@ -108,7 +109,7 @@ def budget_table(snapshot: StatusSnapshot) -> Table:
         updated = datetime.fromtimestamp(b.updated_at, tz=UTC).strftime("%H:%M:%SZ") if b.updated_at else "-"
         table.add_row(
             Text(b.scope),
-            Text(b.state, style=style),
+            Text(capped_summary(b) or b.state, style=style),
             _tokens(b.completion_tokens),
             _tokens(b.cap_completion_tokens),
             _money(b.cost_usd),

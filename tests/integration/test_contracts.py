@@ -78,6 +78,8 @@ async def test_every_event_type_round_trips_through_the_broker(settings_factory:
     for record, event in zip(records, events, strict=True):
         if isinstance(event, s.Halt | s.Resume):
             assert s.decode_control(record.value) == event
+        elif isinstance(event, s.LeaseEvent):
+            assert s.decode_lease(record.value) == event
         else:
             assert s.decode(record.value, type(event)) == event
 

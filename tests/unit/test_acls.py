@@ -47,6 +47,8 @@ def test_inference_and_budget_get_exactly_their_topics_and_group() -> None:
         ("TOPIC", "LITERAL", "p.control", "WRITE"),
         ("TOPIC", "LITERAL", "p.response-store", "READ"),
         ("TOPIC", "LITERAL", "p.response-store", "WRITE"),
+        ("TOPIC", "LITERAL", "p.leases", "READ"),
+        ("TOPIC", "LITERAL", "p.leases", "WRITE"),
         ("TOPIC", "LITERAL", "p.requests", "WRITE"),
         ("TOPIC", "LITERAL", "p.responses", "WRITE"),
         ("TOPIC", "LITERAL", "p.dead-letter", "WRITE"),
@@ -55,6 +57,7 @@ def test_inference_and_budget_get_exactly_their_topics_and_group() -> None:
     budget = rules("budget")
     assert ("TOPIC", "LITERAL", "responses", "READ") in budget
     assert ("TOPIC", "LITERAL", "control", "WRITE") in budget
+    assert ("TOPIC", "LITERAL", "leases", "WRITE") in budget
     assert ("TOPIC", "PREFIXED", "prompts.", "DESCRIBE") in budget
     assert not any(r[0] == "GROUP" for r in budget)  # it reads by manual assignment
 

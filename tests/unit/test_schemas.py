@@ -77,6 +77,10 @@ def all_events() -> list[msgspec.Struct]:
                 conversation_id="c1", turn=1, original=[s.Message(role="user", content="hi")]
             ),
         ),
+        s.LeasePolicy(epoch="e1", ttl_s=5.0),
+        s.LeaseRequested(worker="w1", dataset="math", epoch="e1", target=200, step=100),
+        s.LeaseGranted(worker="w1", dataset="math", epoch="e1", granted=200),
+        s.LeaseReleased(worker="w1", dataset="math", epoch="e1"),
     ]
 
 
@@ -86,6 +90,8 @@ def test_every_event_round_trips_and_carries_its_version(event: msgspec.Struct) 
     assert b'"schema_version":1' in data
     if isinstance(event, s.Halt | s.Resume):
         assert s.decode_control(data) == event
+    elif isinstance(event, s.LeaseEvent):
+        assert s.decode_lease(data) == event
     else:
         assert s.decode(data, type(event)) == event
 

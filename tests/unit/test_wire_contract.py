@@ -120,6 +120,8 @@ def decoder_accepts(case: Case) -> bool:
     try:
         if case.type_ == s.Halt | s.Resume:
             s.decode_control(case.data)
+        elif case.type_ == s.LeaseEvent:
+            s.decode_lease(case.data)
         else:
             s.decode(case.data, case.type_)
     except s.SchemaError:
@@ -155,7 +157,9 @@ def _with(doc: dict[str, Any], path: tuple[Any, ...], raw: bytes) -> bytes:
 
 
 def _event_type(event: msgspec.Struct) -> Any:
-    return s.Halt | s.Resume if isinstance(event, s.Halt | s.Resume) else type(event)
+    if isinstance(event, s.Halt | s.Resume):
+        return s.Halt | s.Resume
+    return s.LeaseEvent if isinstance(event, s.LeaseEvent) else type(event)
 
 
 def base_documents() -> list[tuple[str, Any, dict[str, Any]]]:

@@ -1,0 +1,303 @@
+"""A worker's leases of headroom under the caps (``leases``), and the wait for room before a request.
+
+The budget announces on ``leases`` whether requests need a lease (:class:`~schemas.LeasePolicy`,
+with its epoch). While they do, a request of a dataset goes out only when this worker's
+lease of that dataset is valid and has room for the request's worst case: what the worker
+consumed this epoch (worst case of its requests in flight, what its answered requests used)
+plus ``max_tokens`` stays within the tokens granted. Otherwise the request waits (in the
+halt gate's ``held`` set: it sent nothing), and the worker asks the budget for the
+shortfall. An answer landing below its worst case gives the difference back at once. The
+lease is renewed every third of its TTL; it is void here a little before the TTL runs out
+without a renewal, and when a new epoch is announced (a restarted budget). On a clean stop
+the worker releases its leases; a killed worker's expire at the budget.
+
+Without a policy on ``leases`` (no budget service running leases) nothing waits here.
+Written on aiokafka directly, like :class:`~services.common.halts.HaltFollower`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas import (
+    LEASES_TOPIC,
+    LeaseGranted,
+    LeasePolicy,
+    LeaseReleased,
+    LeaseRequested,
+    SchemaError,
+    decode_lease,
+    encode,
+    lease_key,
+)
+from services.common.config import KafkaSettings
+from services.common.halts import HaltFollower
+from services.common.kafka import make_consumer
+from services.common.service import release
+from services.common.topics import Record, read_compacted, ready_partitions
+
+log = logging.getLogger(__name__)
+
+ASK_EVERY_S = 0.25
+"""A worker waiting for headroom repeats its request this often (the budget may have freed some)."""
+ASK_MORE_EVERY_S = 0.05
+"""How soon a worker asks again when more of its requests wait than it last asked for."""
+
+
+@dataclass
+class _Grant:
+    granted: int
+    unlimited: bool
+    valid_until: float  # monotonic
+
+
+@dataclass(frozen=True)
+class _Reserved:
+    epoch: str
+    dataset: str
+    max_tokens: int
+
+
+class Slots(Protocol):
+    """The provider slots of the worker's requests: given up while a request waits, taken back to send."""
+
+    def yield_slot(self) -> None: ...
+    async def reclaim_slot(self, slots: int) -> None: ...
+
+
+class Headroom:
+    """This worker's leases, kept current from ``leases``; the wait every request passes."""
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        worker_id: str,
+        halts: HaltFollower,
+        slots: Slots | None = None,
+        concurrency: int = 1,
+    ) -> None:
+        self._kafka = kafka
+        self._slots = slots
+        self._concurrency = concurrency
+        self.listeners: list[Callable[[], None]] = []
+        """Called when the datasets short of headroom may have changed (the worker pauses them)."""
+        self._topic = kafka.topic(LEASES_TOPIC)
+        self.worker_id = worker_id
+        self._halts = halts
+        self.policy: LeasePolicy | None = None
+        self._grants: dict[str, _Grant] = {}
+        self.consumed: dict[str, int] = {}
+        self._reserved: dict[str, _Reserved] = {}
+        self._waiting: dict[str, list[int]] = {}  # dataset -> worst case of each waiting request
+        self._asked: dict[str, tuple[int, float]] = {}  # dataset -> (target, monotonic time)
+        self._changed = asyncio.Event()
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, producer: AIOKafkaProducer) -> None:
+        """Read the standing policy, then follow ``leases`` and renew the leases held."""
+        self._producer = producer
+        values, ends = await read_compacted(self._kafka, self._topic)
+        if b"policy" in values:
+            self._take_value(values[b"policy"])
+        consumer = self._consumer = make_consumer(self._kafka, group_id=None, fetch_max_wait_ms=50)
+        await consumer.start()
+        tps = [TopicPartition(self._topic, p) for p in await ready_partitions(self._kafka, self._topic)]
+        consumer.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, ends.get(tp.partition, 0))
+        self._tasks = [asyncio.create_task(self._follow()), asyncio.create_task(self._renew())]
+
+    @property
+    def in_force(self) -> bool:
+        """Whether requests need a lease now."""
+        return self.policy is not None and self.policy.in_force
+
+    def room(self, dataset: str) -> int | None:
+        """Tokens this worker may still commit for ``dataset``: None when unlimited or no lease is needed."""
+        if not self.in_force:
+            return None
+        grant = self._grants.get(dataset)
+        if grant is None or grant.valid_until <= time.monotonic():
+            return 0
+        if grant.unlimited:
+            return None
+        return max(0, grant.granted - self.consumed.get(dataset, 0))
+
+    async def admit(self, dataset: str, key: str, max_tokens: int) -> str:
+        """Pass the halt gate and wait for room for ``max_tokens``; the lease epoch ("" when none is needed).
+
+        Raises :class:`~services.common.halts.Stopped` when the worker stops meanwhile.
+        """
+        task = asyncio.current_task()
+        while True:
+            if self._halts.is_halted(dataset):
+                self._yield_slot()  # a halted prompt does not keep another dataset's request waiting
+            await self._halts.gate(dataset)
+            room = self.room(dataset)
+            if room is None or room >= max_tokens:
+                epoch = self._reserve(dataset, key, max_tokens)
+                if self._slots is not None:
+                    try:
+                        await self._slots.reclaim_slot(self._concurrency)
+                    except BaseException:
+                        self.settle(key, None)
+                        raise
+                return epoch
+            self._yield_slot()
+            waiting = self._waiting.setdefault(dataset, [])
+            waiting.append(max_tokens)
+            if len(waiting) == 1:
+                self._notify()
+            if task is not None:
+                self._halts.held.add(task)
+            try:
+                await self._ask(dataset, max_tokens)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), ASK_EVERY_S)
+            finally:
+                waiting.remove(max_tokens)
+                if task is not None:
+                    self._halts.held.discard(task)
+                if not waiting:
+                    self._notify()
+
+    def short(self) -> set[str]:
+        """Datasets with a request waiting for headroom (no more of their prompts should be fetched)."""
+        return {dataset for dataset, waiting in self._waiting.items() if waiting}
+
+    def _yield_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.yield_slot()
+
+    def _notify(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+    def _reserve(self, dataset: str, key: str, max_tokens: int) -> str:
+        if not self.in_force or self.policy is None:
+            return ""
+        epoch = self.policy.epoch
+        self.settle(key, None)  # a previous attempt of this prompt, if any
+        self._reserved[key] = _Reserved(epoch, dataset, max_tokens)
+        self.consumed[dataset] = self.consumed.get(dataset, 0) + max_tokens
+        return epoch
+
+    def settle(self, key: str, used: int | None) -> None:
+        """The request of ``key`` was answered (``used`` tokens) or never billed (None): room comes back."""
+        held = self._reserved.pop(key, None)
+        if held is None or self.policy is None or held.epoch != self.policy.epoch:
+            return
+        self.consumed[held.dataset] = self.consumed.get(held.dataset, 0) + (used or 0) - held.max_tokens
+        self._wake()
+
+    async def _ask(self, dataset: str, step: int) -> None:
+        """Ask the budget for room for every waiting request (not more often than :data:`ASK_EVERY_S`)."""
+        target = self.consumed.get(dataset, 0) + sum(self._waiting.get(dataset, ()))
+        last = self._asked.get(dataset)
+        now = time.monotonic()
+        if last is not None and now - last[1] < (ASK_MORE_EVERY_S if target > last[0] else ASK_EVERY_S):
+            return  # thousands of requests starting to wait at once make one ask, not thousands
+        self._asked[dataset] = (target, now)
+        await self._send_request(dataset, target, step)
+
+    async def _send_request(self, dataset: str, target: int, step: int) -> None:
+        if self.policy is None:
+            return
+        event = LeaseRequested(
+            worker=self.worker_id, dataset=dataset, epoch=self.policy.epoch, target=target, step=step, at=time.time()
+        )
+        await self._send(event)
+
+    async def _send(self, event: LeaseRequested | LeaseReleased) -> None:
+        if self._producer is None:
+            raise RuntimeError("start() the headroom first")
+        await (await self._producer.send(self._topic, encode(event), key=lease_key(event).encode()))
+
+    async def _renew(self) -> None:
+        """Renew every lease held (or wanted) a few times per TTL."""
+        while True:
+            ttl = self.policy.ttl_s if self.policy is not None else 10.0
+            await asyncio.sleep(max(0.05, ttl / 3))
+            if not self.in_force:
+                continue
+            for dataset in sorted(set(self._grants) | set(self._asked)):
+                target = self.consumed.get(dataset, 0) + sum(self._waiting.get(dataset, ()))
+                step = max(self._waiting.get(dataset) or [0])
+                try:
+                    await self._send_request(dataset, target, step)
+                except Exception:  # noqa: BLE001 - the next renewal tries again; the lease lapses meanwhile
+                    log.warning("could not renew the lease of %s", dataset, exc_info=True)
+
+    async def _follow(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None  # noqa: S101 - set in start()
+        while True:
+            try:
+                batches = await consumer.getmany(timeout_ms=200)
+            except Exception:  # noqa: BLE001 - without grants the worker only waits; keep trying
+                log.exception("lease follower failed; retrying")
+                await asyncio.sleep(1.0)
+                continue
+            for records in batches.values():
+                for record in records:
+                    self._take(record)
+
+    def _take(self, record: Record) -> None:
+        self._take_value(record.value)
+
+    def _take_value(self, value: bytes | None) -> None:
+        try:
+            event = decode_lease(value)
+        except SchemaError as exc:
+            log.warning("ignoring a lease record: %s (%s)", exc.reason, exc.message)
+            return
+        if isinstance(event, LeasePolicy):
+            if self.policy is None or event.epoch != self.policy.epoch:
+                log.info("lease epoch %s (%s)", event.epoch, "in force" if event.in_force else "not in force")
+                self._grants.clear()
+                self.consumed.clear()
+                self._asked.clear()
+            self.policy = event
+        elif isinstance(event, LeaseGranted):
+            if event.worker != self.worker_id or self.policy is None or event.epoch != self.policy.epoch:
+                return
+            # Valid a little less than its TTL from when it was granted (the budget's clock) and
+            # from when it arrived, whichever ends first: a stalled worker does not outlive it.
+            margin = min(1.0, event.ttl_s / 10)
+            left = min(event.ttl_s, event.at + event.ttl_s - time.time()) - margin
+            self._grants[event.dataset] = _Grant(event.granted, event.unlimited, time.monotonic() + left)
+        else:
+            return
+        self._wake()
+
+    def _wake(self) -> None:
+        old, self._changed = self._changed, asyncio.Event()
+        old.set()
+
+    async def close(self) -> None:
+        """Release the leases held (the unused part goes back to the budget), stop following."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self.in_force and self.policy is not None and self._producer is not None:
+            for dataset in sorted(self._grants):
+                event = LeaseReleased(worker=self.worker_id, dataset=dataset, epoch=self.policy.epoch, at=time.time())
+                try:
+                    await self._send(event)
+                except Exception:  # noqa: BLE001 - it expires at the budget instead
+                    log.warning("could not release the lease of %s: it expires instead", dataset, exc_info=True)
+        await release(self._consumer)
+        self._consumer = None
