@@ -30,6 +30,7 @@ __all__ = [
     "PROMPTS_TOPIC_PREFIX",
     "REQUESTS_TOPIC",
     "RESPONSES_TOPIC",
+    "RESPONSE_INDEX_TOPIC",
     "RESPONSE_STORE_TOPIC",
     "SAMPLES_TOPIC",
     "SCHEMA_VERSION",
@@ -43,16 +44,20 @@ __all__ = [
     "PromptPublished",
     "ReplayRecorded",
     "RequestStarted",
+    "ResponseIndexed",
     "ResponseReceived",
     "Resume",
     "SampleAudited",
     "SampleReconstructed",
     "SchemaError",
+    "StoreCheckpointed",
+    "StoreIndexEvent",
     "ToolCall",
     "ToolFunction",
     "Usage",
     "decode",
     "decode_control",
+    "decode_store_index",
     "encode",
     "encode_forwarding",
     "sample_key",
@@ -73,6 +78,7 @@ DEAD_LETTER_TOPIC: Final = _topology.DEAD_LETTER
 CONTROL_TOPIC: Final = _topology.CONTROL
 BUDGET_STATE_TOPIC: Final = _topology.BUDGET_STATE
 RESPONSE_STORE_TOPIC: Final = _topology.RESPONSE_STORE
+RESPONSE_INDEX_TOPIC: Final = _topology.RESPONSE_INDEX
 GLOBAL_SCOPE: Final = "global"
 
 # Bounds that make absurd numbers a decode error instead of a silent corruption.
@@ -337,6 +343,34 @@ class ReplayRecorded(Struct, kw_only=True):
     schema_version: Version = SCHEMA_VERSION
 
 
+Offset = Annotated[int, Meta(ge=0)]
+
+
+class ResponseIndexed(Struct, kw_only=True, tag="indexed", tag_field="kind"):
+    """A paid response sits on ``response-store`` at this partition and offset (on ``response-index``).
+
+    Keyed like the store record; a tombstone there is a tombstone here.
+    """
+
+    partition: Offset
+    offset: Offset
+    schema_version: Version = SCHEMA_VERSION
+
+
+class StoreCheckpointed(Struct, kw_only=True, tag="checkpoint", tag_field="kind"):
+    """Every ``response-store`` record of ``partition`` below ``next_offset`` is on ``response-index``.
+
+    Keyed ``#<partition>``: a worker starting reads the index, then the store only from here.
+    """
+
+    partition: Offset
+    next_offset: Offset
+    schema_version: Version = SCHEMA_VERSION
+
+
+StoreIndexEvent = ResponseIndexed | StoreCheckpointed
+
+
 class DeadLetterHeaders:
     """Header names on ``dead-letter`` records, in the style of Kafka Connect's DLQ."""
 
@@ -382,6 +416,7 @@ _EVENTS: Final[tuple[Any, ...]] = (
     SampleAudited,
     BudgetSnapshot,
     Halt | Resume,
+    ResponseIndexed | StoreCheckpointed,
 )
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {t: msgspec.json.Decoder(t) for t in _EVENTS}
 _type_infos: dict[Any, msgspec.inspect.Type] = {t: msgspec.inspect.type_info(t) for t in _EVENTS}
@@ -573,6 +608,14 @@ def decode_control(data: bytes | None) -> Halt | Resume:
         if exc.reason == "invalid_field" and "Invalid value" in exc.message and "action" in exc.message:
             raise SchemaError("unknown_action", exc.message) from None
         raise
+    return obj
+
+
+def decode_store_index(data: bytes | None) -> ResponseIndexed | StoreCheckpointed:
+    """Decode a ``response-index`` record; raises :class:`SchemaError` for anything else."""
+    if data is None or not data.strip():
+        raise SchemaError("empty_record", "response-index record has no value")
+    obj: ResponseIndexed | StoreCheckpointed = _decode_wire(data, ResponseIndexed | StoreCheckpointed)
     return obj
 
 

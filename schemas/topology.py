@@ -73,6 +73,7 @@ CONTROL: Final = "control"
 BUDGET_STATE: Final = "budget-state"
 RESPONSE_STORE: Final = "response-store"
 DLQ_REPLAYED: Final = "dlq-replayed"
+RESPONSE_INDEX: Final = "response-index"
 
 PROMPTS_PREFIX: Final = PROMPTS.removesuffix("*")
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
@@ -157,6 +158,15 @@ _topics = (
         "The replay ledger: dead letters already re-sent, so a second replay sends nothing twice.",
         partitions=1,
     ),
+    # Issue 27: a worker's start-up reads this (tens of bytes per paid response), not the store's values.
+    Topic(
+        RESPONSE_INDEX,
+        ("ResponseIndexed", "StoreCheckpointed"),
+        "the response-store key, or '#<partition>' for a checkpoint of the store's partition",
+        True,
+        "Where each paid response sits on response-store (partition, offset), and per store partition "
+        "the offset below which every record is indexed: what an inference worker reads at start.",
+    ),
 )
 TOPICS: Final[Mapping[str, Topic]] = MappingProxyType({t.name: t for t in _topics})
 
@@ -195,8 +205,8 @@ _roles = (
     Role(
         "inference",
         INFERENCE_GROUP,
-        reads=(PROMPTS, CONTROL, RESPONSE_STORE),
-        writes=(REQUESTS, RESPONSES, DEAD_LETTER, RESPONSE_STORE, CONTROL),
+        reads=(PROMPTS, CONTROL, RESPONSE_STORE, RESPONSE_INDEX),
+        writes=(REQUESTS, RESPONSES, DEAD_LETTER, RESPONSE_STORE, CONTROL, RESPONSE_INDEX),
         description="Calls the provider per prompt; pauses on halts; halts all on an outage or a failed pre-flight.",
         creates=_ALL_CREATED,
     ),
@@ -313,7 +323,7 @@ def fixed_topics() -> tuple[str, ...]:
 def group_inputs() -> dict[str, tuple[str, ...]]:
     """Logical consumer group to the topics it consumes as a group (the stages' inputs).
 
-    A role's other reads (inference's ``control`` and ``response-store``) are group-less.
+    A role's other reads (inference's ``control``, ``response-store`` and ``response-index``) are group-less.
     """
     return {GROUPS[stage]: (topic,) for stage, topic in STAGE_INPUT.items()}
 
@@ -344,6 +354,7 @@ __all__ = [
     "REPAY_HEADER",
     "REQUESTS",
     "RESPONSES",
+    "RESPONSE_INDEX",
     "RESPONSE_STORE",
     "ROLES",
     "SAMPLES",

@@ -130,6 +130,9 @@ class InferenceSettings(BaseModel):
     reuse_responses: bool = True
     # How long a worker may take to read the response store to its end at start.
     store_load_timeout_s: float = Field(default=300.0, gt=0)
+    # Read the small ``response-index`` topic at start and the store only past its checkpoints
+    # (False: read every stored value at each start, as before issue 27; for measuring).
+    store_index: bool = True
 
 
 class AuditThresholds(BaseModel):

@@ -65,6 +65,8 @@ def all_events() -> list[msgspec.Struct]:
         s.Halt(scope="global", reason="cap", by="budget"),
         s.Resume(scope="math", by="alice"),
         s.BudgetSnapshot(scope="math", completion_tokens=5, offsets={"responses:0": 3}),
+        s.ResponseIndexed(partition=2, offset=41),
+        s.StoreCheckpointed(partition=2, next_offset=42),
     ]
 
 
@@ -74,6 +76,8 @@ def test_every_event_round_trips_and_carries_its_version(event: msgspec.Struct) 
     assert b'"schema_version":1' in data
     if isinstance(event, s.Halt | s.Resume):
         assert s.decode_control(data) == event
+    elif isinstance(event, s.ResponseIndexed | s.StoreCheckpointed):
+        assert s.decode_store_index(data) == event
     else:
         assert s.decode(data, type(event)) == event
 

@@ -155,7 +155,11 @@ def _with(doc: dict[str, Any], path: tuple[Any, ...], raw: bytes) -> bytes:
 
 
 def _event_type(event: msgspec.Struct) -> Any:
-    return s.Halt | s.Resume if isinstance(event, s.Halt | s.Resume) else type(event)
+    if isinstance(event, s.Halt | s.Resume):
+        return s.Halt | s.Resume
+    if isinstance(event, s.ResponseIndexed | s.StoreCheckpointed):
+        return s.ResponseIndexed | s.StoreCheckpointed
+    return type(event)
 
 
 def base_documents() -> list[tuple[str, Any, dict[str, Any]]]:
