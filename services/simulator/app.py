@@ -118,6 +118,8 @@ class SimulatorOptions:
     provider_name: str = "SimProvider"
     parser: str = "vllm"
     chat_template_file: str | None = None
+    answer_tokens: tuple[int, int] | None = None  # log-uniform answer length (see GenerationParams)
+    reasoning_share: tuple[float, float] = (0.80, 0.95)
 
     def __post_init__(self) -> None:
         if self.parser not in PARSERS:
@@ -149,6 +151,8 @@ class SimulatorOptions:
             price_per_token=self.price_per_token,
             prompt_price_per_token=self.prompt_price_per_token,
             parser=self.parser,
+            answer_tokens=self.answer_tokens,
+            reasoning_share=self.reasoning_share,
         )
 
 
