@@ -270,6 +270,7 @@ def simulator_proc(
     jitter: float = 0.0,
     reasoning: str = "40-200",
     content: str = "20-120",
+    extra: Sequence[str] = (),
 ) -> Proc:
     """The provider simulator in its own process (so it never shares a worker's event loop)."""
     return Proc(
@@ -291,6 +292,7 @@ def simulator_proc(
             reasoning,
             "--content-tokens",
             content,
+            *extra,
         ],
         log_dir,
     )
