@@ -319,6 +319,52 @@ async def run_size(total: int, seed: int) -> dict[str, Any]:
     return figures
 
 
+async def index_load(n: int) -> str:
+    """The index load alone with ``n`` paid responses on ``response-index`` (written here, tiny records).
+
+    The three sizes are too small to show the index's own cost; this is its law's constant.
+    """
+    import hashlib
+    import resource
+
+    from schemas import ResponseIndexed, StoreCheckpointed, encode
+    from services.common.config import load_settings
+    from services.common.kafka import ensure_topics, make_producer
+    from services.inference.store_index import StoreIndex, checkpoint_key
+
+    prefix = unique_prefix("index")
+    settings = load_settings(None, kafka={"bootstrap_servers": BOOTSTRAP, "topic_prefix": prefix})
+    await ensure_topics(settings.kafka, [])
+    topic = settings.kafka.topic("response-index")
+    producer = make_producer(settings.kafka)
+    await producer.start()
+    try:
+        acks = []
+        for i in range(n):
+            key = f"agent:sample-{i:08d}|{hashlib.sha256(str(i).encode()).hexdigest()}".encode()
+            acks.append(await producer.send(topic, encode(ResponseIndexed(partition=i % 3, offset=i // 3)), key=key))
+            if len(acks) >= 5000:
+                await asyncio.gather(*acks)
+                acks.clear()
+        for p in range(3):
+            mark = encode(StoreCheckpointed(partition=p, next_offset=n // 3))
+            acks.append(await producer.send(topic, mark, key=checkpoint_key(p).encode()))
+        await asyncio.gather(*acks)
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t0, cpu0 = time.monotonic(), time.process_time()
+        loaded = await StoreIndex(settings.kafka, producer, topic).load([0, 1, 2], 600.0)
+        seconds, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+        disk = (await disk_per_topic(prefix)).get("response-index", 0) / 1e6
+    finally:
+        await producer.stop()
+        await delete_topics(prefix)
+    return (
+        f"index load with {len(loaded.entries):,} paid responses: {seconds:.2f} s wall, {cpu:.2f} s CPU, "
+        f"peak RSS +{rss:.0f} MiB, {disk:.0f} MB on the broker"
+    )
+
+
 # ----------------------------------------------------------------- the report
 def law(small: float, large: float, ratio: float) -> str:
     """The growth law between two sizes ``ratio`` apart, from the log-log slope."""
@@ -380,6 +426,9 @@ async def measure(quick: bool) -> list[Result]:
         print(json.dumps(figures, indent=1), flush=True)
         all_figures.append(figures)
     print(report(all_figures), flush=True)
+    entries = 2000 if quick else int(os.environ.get("BENCH_SCALE_INDEX", "500000"))
+    if entries:
+        print(await index_load(entries), flush=True)
     full = all_figures[0]
     ratio = full["pipeline_prompts_s"] / full["reference_prompts_s"]
     startup = full["startup_s"]
