@@ -21,11 +21,13 @@ of the budget service and of ``status``. Then each figure's growth law over the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from bench.common import (
     workdir,
     write_config,
 )
+from schemas import DEAD_LETTER_TOPIC, RESPONSE_INDEX_TOPIC
 
 # name, weight (share of the prompts), offers tools, capped
 DATASETS = (
@@ -300,7 +303,7 @@ async def run_size(total: int, seed: int) -> dict[str, Any]:
         figures["halted"] = sorted(halted)
         figures["answered"] = len(answered)
         figures["held_by_halt"] = sum(counts.values()) - len(answered)
-        figures["accepted"] = len(answered & acct.accepted)
+        figures["rows"] = len(answered & acct.accepted)
         tokens = snapshots["global"].completion_tokens if "global" in snapshots else 0
         figures["pipeline_prompts_s"] = len(answered) / seconds
         figures["pipeline_tokens_s"] = tokens / seconds
@@ -319,6 +322,35 @@ async def run_size(total: int, seed: int) -> dict[str, Any]:
     return figures
 
 
+@contextlib.asynccontextmanager
+async def scratch(name: str) -> AsyncIterator[tuple[Any, Any, str]]:
+    """(settings, started producer, prefix) on fresh topics, deleted afterwards."""
+    from services.common.config import load_settings
+    from services.common.kafka import ensure_topics, make_producer
+
+    prefix = unique_prefix(name)
+    settings = load_settings(None, kafka={"bootstrap_servers": BOOTSTRAP, "topic_prefix": prefix})
+    await ensure_topics(settings.kafka, [])
+    producer = make_producer(settings.kafka)
+    await producer.start()
+    try:
+        yield settings, producer, prefix
+    finally:
+        await producer.stop()
+        await delete_topics(prefix)
+
+
+async def send_all(producer: Any, topic: str, records: Iterator[tuple[bytes, bytes, list[tuple[str, bytes]]]]) -> None:
+    """Send (key, value, headers) records, 500 acknowledgements at a time."""
+    acks = []
+    for key, value, headers in records:
+        acks.append(await producer.send(topic, value, key=key, headers=headers))
+        if len(acks) >= 500:
+            await asyncio.gather(*acks)
+            acks.clear()
+    await asyncio.gather(*acks)
+
+
 async def index_load(n: int) -> str:
     """The index load alone with ``n`` paid responses on ``response-index`` (written here, tiny records).
 
@@ -328,41 +360,52 @@ async def index_load(n: int) -> str:
     import resource
 
     from schemas import ResponseIndexed, StoreCheckpointed, encode
-    from services.common.config import load_settings
-    from services.common.kafka import ensure_topics, make_producer
     from services.inference.store_index import StoreIndex, checkpoint_key
 
-    prefix = unique_prefix("index")
-    settings = load_settings(None, kafka={"bootstrap_servers": BOOTSTRAP, "topic_prefix": prefix})
-    await ensure_topics(settings.kafka, [])
-    topic = settings.kafka.topic("response-index")
-    producer = make_producer(settings.kafka)
-    await producer.start()
-    try:
-        acks = []
+    def records() -> Iterator[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
         for i in range(n):
             key = f"agent:sample-{i:08d}|{hashlib.sha256(str(i).encode()).hexdigest()}".encode()
-            acks.append(await producer.send(topic, encode(ResponseIndexed(partition=i % 3, offset=i // 3)), key=key))
-            if len(acks) >= 5000:
-                await asyncio.gather(*acks)
-                acks.clear()
+            yield key, encode(ResponseIndexed(partition=i % 3, offset=i // 3)), []
         for p in range(3):
-            mark = encode(StoreCheckpointed(partition=p, next_offset=n // 3))
-            acks.append(await producer.send(topic, mark, key=checkpoint_key(p).encode()))
-        await asyncio.gather(*acks)
+            yield checkpoint_key(p).encode(), encode(StoreCheckpointed(partition=p, next_offset=n // 3)), []
+
+    async with scratch("index") as (settings, producer, prefix):
+        topic = settings.kafka.topic(RESPONSE_INDEX_TOPIC)
+        await send_all(producer, topic, records())
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0, cpu0 = time.monotonic(), time.process_time()
         loaded = await StoreIndex(settings.kafka, producer, topic).load([0, 1, 2], 600.0)
         seconds, cpu = time.monotonic() - t0, time.process_time() - cpu0
         rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-        disk = (await disk_per_topic(prefix)).get("response-index", 0) / 1e6
-    finally:
-        await producer.stop()
-        await delete_topics(prefix)
+        disk = (await disk_per_topic(prefix)).get(RESPONSE_INDEX_TOPIC, 0) / 1e6
     return (
         f"index load with {len(loaded.entries):,} paid responses: {seconds:.2f} s wall, {cpu:.2f} s CPU, "
         f"peak RSS +{rss:.0f} MiB, {disk:.0f} MB on the broker"
     )
+
+
+async def status_with_dead_letters(n: int) -> str:
+    """``status`` (which reads the whole ``dead-letter`` topic) with 0 and ``n`` dead letters of 35 KB."""
+    from services.status.app import collect
+
+    rng = random.Random(1)  # noqa: S311 - benchmark data
+    words = [f"w{i}" for i in range(5000)]
+    headers = [("draftstream.errors.stage", b"audit"), ("draftstream.errors.reason", b"usage_matches")]
+
+    def records() -> Iterator[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
+        for i in range(n):  # an answer's size, text that compresses like text
+            yield f"d:{i}".encode(), " ".join(rng.choice(words) for _ in range(6000)).encode()[:35_000], headers
+
+    async with scratch("status") as (settings, producer, _):
+        t0 = time.monotonic()
+        await collect(settings)
+        empty = time.monotonic() - t0
+        await send_all(producer, settings.kafka.topic(DEAD_LETTER_TOPIC), records())
+        t0 = time.monotonic()
+        snapshot = await collect(settings)
+        full = time.monotonic() - t0
+    count = sum(snapshot.dead_letters.values())
+    return f"status with 0 dead letters {empty:.2f} s; with {count:,} of 35 KB {full:.2f} s"
 
 
 # ----------------------------------------------------------------- the report
@@ -409,7 +452,7 @@ def report(all_figures: list[dict[str, Any]]) -> str:
         growth = law(values[-1], values[0], ratio) if "ratio" not in name and "/s" not in name else "-"
         lines.append(f"| {name} | " + " | ".join(f"{v:,.2f}" for v in values) + f" | {growth} |")
     extra = [
-        f"{f['size']:,}: cap {f['cap']:,} tokens; answered {f['answered']:,} ({f['accepted']:,} accepted), "
+        f"{f['size']:,}: cap {f['cap']:,} tokens; answered {f['answered']:,} ({f['rows']:,} accepted), "
         f"held by the caps' halts "
         f"{f['held_by_halt']:,}, halted {', '.join(f['halted']) or 'none'}, in-flight bound {f['inflight_bound']:,}"
         for f in all_figures
@@ -429,6 +472,9 @@ async def measure(quick: bool) -> list[Result]:
     entries = 2000 if quick else int(os.environ.get("BENCH_SCALE_INDEX", "500000"))
     if entries:
         print(await index_load(entries), flush=True)
+    dead = 50 if quick else int(os.environ.get("BENCH_SCALE_DEAD_LETTERS", "20000"))
+    if dead:
+        print(await status_with_dead_letters(dead), flush=True)
     full = all_figures[0]
     ratio = full["pipeline_prompts_s"] / full["reference_prompts_s"]
     startup = full["startup_s"]

@@ -10,7 +10,8 @@ index, then the store only from each checkpoint on (the tail); values are fetche
 offset when a request is seen again, as before.
 
 The index records are written by each worker's store follower, which reads every store
-partition in order: a checkpoint is sent only after the index records of everything below
+partition in order (so N workers write each record N times, tens of bytes each; compaction
+keeps one): a checkpoint is sent only after the index records of everything below
 it are acknowledged, so whichever worker's checkpoint compaction keeps, it is true. Any
 worker may lag or die between the two: the next start then reads a longer tail, never a
 shorter one. A store without an index (written before issue 27) is read whole once and
