@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-unit engines conformance lint bench bench-quick chaos kafka-up kafka-down schemas clean
+.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-unit engines conformance lint bench bench-quick bench-scale chaos kafka-up kafka-down schemas clean
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -61,6 +61,9 @@ bench: setup ## All benchmarks at full size against a broker started here (unles
 
 bench-quick: setup ## Benchmarks at tiny sizes, same broker handling (part of make test)
 	@bash deploy/run-bench.sh --quick
+
+bench-scale: setup ## The seeds' shape at BENCH_SCALE_PROMPTS (default 16,000), half and a quarter; not part of make test
+	@BENCH_ENTRY=bench.bench_scale bash deploy/run-bench.sh
 
 chaos: setup ## The longer crash soak
 	$(PY) -m pytest tests/e2e -m chaos -q

@@ -63,8 +63,9 @@ _ID = re.compile(rb'"id":\s*"([^"]+)"')
 class Accounting:
     """Keys accounted for: ids in the sink's JSONL files (tailed) and keys on dead-letter."""
 
-    def __init__(self, out_dir: Path, settings: Any) -> None:
+    def __init__(self, out_dir: Path, settings: Any, datasets: str = DATASET) -> None:
         self.out_dir = out_dir
+        self.datasets = datasets  # a glob of the sink's dataset folders
         self.settings = settings
         self.accepted: set[str] = set()
         self.dead: set[str] = set()
@@ -105,7 +106,7 @@ class Accounting:
 
     def scan(self) -> None:
         """Read what the sink appended since the last scan (whole lines only)."""
-        for path in sorted(self.out_dir.glob(f"{DATASET}/part-*.jsonl")):
+        for path in sorted(self.out_dir.glob(f"{self.datasets}/part-*.jsonl")):
             start = self._offsets.get(path, 0)
             with path.open("rb") as f:
                 f.seek(start)
@@ -148,8 +149,13 @@ async def pipeline_round(
     return seconds, accepted, dead
 
 
-async def reference_round(settings: Any, base_url: str, texts: list[str], tag: str) -> tuple[float, int, int]:
-    """The no-Kafka script: calls, reconstruct + audit in batches, JSONL rows in memory."""
+async def reference_round(
+    settings: Any, base_url: str, texts: list[str], tag: str, systems: list[str] | None = None
+) -> tuple[float, int, int]:
+    """The no-Kafka script: calls, reconstruct + audit in batches, JSONL rows in memory.
+
+    ``systems``: a system prompt per text ("" for none), for prompts that offer tools there.
+    """
     import msgspec
 
     from schemas import Message, PromptPublished
@@ -183,7 +189,9 @@ async def reference_round(settings: Any, base_url: str, texts: list[str], tag: s
                 counts["rejected"] += 1
 
     async def one(client: httpx.AsyncClient, i: int, text: str) -> None:
-        prompt = PromptPublished(dataset=DATASET, sample_id=f"{tag}-{i}", messages=[Message(role="user", content=text)])
+        system = [Message(role="system", content=systems[i])] if systems and systems[i] else []
+        messages = [*system, Message(role="user", content=text)]
+        prompt = PromptPublished(dataset=DATASET, sample_id=f"{tag}-{i}", messages=messages)
         body = chat_request_body(
             prompt,
             dataset,

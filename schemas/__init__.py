@@ -32,6 +32,7 @@ __all__ = [
     "PROMPTS_TOPIC_PREFIX",
     "REQUESTS_TOPIC",
     "RESPONSES_TOPIC",
+    "RESPONSE_INDEX_TOPIC",
     "RESPONSE_STORE_TOPIC",
     "SAMPLES_TOPIC",
     "SCHEMA_VERSION",
@@ -52,11 +53,14 @@ __all__ = [
     "PromptPublished",
     "ReplayRecorded",
     "RequestStarted",
+    "ResponseIndexed",
     "ResponseReceived",
     "Resume",
     "SampleAudited",
     "SampleReconstructed",
     "SchemaError",
+    "StoreCheckpointed",
+    "StoreIndexEvent",
     "ToolCall",
     "ToolFunction",
     "Usage",
@@ -65,6 +69,7 @@ __all__ = [
     "decode_control",
     "decode_lease",
     "lease_key",
+    "decode_store_index",
     "encode",
     "encode_forwarding",
     "sample_key",
@@ -88,6 +93,7 @@ RESPONSE_STORE_TOPIC: Final = _topology.RESPONSE_STORE
 # Multi-turn regeneration (issue 26).
 CONVERSATIONS_TOPIC: Final = _topology.CONVERSATIONS
 LEASES_TOPIC: Final = _topology.LEASES
+RESPONSE_INDEX_TOPIC: Final = _topology.RESPONSE_INDEX
 GLOBAL_SCOPE: Final = "global"
 
 # Bounds that make absurd numbers a decode error instead of a silent corruption.
@@ -478,6 +484,34 @@ class ConversationProgressed(Struct, kw_only=True):
     schema_version: Version = SCHEMA_VERSION
 
 
+Offset = Annotated[int, Meta(ge=0)]
+
+
+class ResponseIndexed(Struct, kw_only=True, tag="indexed", tag_field="kind"):
+    """A paid response sits on ``response-store`` at this partition and offset (on ``response-index``).
+
+    Keyed like the store record; a tombstone there is a tombstone here.
+    """
+
+    partition: Offset
+    offset: Offset
+    schema_version: Version = SCHEMA_VERSION
+
+
+class StoreCheckpointed(Struct, kw_only=True, tag="checkpoint", tag_field="kind"):
+    """Every ``response-store`` record of ``partition`` below ``next_offset`` is on ``response-index``.
+
+    Keyed ``#<partition>``: a worker starting reads the index, then the store only from here.
+    """
+
+    partition: Offset
+    next_offset: Offset
+    schema_version: Version = SCHEMA_VERSION
+
+
+StoreIndexEvent = ResponseIndexed | StoreCheckpointed
+
+
 class DeadLetterHeaders:
     """Header names on ``dead-letter`` records, in the style of Kafka Connect's DLQ."""
 
@@ -525,6 +559,7 @@ _EVENTS: Final[tuple[Any, ...]] = (
     Halt | Resume,
     ConversationProgressed,
     LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased,
+    ResponseIndexed | StoreCheckpointed,
 )
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {t: msgspec.json.Decoder(t) for t in _EVENTS}
 _type_infos: dict[Any, msgspec.inspect.Type] = {t: msgspec.inspect.type_info(t) for t in _EVENTS}
@@ -733,6 +768,14 @@ def lease_key(event: LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased
         return "policy"
     action = type(event).__struct_config__.tag
     return f"{action}|{event.worker}|{event.dataset}"
+
+
+def decode_store_index(data: bytes | None) -> ResponseIndexed | StoreCheckpointed:
+    """Decode a ``response-index`` record; raises :class:`SchemaError` for anything else."""
+    if data is None or not data.strip():
+        raise SchemaError("empty_record", "response-index record has no value")
+    obj: ResponseIndexed | StoreCheckpointed = _decode_wire(data, ResponseIndexed | StoreCheckpointed)
+    return obj
 
 
 def sample_key(dataset: str, sample_id: str) -> str:

@@ -23,6 +23,7 @@ EVENTS: dict[str, Any] = {
     "budget_snapshot": s.BudgetSnapshot,
     # Multi-turn regeneration (issue 26).
     "conversation_progressed": s.ConversationProgressed,
+    "store_index_event": s.ResponseIndexed | s.StoreCheckpointed,
 }
 
 

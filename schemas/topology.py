@@ -77,6 +77,7 @@ DLQ_REPLAYED: Final = "dlq-replayed"
 CONVERSATIONS: Final = "conversation-state"
 CONVERSATION_KEY: Final = "<dataset>:<conversation_id>"
 LEASES: Final = "leases"
+RESPONSE_INDEX: Final = "response-index"
 
 PROMPTS_PREFIX: Final = PROMPTS.removesuffix("*")
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
@@ -179,6 +180,15 @@ _topics = (
         True,
         "Where each multi-turn conversation stands: in progress, finished, or ended early with its reason.",
     ),
+    # Issue 27: a worker's start-up reads this (tens of bytes per paid response), not the store's values.
+    Topic(
+        RESPONSE_INDEX,
+        ("ResponseIndexed", "StoreCheckpointed"),
+        "the response-store key, or '#<partition>' for a checkpoint of the store's partition",
+        True,
+        "Where each paid response sits on response-store (partition, offset), and per store partition "
+        "the offset below which every record is indexed: what an inference worker reads at start.",
+    ),
 )
 TOPICS: Final[Mapping[str, Topic]] = MappingProxyType({t.name: t for t in _topics})
 
@@ -222,8 +232,8 @@ _roles = (
     Role(
         "inference",
         INFERENCE_GROUP,
-        reads=(PROMPTS, CONTROL, RESPONSE_STORE, LEASES),
-        writes=(REQUESTS, RESPONSES, DEAD_LETTER, RESPONSE_STORE, CONTROL, LEASES),
+        reads=(PROMPTS, CONTROL, RESPONSE_STORE, LEASES, RESPONSE_INDEX),
+        writes=(REQUESTS, RESPONSES, DEAD_LETTER, RESPONSE_STORE, CONTROL, LEASES, RESPONSE_INDEX),
         description="Calls the provider per prompt; pauses on halts; halts all on an outage or a failed pre-flight.",
         creates=_ALL_CREATED,
     ),
@@ -352,7 +362,7 @@ def fixed_topics() -> tuple[str, ...]:
 def group_inputs() -> dict[str, tuple[str, ...]]:
     """Logical consumer group to the topics it consumes as a group (the stages' inputs).
 
-    A role's other reads (inference's ``control`` and ``response-store``) are group-less.
+    A role's other reads (inference's ``control``, ``response-store`` and ``response-index``) are group-less.
     """
     return {GROUPS[stage]: (topic,) for stage, topic in STAGE_INPUT.items()}
 
@@ -388,6 +398,7 @@ __all__ = [
     "TRUNCATED_HEADER",
     "REQUESTS",
     "RESPONSES",
+    "RESPONSE_INDEX",
     "RESPONSE_STORE",
     "ROLES",
     "SAMPLES",

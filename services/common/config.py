@@ -140,6 +140,9 @@ class InferenceSettings(BaseModel):
     # (services/probe: the first N prompts, paid once, reused by the run) and halts a dataset
     # whose accepted share is below [budget] min_yield. 0: no probe.
     probe_first: int = Field(default=0, ge=0, le=10_000)
+    # Read the small ``response-index`` topic at start and the store only past its checkpoints
+    # (False: read every stored value at each start, as before issue 27; for measuring).
+    store_index: bool = True
 
 
 class AuditThresholds(BaseModel):

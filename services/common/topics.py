@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -90,12 +90,15 @@ async def catch_up(
     *,
     deadline_s: float = DEFAULT_DEADLINE_S,
     past_end: bool = False,
+    from_offsets: Mapping[TopicPartition, int] | None = None,
 ) -> dict[TopicPartition, int]:
     """Feed ``handle`` every record of ``tps`` from the beginning to the end offsets taken now.
 
     ``consumer`` is started and has ``tps`` assigned; it is left at (or just past) the
     ends, which are returned. Records fetched past an end are dropped, for a snapshot,
     unless ``past_end``: a caller that goes on following the topic must not lose them.
+    ``from_offsets`` starts a partition there instead of at its beginning (a checkpoint;
+    one outside the partition's offsets reads it from the beginning).
     Raises :class:`TopicReadTimeout` when the ends are not reached within ``deadline_s``.
     """
     tps = list(tps)
@@ -104,6 +107,10 @@ async def catch_up(
     end: dict[TopicPartition, int] = await consumer.end_offsets(tps)
     start: dict[TopicPartition, int] = await consumer.beginning_offsets(tps)
     await consumer.seek_to_beginning(*tps)
+    for tp, offset in (from_offsets or {}).items():
+        if tp in start and start[tp] < offset <= end[tp]:
+            consumer.seek(tp, offset)
+            start[tp] = offset
     # A partition whose records were all compacted or deleted away has start == end.
     todo = {tp for tp in tps if end[tp] > start[tp]}
     loop = asyncio.get_running_loop()

@@ -448,7 +448,7 @@ async def open_store(settings: Settings, producer: AIOKafkaProducer) -> Response
     """The response store read to its end, or None when ``inference.reuse_responses`` is off."""
     if not settings.inference.reuse_responses:
         return None
-    store = ResponseStore(settings.kafka, producer)
+    store = ResponseStore(settings.kafka, producer, use_index=settings.inference.store_index)
     partitions = await ready_partitions(settings.kafka, store.topic)
     await store.start(partitions, settings.inference.store_load_timeout_s)
     return store

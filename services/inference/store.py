@@ -6,8 +6,10 @@ of the consumer group, on any machine, sees every other worker's paid responses,
 nothing is lost with a worker. Compaction keeps the latest response per request.
 
 Each worker keeps an index in memory (key → partition and offset, a few dozen bytes per
-request) built by reading the topic to its end at start (:func:`services.common.topics.catch_up`)
-and kept current by following it (its own writes are indexed at once, on the broker's acknowledgement). Values stay on
+request) built at start from the small ``response-index`` topic and the store's tail past
+its checkpoints (:mod:`services.inference.store_index`; a store without an index is read
+to its end once, :func:`services.common.topics.catch_up`) and kept current by following it
+(its own writes are indexed at once, on the broker's acknowledgement). Values stay on
 Kafka; the most recent ones are cached (bounded in bytes), older ones are fetched by
 offset when a request is seen again, which is rare (a re-publish, a restart, a replay).
 
@@ -26,11 +28,12 @@ from collections import OrderedDict
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from schemas import RESPONSE_STORE_TOPIC, ResponseReceived, SchemaError, decode, encode
+from schemas import RESPONSE_INDEX_TOPIC, RESPONSE_STORE_TOPIC, ResponseReceived, SchemaError, decode, encode
 from services.common.config import KafkaSettings
 from services.common.kafka import make_consumer
 from services.common.service import release
 from services.common.topics import Record, catch_up
+from services.inference.store_index import StoreIndex
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +43,14 @@ _CACHE_BYTES = 64 * 1024 * 1024
 class ResponseStore:
     """Lookup and write of paid responses by request key (see the module docstring)."""
 
-    def __init__(self, kafka: KafkaSettings, producer: AIOKafkaProducer, *, cache_bytes: int = _CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        producer: AIOKafkaProducer,
+        *,
+        cache_bytes: int = _CACHE_BYTES,
+        use_index: bool = True,
+    ) -> None:
         self._kafka = kafka
         self._producer = producer
         self.topic = kafka.topic(RESPONSE_STORE_TOPIC)
@@ -55,6 +65,11 @@ class ResponseStore:
         self._tps: list[TopicPartition] = []
         self._positions: dict[int, int] = {}
         self._advanced = asyncio.Event()
+        self.index = StoreIndex(kafka, producer, kafka.topic(RESPONSE_INDEX_TOPIC)) if use_index else None
+        # What the last start read: index records, store records and value bytes of the tail.
+        self.loaded_from_index = 0
+        self.tail_records = 0
+        self.tail_bytes = 0
 
     def __len__(self) -> int:
         return len(self._index)
@@ -63,7 +78,7 @@ class ResponseStore:
         return key in self._index
 
     async def start(self, partitions: list[int], timeout_s: float) -> None:
-        """Read the store to its end (the index), then follow it in the background."""
+        """Load the index (``response-index``, then the store past its checkpoints), then follow the store."""
         self._tps = [TopicPartition(self.topic, p) for p in partitions]
         follower = make_consumer(self._kafka, group_id=None)
         self._follower = follower
@@ -72,20 +87,72 @@ class ResponseStore:
         self._fetcher = make_consumer(self._kafka, group_id=None)
         await self._fetcher.start()
         t0 = time.monotonic()
-        await catch_up(follower, self._tps, self._index_record, deadline_s=timeout_s, past_end=True)
+        from_offsets: dict[TopicPartition, int] = {}
+        if self.index is not None:
+            loaded = await self.index.load(partitions, timeout_s)
+            self._index.update(loaded.entries)
+            self.loaded_from_index = len(loaded.entries)
+            marks = loaded.checkpoints
+            from_offsets = {tp: marks[tp.partition] for tp in self._tps if tp.partition in marks}
+            unindexed = sorted(p for p in partitions if p not in loaded.checkpoints)
+            if unindexed and await self._holds_records(unindexed):
+                log.info(
+                    "response store %s: no index checkpoint for partition(s) %s on %s: building the index "
+                    "from the store once (this start reads every stored value there)",
+                    self.topic,
+                    ",".join(map(str, unindexed)),
+                    self.index.topic,
+                )
+        await catch_up(
+            follower, self._tps, self._index_tail, deadline_s=timeout_s, past_end=True, from_offsets=from_offsets
+        )
         for tp in self._tps:
             self._positions[tp.partition] = await follower.position(tp)
+        if self.index is not None:
+            await self.index.flush(self._positions)
         log.info(
-            "response store %s: %d paid response(s) indexed in %.1f s",
+            "response store %s: %d paid response(s) indexed in %.1f s (%d from the index, "
+            "%d store record(s) of %.1f MB read)",
             self.topic,
             len(self._index),
             time.monotonic() - t0,
+            self.loaded_from_index,
+            self.tail_records,
+            self.tail_bytes / 1e6,
         )
         self._follow_task = asyncio.create_task(self._follow(), name="inference-response-store")
 
+    async def _holds_records(self, partitions: list[int]) -> bool:
+        assert self._fetcher is not None  # noqa: S101 - set in start()
+        tps = [TopicPartition(self.topic, p) for p in partitions]
+        ends = await self._fetcher.end_offsets(tps)
+        return any(ends[tp] > 0 for tp in tps)
+
+    def _index_tail(self, record: Record) -> None:
+        self.tail_records += 1
+        self.tail_bytes += len(record.value or b"")
+        self._index_record(record)
+
     async def close(self) -> None:
-        """Stop following and release the consumers."""
-        await release(self._follow_task, self._follower, self._fetcher)
+        """Stop following, checkpoint the index up to the store's end (bounded), release the consumers."""
+        await release(self._follow_task)
+        self._follow_task = None
+        if self.index is not None and self._follower is not None:
+            try:
+                await asyncio.wait_for(self._checkpoint_to_end(self._follower), timeout=10.0)
+            except (KafkaError, TimeoutError):
+                log.warning("response store: no final index checkpoint (the next start reads more of the store)")
+        await release(self._follower, self._fetcher)
+
+    async def _checkpoint_to_end(self, follower: AIOKafkaConsumer) -> None:
+        """Index what is on the store now, so that the next start reads none of it."""
+        ends = await follower.end_offsets(self._tps)
+        while any(self._positions.get(tp.partition, 0) < ends[tp] for tp in self._tps):
+            await self._poll(follower)
+            for tp in self._tps:
+                self._positions[tp.partition] = await follower.position(tp)
+        assert self.index is not None  # noqa: S101 - checked by the caller
+        await self.index.flush(self._positions)
 
     async def _poll(self, consumer: AIOKafkaConsumer) -> None:
         batches = await consumer.getmany(timeout_ms=500)
@@ -97,6 +164,8 @@ class ResponseStore:
         if record.key is None:
             return
         key = record.key.decode("utf-8", "replace")
+        if self.index is not None:
+            self.index.note(record)
         if record.value is None:  # a tombstone: the response was deleted on purpose
             self._index.pop(key, None)
             return
@@ -111,6 +180,8 @@ class ResponseStore:
                 await self._poll(follower)
                 for tp in self._tps:
                     self._positions[tp.partition] = await follower.position(tp)
+                if self.index is not None:
+                    await self.index.flush(self._positions)
             except KafkaError:
                 log.warning("response store follower failed; retrying", exc_info=True)
                 await asyncio.sleep(1.0)

@@ -134,6 +134,8 @@ class SimulatorOptions:
     rate_limit_rps: float | None = None
     rate_limit_burst: float | None = None
     max_open: int | None = None
+    answer_tokens: tuple[int, int] | None = None  # log-uniform answer length (see GenerationParams)
+    reasoning_share: tuple[float, float] = (0.80, 0.95)
 
     def __post_init__(self) -> None:
         if self.parser not in PARSERS:
@@ -172,6 +174,8 @@ class SimulatorOptions:
             price_per_token=self.price_per_token,
             prompt_price_per_token=self.prompt_price_per_token,
             parser=self.parser,
+            answer_tokens=self.answer_tokens,
+            reasoning_share=self.reasoning_share,
         )
 
 

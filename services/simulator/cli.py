@@ -54,6 +54,12 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         jitter: Annotated[float, typer.Option(help="Extra uniform latency 0..jitter, seconds")] = 0.0,
         reasoning_tokens: Annotated[str, typer.Option(help="Reasoning length range, tokens")] = "40-200",
         content_tokens: Annotated[str, typer.Option(help="Content length range, tokens")] = "20-120",
+        answer_tokens: Annotated[
+            str, typer.Option(help="Thinking answers: total length log-uniform in this range (overrides both ranges)")
+        ] = "",
+        reasoning_share: Annotated[
+            float, typer.Option(help="With --answer-tokens: the least share of reasoning (up to +0.15)")
+        ] = 0.80,
         fault_rate: Annotated[
             list[str] | None,
             typer.Option(
@@ -123,6 +129,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 latency_jitter_s=jitter,
                 reasoning_tokens=_parse_range(reasoning_tokens, "--reasoning-tokens"),
                 content_tokens=_parse_range(content_tokens, "--content-tokens"),
+                answer_tokens=_parse_range(answer_tokens, "--answer-tokens") if answer_tokens else None,
+                reasoning_share=(reasoning_share, min(1.0, reasoning_share + 0.15)),
                 retry_after_s=retry_after,
                 timeout_sleep_s=timeout_sleep,
                 count_end_of_turn=count_end_of_turn,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -179,6 +180,10 @@ class GenerationParams:
     price_per_token: float = 2e-6
     prompt_price_per_token: float = 0.0
     parser: str = "vllm"
+    # Issue 27 (the seeds' shape): when set, a thinking answer's length is drawn log-uniform in
+    # ``answer_tokens`` and a share in ``reasoning_share`` of it is reasoning (overrides the two ranges).
+    answer_tokens: tuple[int, int] | None = None
+    reasoning_share: tuple[float, float] = (0.80, 0.95)
 
 
 @dataclass
@@ -971,6 +976,18 @@ def _truncation_cut(profile: ProfileLike, ids: list[int], rng: random.Random) ->
     return rng.randint(1, n_answer - 1) if n_answer >= 2 else max(1, n_answer)
 
 
+def _answer_ranges(rng: random.Random, params: GenerationParams) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(reasoning, content) token ranges of one thinking answer: the options' ranges, or one
+    log-uniform length split by the reasoning share when ``answer_tokens`` is set."""
+    if params.answer_tokens is None:
+        return params.reasoning_tokens, params.content_tokens
+    low, high = params.answer_tokens
+    total = int(math.exp(rng.uniform(math.log(low), math.log(high))))
+    reasoning = max(1, int(total * rng.uniform(*params.reasoning_share)))
+    content = max(10, total - reasoning)
+    return (reasoning, reasoning), (content, content)
+
+
 def generate(
     profile: ProfileLike,
     request: ChatRequest,
@@ -997,13 +1014,14 @@ def generate(
     fallbacks: list[str] = []
 
     reasoning = ""
+    reasoning_range, content_range = _answer_ranges(rng, params) if thinking else (None, params.content_tokens)
     if thinking and "empty_reasoning" not in faults:
-        reasoning = _sized_text(profile, rng, params.reasoning_tokens, True)
+        reasoning = _sized_text(profile, rng, reasoning_range or params.reasoning_tokens, True)
     elif "empty_reasoning" in faults and not thinking:
         fallbacks.append("empty_reasoning")  # no think block to leave empty
     tools = _offered_tools(request) if _native_tool_call(profile.tool_format, "f", "{}") is not None else []
     call = _tool_call_args(rng, tools) if tools else None
-    content_range = (3, 15) if call else params.content_tokens
+    content_range = (3, 15) if call else content_range
     content_text = _sized_text(profile, rng, content_range, False)
     raw = write_raw_output(profile, think_block=think_block, reasoning=reasoning, content=content_text, tool_call=call)
     canonical = profile.encode(raw)

@@ -49,6 +49,8 @@ def test_inference_and_budget_get_exactly_their_topics_and_group() -> None:
         ("TOPIC", "LITERAL", "p.response-store", "WRITE"),
         ("TOPIC", "LITERAL", "p.leases", "READ"),
         ("TOPIC", "LITERAL", "p.leases", "WRITE"),
+        ("TOPIC", "LITERAL", "p.response-index", "READ"),
+        ("TOPIC", "LITERAL", "p.response-index", "WRITE"),
         ("TOPIC", "LITERAL", "p.requests", "WRITE"),
         ("TOPIC", "LITERAL", "p.responses", "WRITE"),
         ("TOPIC", "LITERAL", "p.dead-letter", "WRITE"),

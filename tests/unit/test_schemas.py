@@ -81,6 +81,8 @@ def all_events() -> list[msgspec.Struct]:
         s.LeaseRequested(worker="w1", dataset="math", epoch="e1", target=200, step=100),
         s.LeaseGranted(worker="w1", dataset="math", epoch="e1", granted=200),
         s.LeaseReleased(worker="w1", dataset="math", epoch="e1"),
+        s.ResponseIndexed(partition=2, offset=41),
+        s.StoreCheckpointed(partition=2, next_offset=42),
     ]
 
 
@@ -92,6 +94,8 @@ def test_every_event_round_trips_and_carries_its_version(event: msgspec.Struct) 
         assert s.decode_control(data) == event
     elif isinstance(event, s.LeaseEvent):
         assert s.decode_lease(data) == event
+    elif isinstance(event, s.ResponseIndexed | s.StoreCheckpointed):
+        assert s.decode_store_index(data) == event
     else:
         assert s.decode(data, type(event)) == event
 

@@ -681,3 +681,26 @@ def test_no_think_end_is_all_reasoning_and_unknown_parsers_are_refused() -> None
         parse_raw_output(PROFILE, "x", think_block="none", tools_sent=False, parser="tgi")
     with pytest.raises(RequestError):
         generate(PROFILE, chat(), replace(PARAMS, parser="tgi"))
+
+
+def test_answer_tokens_draw_seeds_shaped_lengths_with_mostly_reasoning() -> None:
+    """Issue 27: log-uniform answer lengths, 80-95 % reasoning, counted by the real tokenizer."""
+    import math
+
+    from services.profiles import load_profile
+    from services.simulator.core import ChatRequest, GenerationParams, generate
+
+    profile = load_profile("qwen3")
+    params = GenerationParams(answer_tokens=(500, 4000))
+    totals, shares = [], []
+    for i in range(12):
+        request = ChatRequest(model="m", messages=[{"role": "user", "content": f"question {i}"}])
+        g = generate(profile, request, params)
+        reasoning_ids = len(profile.encode(g.reasoning))
+        content_ids = len(profile.encode(g.content))
+        totals.append(reasoning_ids + content_ids)
+        shares.append(reasoning_ids / (reasoning_ids + content_ids))
+    assert all(450 <= t <= 4100 for t in totals), totals
+    assert all(0.75 <= s <= 0.97 for s in shares), shares
+    # log-uniform: the geometric middle (~1,414) splits them, not the arithmetic one (2,250)
+    assert sum(t < math.sqrt(500 * 4000) for t in totals) >= 3

@@ -160,6 +160,9 @@ def _event_type(event: msgspec.Struct) -> Any:
     if isinstance(event, s.Halt | s.Resume):
         return s.Halt | s.Resume
     return s.LeaseEvent if isinstance(event, s.LeaseEvent) else type(event)
+    if isinstance(event, s.ResponseIndexed | s.StoreCheckpointed):
+        return s.ResponseIndexed | s.StoreCheckpointed
+    return type(event)
 
 
 def base_documents() -> list[tuple[str, Any, dict[str, Any]]]:
