@@ -159,7 +159,8 @@ def _with(doc: dict[str, Any], path: tuple[Any, ...], raw: bytes) -> bytes:
 def _event_type(event: msgspec.Struct) -> Any:
     if isinstance(event, s.Halt | s.Resume):
         return s.Halt | s.Resume
-    return s.LeaseEvent if isinstance(event, s.LeaseEvent) else type(event)
+    if isinstance(event, s.LeaseEvent):
+        return s.LeaseEvent
     if isinstance(event, s.ResponseIndexed | s.StoreCheckpointed):
         return s.ResponseIndexed | s.StoreCheckpointed
     return type(event)
