@@ -28,6 +28,7 @@ __all__ = [
     "DLQ_HEADERS",
     "GLOBAL_SCOPE",
     "PROMPTS_TOPIC_PREFIX",
+    "PROVIDER_FACTS_TOPIC",
     "REQUESTS_TOPIC",
     "RESPONSES_TOPIC",
     "RESPONSE_STORE_TOPIC",
@@ -41,6 +42,7 @@ __all__ = [
     "LogprobToken",
     "Message",
     "PromptPublished",
+    "ProviderFactRecorded",
     "ReplayRecorded",
     "RequestStarted",
     "ResponseReceived",
@@ -74,6 +76,7 @@ DEAD_LETTER_TOPIC: Final = _topology.DEAD_LETTER
 CONTROL_TOPIC: Final = _topology.CONTROL
 BUDGET_STATE_TOPIC: Final = _topology.BUDGET_STATE
 RESPONSE_STORE_TOPIC: Final = _topology.RESPONSE_STORE
+PROVIDER_FACTS_TOPIC: Final = _topology.PROVIDER_FACTS
 GLOBAL_SCOPE: Final = "global"
 
 # Bounds that make absurd numbers a decode error instead of a silent corruption.
@@ -358,6 +361,26 @@ class ReplayRecorded(Struct, kw_only=True):
     schema_version: Version = SCHEMA_VERSION
 
 
+class ProviderFactRecorded(Struct, kw_only=True):
+    """A fact of one upstream, proven by one answer, on ``provider-facts`` keyed by ``<upstream>|<place>``.
+
+    ``place`` is where a stripping server would remove whitespace (``reasoning_start``,
+    ``reasoning_end``, ``content_start``, ...) and the fact says the upstream keeps it there,
+    because the answer ``evidence`` (a sample key) shows whitespace at that place. A later
+    answer whose own count shows whitespace missing there withdraws it: ``withdrawn`` with the
+    contradicting sample key in ``contradicted_by`` (services/reconstruct/facts.py).
+    """
+
+    upstream: Name
+    place: Name
+    evidence: str = ""
+    withdrawn: bool = False
+    contradicted_by: str = ""
+    reason: str = ""
+    at: float = 0.0
+    schema_version: Version = SCHEMA_VERSION
+
+
 class DeadLetterHeaders:
     """Header names on ``dead-letter`` records, in the style of Kafka Connect's DLQ."""
 
@@ -402,6 +425,7 @@ _EVENTS: Final[tuple[Any, ...]] = (
     SampleReconstructed,
     SampleAudited,
     BudgetSnapshot,
+    ProviderFactRecorded,
     Halt | Resume,
 )
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {t: msgspec.json.Decoder(t) for t in _EVENTS}

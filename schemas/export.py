@@ -20,6 +20,7 @@ EVENTS: dict[str, Any] = {
     "sample_audited": s.SampleAudited,
     "control_event": s.Halt | s.Resume,
     "budget_snapshot": s.BudgetSnapshot,
+    "provider_fact_recorded": s.ProviderFactRecorded,
 }
 
 

@@ -34,8 +34,9 @@ from services.audit.core import audit_batch
 from services.common.config import AuditThresholds, load_settings
 from services.common.kafka import DeadLetter
 from services.profiles import Profile, load_profile
-from services.profiles.conventions import CONVENTIONS
-from services.reconstruct.core import reconstruct_batch
+from services.profiles.conventions import CONVENTIONS, Convention
+from services.reconstruct.core import reconstruct_batch, reconstruct_with_facts
+from services.reconstruct.facts import FactBook
 from tests.conformance import truth as T
 from tests.unit.test_profiles import KIMI_GOOD
 
@@ -48,6 +49,10 @@ LOGPROB_OR_ENGINE = ("vllm", "sglang-strip", "openrouter")
 # Truncated samples are exact too: the matrix keeps them (finish_stop is a dataset choice).
 THRESHOLDS = AuditThresholds(require_stop=False)
 VAGUE = {"", "internal_error", "decode_failed"}
+# Answers per reconstruct batch, as the stage's consumer hands them over.
+BATCH = 16
+# The upstream an OpenRouter-like column names in its replies' ``provider`` (the simulator router's names).
+UPSTREAM_NAME = {"openrouter": "logprobs", "openrouter-nolp": "lossless", "openrouter-nolp-strip": "stripping"}
 
 
 def _profile_settings(model: str, thinking: bool) -> tuple[str, dict[str, Any]]:
@@ -103,6 +108,7 @@ def _response(case: Any, server: str, index: int) -> ResponseReceived:
         logprobs=logprobs,
         native_prompt_ids=got.get("prompt_token_ids"),
         tools_sent=got["tools_sent"],
+        upstream_provider=UPSTREAM_NAME.get(server),
     )
 
 
@@ -118,6 +124,7 @@ class Cell:
     wrong: list[str] = field(default_factory=list)
     vague: list[str] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
+    lossless_reasons: Counter[str] = field(default_factory=Counter)  # why lossless answers were refused
 
 
 def _differences(sample: SampleReconstructed, case: Any) -> list[str]:
@@ -151,20 +158,33 @@ def lossy_by_convention(response: ResponseReceived, profile: Profile, convention
     )
 
 
-def run_cell(model: str, server: str) -> Cell:
-    """Every conversation of one model through one server emulation, reconstruct and audit."""
+def run_cell(model: str, server: str, book: FactBook | None = None) -> Cell:
+    """Every conversation of one model through one server emulation, reconstruct and audit.
+
+    In order, in batches of ``BATCH`` as a stream delivers them, grouped by profile within a
+    batch as the reconstruct stage does; with ``book``, the upstreams' facts accumulate.
+    """
     cell = Cell()
     convention = CONVENTIONS[SERVER_CONVENTION[server]]
     cases = T.build_cases(model)
-    by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]] = {}
-    for index, case in enumerate(cases):
-        response = _response(case, server, index)
-        profile = profile_for(model, case.conversation.thinking)
-        lossy = T.emulate(case, server)["lossy"] or lossy_by_convention(response, profile, UPSTREAM_CONVENTION[server])
-        by_profile.setdefault(case.conversation.thinking, []).append((case, response, lossy))
+    for first in range(0, len(cases), BATCH):
+        by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]] = {}
+        for index, case in enumerate(cases[first:first + BATCH], start=first):
+            response = _response(case, server, index)
+            profile = profile_for(model, case.conversation.thinking)
+            lossy = T.emulate(case, server)["lossy"] or lossy_by_convention(response, profile,
+                                                                             UPSTREAM_CONVENTION[server])
+            by_profile.setdefault(case.conversation.thinking, []).append((case, response, lossy))
+        _judge(cell, model, by_profile, convention, book)
+    return cell
+
+
+def _judge(cell: Cell, model: str, by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]],
+           convention: Convention, book: FactBook | None) -> None:
+    """Reconstruct and audit one batch, profile group by profile group, into ``cell``."""
     for thinking, members in by_profile.items():
         profile = profile_for(model, thinking)
-        verdicts = reconstruct_batch([r for _, r, _ in members], profile, convention)
+        verdicts, _ = reconstruct_with_facts([r for _, r, _ in members], profile, convention, book)
         samples = [v for v in verdicts if isinstance(v, SampleReconstructed)]
         audited = iter(audit_batch(samples, profile, THRESHOLDS))
         for (case, response, lossy), verdict in zip(members, verdicts, strict=True):
@@ -172,12 +192,14 @@ def run_cell(model: str, server: str) -> Cell:
             cell.lossless += not lossy
             if isinstance(verdict, DeadLetter):
                 cell.reasons[f"reconstruct/{verdict.reason}"] += 1
+                cell.lossless_reasons[f"reconstruct/{verdict.reason}"] += not lossy
                 if verdict.reason in VAGUE:
                     cell.vague.append(response.sample_id)
                 continue
             result = next(audited)
             if not result.passed:
                 cell.reasons[f"audit/{result.reasons[0]}"] += 1
+                cell.lossless_reasons[f"audit/{result.reasons[0]}"] += not lossy
                 continue
             cell.accepted += 1
             cell.accepted_lossless += not lossy
@@ -190,9 +212,16 @@ def run_cell(model: str, server: str) -> Cell:
 
 
 @cache
+def fact_books() -> dict[str, FactBook]:
+    """Per server column, the provider facts its answers established (filled by :func:`matrix`)."""
+    return {server: FactBook() for server in T.SERVERS}
+
+
+@cache
 def matrix() -> dict[tuple[str, str], Cell]:
-    """The whole matrix, computed once per test session."""
-    return {(m, s): run_cell(m, s) for m in T.MODELS for s in T.SERVERS}
+    """The whole matrix, computed once per test session; facts accumulate per column, in order."""
+    books = fact_books()
+    return {(m, s): run_cell(m, s, books[s]) for m in T.MODELS for s in T.SERVERS}
 
 
 def _print_table(cells: dict[tuple[str, str], Cell]) -> None:
