@@ -450,7 +450,8 @@ def _assemble(
         out.add(profile.think_end or "")
     edge(content_units, "content_start" if thinking else "text_start", c_start)
     out.add(response.content)
-    edge(content_units if not calls else {"content"}, "before_tool" if calls else "content_end", c_end)
+    end_place = "before_tool" if calls else "content_end" if thinking else "text_end"
+    edge(content_units if not calls else {"content"}, end_place, c_end)
     if calls:
         try:
             pieces = profile.tool_call_pieces(calls)

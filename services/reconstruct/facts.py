@@ -12,8 +12,9 @@ reconstruct shell keeps on the compacted ``provider-facts`` topic.
 
 Places (where ``services.reconstruct.core`` puts a strip gap): ``reasoning_start``,
 ``reasoning_end`` (before the think-end), ``reasoning_cut`` (the end of a reasoning the
-answer stopped inside), ``content_start`` (after a think block), ``text_start`` (a content
-with no think block before it), ``content_end`` (the end of the text), ``before_tool``
+answer stopped inside), ``content_start`` / ``content_end`` (a content after a think block),
+``text_start`` / ``text_end`` (a content with no think block: SGLang before 2026 stripped
+only what its reasoning parser parsed, so the two are different places), ``before_tool``
 (the content before a tool block: SGLang 2026 strips there and nowhere else, PARSERS.md);
 and ``arguments``: tool arguments not in ``json.dumps``' own form prove the upstream's tool
 parser returns the model's argument text (a re-serialising parser returns only that form).
@@ -31,8 +32,8 @@ __all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "FactBook", "fact_k
 FACT_CONTRADICTED = "provider_fact_contradicted"
 
 ARGUMENTS_PLACE = "arguments"
-PLACES = ("reasoning_start", "reasoning_end", "reasoning_cut", "content_start", "text_start", "content_end",
-          "before_tool", ARGUMENTS_PLACE)  # fmt: skip
+PLACES = ("reasoning_start", "reasoning_end", "reasoning_cut", "content_start", "content_end", "text_start",
+          "text_end", "before_tool", ARGUMENTS_PLACE)  # fmt: skip
 
 # Provider kinds that route one request to one of several upstreams: without the upstream's
 # name an answer cannot be attributed, so it establishes nothing and no fact closes its gaps.
