@@ -24,25 +24,15 @@ from schemas import (
     encode,
 )
 from services.common.config import Settings
-from services.common.kafka import ensure_topics, header, make_producer
+from services.common.kafka import ensure_topics, header
 from services.common.topics import read_compacted
 from services.reconstruct.app import create_app
-from tests.kafka_fixture import read_records, wait_until
+from tests.kafka_fixture import read_records, send_records, wait_until
 from tests.unit.test_facts import PLAIN_TEXT, SHOWING_TEXT, _answer
 from tests.unit.test_profiles import deepseek
 from tests.unit.test_reconstruct import R1_EOS, r1_ids
 
 pytestmark = pytest.mark.kafka
-
-
-async def _send(settings: Settings, topic: str, records: list[tuple[bytes, bytes]]) -> None:
-    producer = make_producer(settings.kafka)
-    await producer.start()
-    try:
-        for key, value in records:
-            await producer.send_and_wait(settings.kafka.topic(topic), value, key=key)
-    finally:
-        await producer.stop()
 
 
 def _r1(answer: ResponseReceived) -> tuple[bytes, bytes]:
@@ -59,7 +49,7 @@ async def test_facts_are_written_read_back_by_the_next_worker_and_followed(
     facts_topic = settings.kafka.topic(PROVIDER_FACTS_TOPIC)
 
     # Worker 1 sees the answer that shows its whitespace: it establishes the upstream's facts.
-    await _send(settings, RESPONSES_TOPIC, [_r1(_answer("showing", SHOWING_TEXT, "Lossless"))])
+    await send_records(settings, RESPONSES_TOPIC, [_r1(_answer("showing", SHOWING_TEXT, "Lossless"))])
     first = create_app(settings, profiles={"deepseek-r1": ds})
     await first.start()
     task = asyncio.create_task(first.run())
@@ -81,7 +71,7 @@ async def test_facts_are_written_read_back_by_the_next_worker_and_followed(
     await second.start()
     task = asyncio.create_task(second.run())
     try:
-        await _send(settings, RESPONSES_TOPIC, [_r1(_answer("plain", PLAIN_TEXT, "Lossless"))])
+        await send_records(settings, RESPONSES_TOPIC, [_r1(_answer("plain", PLAIN_TEXT, "Lossless"))])
         samples = await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 2)
         plain = {r.key: decode(r.value, SampleReconstructed) for r in samples}[b"math:plain"]
         assert list(plain.output_ids) == r1_ids(PLAIN_TEXT + R1_EOS)
@@ -89,10 +79,10 @@ async def test_facts_are_written_read_back_by_the_next_worker_and_followed(
         # Another worker withdraws the content-start fact while this one runs: it follows the topic.
         withdrawal = ProviderFactRecorded(upstream="Lossless/m", place="content_start", evidence="math:showing",
                                           withdrawn=True, contradicted_by="math:elsewhere", reason="test")
-        await _send(settings, PROVIDER_FACTS_TOPIC, [(b"Lossless/m|content_start", encode(withdrawal))])
+        await send_records(settings, PROVIDER_FACTS_TOPIC, [(b"Lossless/m|content_start", encode(withdrawal))])
         await wait_until(lambda: second.facts.book().contradicted("Lossless/m") is not None, timeout=30,
                          message="the withdrawal followed")  # fmt: skip
-        await _send(settings, RESPONSES_TOPIC, [_r1(_answer("plain2", PLAIN_TEXT, "Lossless"))])
+        await send_records(settings, RESPONSES_TOPIC, [_r1(_answer("plain2", PLAIN_TEXT, "Lossless"))])
         dead = await read_records(settings, settings.kafka.topic(DEAD_LETTER_TOPIC), 1)
         await wait_until(lambda: second.processed >= 2, timeout=60, message="both answers processed")
     finally:
