@@ -65,6 +65,7 @@ def all_events() -> list[msgspec.Struct]:
         s.Halt(scope="global", reason="cap", by="budget"),
         s.Resume(scope="math", by="alice"),
         s.BudgetSnapshot(scope="math", completion_tokens=5, offsets={"responses:0": 3}),
+        s.ProviderFactRecorded(upstream="Lossless/qwen3", place="content_start", evidence="math:a1"),
     ]
 
 
