@@ -264,6 +264,13 @@ def _print_table(cells: dict[tuple[str, str], Cell]) -> None:
     kept = sum(c.accepted_lossless for c in cells.values())
     print(f"total: {total} samples, {accepted} accepted, {wrong} accepted with wrong ids; "
           f"lossless emulations: {kept}/{lossless} accepted ({kept / max(lossless, 1):.1%})")
+    for server in T.SERVERS:
+        column = [c for (_, s), c in cells.items() if s == server]
+        lossless = sum(c.lossless for c in column)
+        kept = sum(c.accepted_lossless for c in column)
+        share = f"{kept}/{lossless} ({kept / lossless:.1%})" if lossless else "-"
+        print(f"column {server}: {sum(c.accepted for c in column)}/{sum(c.cases for c in column)} accepted, "
+              f"{sum(len(c.wrong) for c in column)} with wrong ids, lossless accepted {share}")
 
 
 def test_matrix_has_at_least_30_conversations_per_model() -> None:
