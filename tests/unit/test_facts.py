@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from schemas import ProviderFactRecorded, ResponseReceived, decode, encode
 from services.profiles.conventions import CONVENTIONS
-from services.reconstruct.core import reconstruct_batch, reconstruct_with_facts
+from services.reconstruct.core import reconstruct_batch, reconstruct_lines, reconstruct_with_facts
 from services.reconstruct.facts import FACT_CONTRADICTED, FactBook, upstream_of
 from tests.unit.test_profiles import deepseek
 from tests.unit.test_reconstruct import R1_EOS, TOOLS, dead, ok, r1_ids, response, tc
@@ -75,6 +75,15 @@ def test_facts_of_one_upstream_never_close_the_gaps_of_another() -> None:
     # Other's own answer proves only its own reasoning end ("plan\n"); nobody's facts are the anonymous answer's.
     assert book.kept("Other/m") == {"reasoning_end"}
     assert {u for u, _ in book.facts} == {"Lossless/m", "Other/m"}
+
+
+def test_offline_lines_accumulate_facts_over_the_file_as_the_stage_does() -> None:
+    lines = [encode(_answer("showing", SHOWING_TEXT, "Lossless")), encode(_answer("plain", PLAIN_TEXT, "Lossless"))]
+    profile = deepseek()
+    with_facts = list(reconstruct_lines(lines, lambda _: (profile, OPENROUTER), batch_size=1, facts=FactBook()))
+    assert ok(with_facts[1].verdict).output_ids == r1_ids(PLAIN_TEXT + R1_EOS)
+    alone = list(reconstruct_lines(lines, lambda _: (profile, OPENROUTER), batch_size=1))
+    assert dead(alone[1].verdict).reason == "whitespace_ambiguous"
 
 
 def test_no_fact_is_recorded_under_a_convention_that_strips_nothing() -> None:
