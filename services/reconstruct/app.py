@@ -124,9 +124,12 @@ class FactFollower:
         records = [Outgoing(topic=self.topic, value=encode(f), key=fact_key(f.upstream, f.place).encode())
                    for f in changes]  # fmt: skip
         for fact in changes:
-            what = "withdrawn" if fact.withdrawn else "established"
-            log.warning("provider fact %s %s (evidence %s%s)", fact_key(fact.upstream, fact.place), what,
-                        fact.evidence, f", contradicted by {fact.contradicted_by}" if fact.withdrawn else "")
+            if fact.withdrawn:
+                log.warning("provider fact %s withdrawn (established by %s, contradicted by %s): %s",
+                            fact_key(fact.upstream, fact.place), fact.evidence, fact.contradicted_by, fact.reason)
+            else:
+                log.info("provider fact %s established (evidence %s)", fact_key(fact.upstream, fact.place),
+                         fact.evidence)
         if producer is None:
             raise RuntimeError("start() the stage first")
         await publish_all(producer, records)

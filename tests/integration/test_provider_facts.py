@@ -94,3 +94,32 @@ async def test_facts_are_written_read_back_by_the_next_worker_and_followed(
     assert header(letter.headers, DLQ_HEADERS.REASON) == "provider_fact_contradicted"
     message = header(letter.headers, DLQ_HEADERS.MESSAGE) or ""
     assert "Lossless/m|content_start" in message and "math:showing" in message and "math:elsewhere" in message
+
+
+async def test_an_answer_refused_before_its_upstreams_fact_is_accepted_on_dlq_replay(
+    settings_factory: Callable[..., Settings],
+) -> None:
+    """The stored answer goes back to ``responses`` from its dead letter: no request, the fact now pins it."""
+    from services.dlq.app import replay
+    from services.dlq.core import Filters
+
+    settings = settings_factory(stage={"batch_max": 1, "batch_timeout_ms": 50})
+    await ensure_topics(settings.kafka)
+    worker = create_app(settings, profiles={"deepseek-r1": deepseek()})
+    await worker.start()
+    task = asyncio.create_task(worker.run())
+    try:
+        await send_records(settings, RESPONSES_TOPIC, [_r1(_answer("plain", PLAIN_TEXT, "Lossless"))])
+        (letter,) = await read_records(settings, settings.kafka.topic(DEAD_LETTER_TOPIC), 1)
+        assert header(letter.headers, DLQ_HEADERS.REASON) == "whitespace_ambiguous"
+        await send_records(settings, RESPONSES_TOPIC, [_r1(_answer("showing", SHOWING_TEXT, "Lossless"))])
+        await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 1)
+        report = await replay(settings, Filters(stage="reconstruct", reason="whitespace_ambiguous"))
+        assert [p.record.key for p in report.replayed] == [b"math:plain"]
+        samples = await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 2)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 60)
+        await worker.close()
+    plain = {r.key: decode(r.value, SampleReconstructed) for r in samples}[b"math:plain"]
+    assert list(plain.output_ids) == r1_ids(PLAIN_TEXT + R1_EOS)
