@@ -806,7 +806,7 @@ def _withdrawn_places(plan: _Plan, book: FactBook, upstream: str | None) -> list
     if upstream is None or book.contradicted(upstream) is None:
         return []
     places = {p for g in (*plan.gaps, *plan.closed) for p in g.places}
-    return [f for (u, p), f in sorted(book.facts.items()) if u == upstream and f.withdrawn and p in places]
+    return [f for f in book.withdrawn(upstream) if f.place in places]
 
 
 def reconstruct_with_facts(

@@ -68,7 +68,13 @@ class FactBook:
     the upstream showed both habits under one name.
     """
 
-    facts: dict[tuple[str, str], ProviderFactRecorded] = field(default_factory=dict)
+    facts: dict[tuple[str, str], ProviderFactRecorded] = field(default_factory=dict, init=False)
+    # The same records by upstream, so a batch's look-ups do not scan every upstream's facts.
+    _by_upstream: dict[str, dict[str, ProviderFactRecorded]] = field(default_factory=dict, init=False, repr=False)
+
+    def _put(self, record: ProviderFactRecorded) -> None:
+        self.facts[(record.upstream, record.place)] = record
+        self._by_upstream.setdefault(record.upstream, {})[record.place] = record
 
     @classmethod
     def of(cls, records: Iterable[ProviderFactRecorded]) -> FactBook:
@@ -83,26 +89,32 @@ class FactBook:
         known = self.facts.get((record.upstream, record.place))
         if known is not None and known.withdrawn and not record.withdrawn:
             return
-        self.facts[(record.upstream, record.place)] = record
+        self._put(record)
 
     def kept(self, upstream: str | None) -> frozenset[str]:
         """The places where ``upstream`` is proven to keep whitespace."""
         if upstream is None:
             return frozenset()
-        return frozenset(p for (u, p), f in self.facts.items() if u == upstream and not f.withdrawn)
+        return frozenset(p for p, f in self._by_upstream.get(upstream, {}).items() if not f.withdrawn)
 
     def contradicted(self, upstream: str | None) -> ProviderFactRecorded | None:
         """A withdrawn fact of ``upstream``, if any: its lossy answers are no longer judged by facts."""
         if upstream is None:
             return None
-        return next((f for (u, _), f in sorted(self.facts.items()) if u == upstream and f.withdrawn), None)
+        of_upstream = self._by_upstream.get(upstream, {})
+        return next((of_upstream[p] for p in sorted(of_upstream) if of_upstream[p].withdrawn), None)
+
+    def withdrawn(self, upstream: str) -> list[ProviderFactRecorded]:
+        """The withdrawn facts of ``upstream``, by place."""
+        of_upstream = self._by_upstream.get(upstream, {})
+        return [of_upstream[p] for p in sorted(of_upstream) if of_upstream[p].withdrawn]
 
     def establish(self, upstream: str, place: str, evidence: str, at: float = 0.0) -> ProviderFactRecorded | None:
         """Record that ``upstream`` keeps whitespace at ``place``; the new record, or None if known."""
         if (upstream, place) in self.facts:
             return None
         record = ProviderFactRecorded(upstream=upstream, place=place, evidence=evidence, at=at)
-        self.facts[(upstream, place)] = record
+        self._put(record)
         return record
 
     def withdraw(self, upstream: str, place: str, by: str, reason: str, at: float = 0.0) -> ProviderFactRecorded:
@@ -110,5 +122,5 @@ class FactBook:
         known = self.facts[(upstream, place)]
         record = ProviderFactRecorded(upstream=upstream, place=place, evidence=known.evidence, withdrawn=True,
                                       contradicted_by=by, reason=reason, at=at)  # fmt: skip
-        self.facts[(upstream, place)] = record
+        self._put(record)
         return record
