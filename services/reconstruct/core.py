@@ -9,7 +9,10 @@ dropped: where the provider's :class:`~services.profiles.conventions.Convention`
 may be missing (stripped whitespace, the space around re-parsed arguments, the text
 between tool calls), the ids are accepted only when ``usage.completion_tokens`` proves
 nothing is missing — the count matches and no whitespace at any such place could have
-hidden inside the count — else the sample is a dead letter naming what was lost.
+hidden inside the count — else the sample is a dead letter naming what was lost. What one
+answer proves about its upstream (a field edge showing whitespace, arguments in the model's
+own form) closes those places in the upstream's other answers: ``reconstruct_with_facts``
+and ``services/reconstruct/facts.py``.
 
 Prompt ids are the encoded chat template over the messages as sent; the loss mask is 0
 over them and 1 over the output. Bad input is a :class:`DeadLetter` with a stable reason
@@ -187,7 +190,7 @@ class _Plan:
     think_end_at: int | None = None  # offset of the think-end in output_text
     # Places whose field edge shows whitespace (evidence for the upstream's facts, facts.py).
     shown: frozenset[str] = frozenset()
-    # Strip gaps closed by the upstream's facts, and the facts that closed them.
+    # Slots the upstream's facts closed (strip gaps, argument choices): kept to test a contradiction.
     closed: list[Slot] = field(default_factory=list)
 
 
