@@ -30,6 +30,7 @@ __all__ = [
     "GLOBAL_SCOPE",
     "LEASES_TOPIC",
     "PROMPTS_TOPIC_PREFIX",
+    "PROVIDER_FACTS_TOPIC",
     "REQUESTS_TOPIC",
     "RESPONSES_TOPIC",
     "RESPONSE_INDEX_TOPIC",
@@ -51,6 +52,7 @@ __all__ = [
     "LogprobToken",
     "Message",
     "PromptPublished",
+    "ProviderFactRecorded",
     "ReplayRecorded",
     "RequestStarted",
     "ResponseIndexed",
@@ -94,6 +96,7 @@ RESPONSE_STORE_TOPIC: Final = _topology.RESPONSE_STORE
 CONVERSATIONS_TOPIC: Final = _topology.CONVERSATIONS
 LEASES_TOPIC: Final = _topology.LEASES
 RESPONSE_INDEX_TOPIC: Final = _topology.RESPONSE_INDEX
+PROVIDER_FACTS_TOPIC: Final = _topology.PROVIDER_FACTS
 GLOBAL_SCOPE: Final = "global"
 
 # Bounds that make absurd numbers a decode error instead of a silent corruption.
@@ -484,6 +487,26 @@ class ConversationProgressed(Struct, kw_only=True):
     schema_version: Version = SCHEMA_VERSION
 
 
+class ProviderFactRecorded(Struct, kw_only=True):
+    """A fact of one upstream, proven by one answer, on ``provider-facts`` keyed by ``<upstream>|<place>``.
+
+    ``place`` is where a stripping server would remove whitespace (``reasoning_start``,
+    ``reasoning_end``, ``content_start``, ...) and the fact says the upstream keeps it there,
+    because the answer ``evidence`` (a sample key) shows whitespace at that place. A later
+    answer whose own count shows whitespace missing there withdraws it: ``withdrawn`` with the
+    contradicting sample key in ``contradicted_by`` (services/reconstruct/facts.py).
+    """
+
+    upstream: Name
+    place: Name
+    evidence: str = ""
+    withdrawn: bool = False
+    contradicted_by: str = ""
+    reason: str = ""
+    at: float = 0.0
+    schema_version: Version = SCHEMA_VERSION
+
+
 Offset = Annotated[int, Meta(ge=0)]
 
 
@@ -556,6 +579,7 @@ _EVENTS: Final[tuple[Any, ...]] = (
     SampleReconstructed,
     SampleAudited,
     BudgetSnapshot,
+    ProviderFactRecorded,
     Halt | Resume,
     ConversationProgressed,
     LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased,

@@ -24,6 +24,7 @@ EVENTS: dict[str, Any] = {
     # Multi-turn regeneration (issue 26).
     "conversation_progressed": s.ConversationProgressed,
     "store_index_event": s.ResponseIndexed | s.StoreCheckpointed,
+    "provider_fact_recorded": s.ProviderFactRecorded,
 }
 
 

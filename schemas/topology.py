@@ -78,6 +78,7 @@ CONVERSATIONS: Final = "conversation-state"
 CONVERSATION_KEY: Final = "<dataset>:<conversation_id>"
 LEASES: Final = "leases"
 RESPONSE_INDEX: Final = "response-index"
+PROVIDER_FACTS: Final = "provider-facts"
 
 PROMPTS_PREFIX: Final = PROMPTS.removesuffix("*")
 """The logical prefix of one dataset's prompts topic (``prompts.<dataset>``)."""
@@ -165,6 +166,15 @@ _topics = (
         "The paid response per exact request, so a prompt seen again is not paid for twice.",
     ),
     Topic(
+        PROVIDER_FACTS,
+        ("ProviderFactRecorded",),
+        "<upstream>|<place>",
+        True,
+        "Facts of each upstream proven by its answers (whitespace kept at a place); every reconstruct worker "
+        "reads it to its end at start and follows it; a contradicted fact is withdrawn.",
+        partitions=1,
+    ),
+    Topic(
         DLQ_REPLAYED,
         ("ReplayRecorded",),
         "<partition>:<offset> of the replayed dead letter",
@@ -240,9 +250,10 @@ _roles = (
     Role(
         "reconstruct",
         RECONSTRUCT_GROUP,
-        reads=(RESPONSES,),
-        writes=(SAMPLES, DEAD_LETTER),
-        description="Rebuilds the token ids of each response.",
+        reads=(RESPONSES, PROVIDER_FACTS),
+        writes=(SAMPLES, DEAD_LETTER, PROVIDER_FACTS),
+        description="Rebuilds the token ids of each response; records and follows the upstreams' facts.",
+        creates=(PROVIDER_FACTS,),
     ),
     Role(
         "audit",
@@ -393,6 +404,7 @@ __all__ = [
     "LEASES",
     "PROMPTS",
     "PROMPTS_PREFIX",
+    "PROVIDER_FACTS",
     "RECONSTRUCT_GROUP",
     "REPAY_HEADER",
     "TRUNCATED_HEADER",

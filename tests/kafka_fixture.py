@@ -342,3 +342,16 @@ async def read_records(settings: Any, topic: str, count: int, timeout: float = 6
 
     (records,) = await wait_until(enough, timeout=timeout, interval=0.2, message=f"{count} record(s) on {topic}")
     return records
+
+
+async def send_records(settings: Any, topic: str, records: list[tuple[bytes, bytes]]) -> None:
+    """Produce ``(key, value)`` records to a logical topic and wait for each acknowledgement."""
+    from services.common.kafka import make_producer
+
+    producer = make_producer(settings.kafka)
+    await producer.start()
+    try:
+        for key, value in records:
+            await producer.send_and_wait(settings.kafka.topic(topic), value, key=key)
+    finally:
+        await producer.stop()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 
-from aiokafka import ConsumerRecord
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from schemas import (
+    PROVIDER_FACTS_TOPIC,
     SAMPLES_TOPIC,
+    ProviderFactRecorded,
     ResponseReceived,
     SchemaError,
     decode,
@@ -17,13 +21,15 @@ from schemas import (
     encode_forwarding,
     sample_key,
 )
-from services.common.config import Settings
-from services.common.kafka import DeadLetter, Outgoing
+from services.common.config import KafkaSettings, Settings
+from services.common.kafka import DeadLetter, Outgoing, create_topics, make_consumer, publish_all
 from services.common.metrics import RECONSTRUCTED
 from services.common.stage import Result, RunnerService, StageRunner
+from services.common.topics import Record, catch_up, ready_partitions
 from services.profiles import Profile, ProfileError, load_profile
 from services.profiles.conventions import Convention, convention_for
-from services.reconstruct.core import reconstruct_batch
+from services.reconstruct.core import reconstruct_with_facts
+from services.reconstruct.facts import FactBook, fact_key
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +85,97 @@ def convention_of(settings: Settings, response: ResponseReceived) -> Convention:
     return convention
 
 
-def decide(records: Sequence[ConsumerRecord[bytes, bytes]], profiles: ProfileCache, samples_topic: str) -> list[Result]:
-    """Verdicts for a batch: decode, group by profile, rebuild each group in one batch call."""
+class FactFollower:
+    """The upstreams' facts (services/reconstruct/facts.py), shared by every reconstruct worker.
+
+    ``provider-facts`` is read to its end at start and followed on the event loop; records
+    read there wait in a queue until the next batch takes them (:meth:`book`, on the
+    batch's thread), so the book is only ever touched by one thread. Facts this worker
+    establishes or withdraws are published, acknowledged, before the batch's samples.
+    """
+
+    def __init__(self, kafka: KafkaSettings) -> None:
+        self._kafka = kafka
+        self.topic = kafka.topic(PROVIDER_FACTS_TOPIC)
+        self._book = FactBook()
+        self._incoming: deque[ProviderFactRecorded] = deque()  # thread-safe hand-over to the batch thread
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Create the topic when missing, read it to its end, then follow it."""
+        await create_topics(self._kafka, [PROVIDER_FACTS_TOPIC], needed=(PROVIDER_FACTS_TOPIC,))
+        tps = [TopicPartition(self.topic, p) for p in await ready_partitions(self._kafka, self.topic)]
+        self._consumer = make_consumer(self._kafka, group_id=None)
+        await self._consumer.start()
+        self._consumer.assign(tps)
+        await catch_up(self._consumer, tps, self._take, past_end=True)
+        self.book()
+        self._task = asyncio.create_task(self._follow())
+
+    def book(self) -> FactBook:
+        """The facts as known now: every record read so far applied."""
+        while self._incoming:
+            self._book.apply(self._incoming.popleft())
+        return self._book
+
+    async def publish(self, producer: AIOKafkaProducer | None, changes: Sequence[ProviderFactRecorded]) -> None:
+        """Publish facts established or withdrawn here, and wait for the broker's acknowledgement."""
+        records = [Outgoing(topic=self.topic, value=encode(f), key=fact_key(f.upstream, f.place).encode())
+                   for f in changes]  # fmt: skip
+        for fact in changes:
+            if fact.withdrawn:
+                log.warning("provider fact %s withdrawn (established by %s, contradicted by %s): %s",
+                            fact_key(fact.upstream, fact.place), fact.evidence, fact.contradicted_by, fact.reason)
+            else:
+                log.info("provider fact %s established (evidence %s)", fact_key(fact.upstream, fact.place),
+                         fact.evidence)
+        if producer is None:
+            raise RuntimeError("start() the stage first")
+        await publish_all(producer, records)
+
+    async def close(self) -> None:
+        """Stop following."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    async def _follow(self) -> None:
+        assert self._consumer is not None  # noqa: S101 - start() first
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=500)
+            except Exception:  # noqa: BLE001 - the follower must outlive broker trouble
+                log.exception("provider-facts follower failed; retrying")
+                await asyncio.sleep(1.0)
+                continue
+            for records in batches.values():
+                for record in records:
+                    self._take(record)
+
+    def _take(self, record: Record) -> None:
+        if record.value is None:
+            return
+        try:
+            self._incoming.append(decode(record.value, ProviderFactRecorded))
+        except SchemaError as exc:
+            log.warning("provider-facts record at offset %s ignored: %s", record.offset, exc.message)
+
+
+def decide(
+    records: Sequence[ConsumerRecord[bytes, bytes]],
+    profiles: ProfileCache,
+    samples_topic: str,
+    book: FactBook | None = None,
+    changes: list[ProviderFactRecorded] | None = None,
+) -> list[Result]:
+    """Verdicts for a batch: decode, group by profile, rebuild each group in one batch call.
+
+    With ``book``, the upstreams' facts close gaps and accumulate; facts established or
+    withdrawn are appended to ``changes`` for the shell to publish.
+    """
     results: list[Result | None] = [None] * len(records)
     groups: dict[tuple[str, Convention], list[tuple[int, ResponseReceived]]] = {}
     for index, record in enumerate(records):
@@ -97,7 +192,9 @@ def decide(records: Sequence[ConsumerRecord[bytes, bytes]], profiles: ProfileCac
             for index, _ in members:
                 results[index] = DeadLetter(profile.reason, profile.message)
             continue
-        verdicts = reconstruct_batch([r for _, r in members], profile, convention)
+        verdicts, found = reconstruct_with_facts([r for _, r in members], profile, convention, book, at=time.time())
+        if changes is not None:
+            changes += found
         for (index, response), verdict in zip(members, verdicts, strict=True):
             if isinstance(verdict, DeadLetter):
                 results[index] = verdict
@@ -119,18 +216,33 @@ class ReconstructService(RunnerService):
         self.settings = settings
         self.profiles = ProfileCache(settings, profiles)
         self._samples_topic = settings.kafka.topic(SAMPLES_TOPIC)
+        self.facts = FactFollower(settings.kafka)
         self.runner = StageRunner.of_stage(settings, STAGE, self._handle)
 
     async def _handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
         # Tokenizing is CPU work: keep the event loop (and the consumer heartbeat) free.
-        return await asyncio.to_thread(decide, records, self.profiles, self._samples_topic)
+        changes: list[ProviderFactRecorded] = []
+
+        def run() -> list[Result]:
+            return decide(records, self.profiles, self._samples_topic, self.facts.book(), changes)
+
+        results = await asyncio.to_thread(run)
+        if changes:  # before the samples that rely on them: a crash in between replays the batch
+            await self.facts.publish(self.runner.producer, changes)
+        return results
 
     async def start(self) -> None:
-        """Load the configured profiles, then connect to Kafka."""
+        """Load the configured profiles, read the upstreams' facts, then connect to Kafka."""
         names = {self.settings.defaults.profile, *(d.profile for d in self.settings.datasets.values())}
         for name in sorted(names):
             await asyncio.to_thread(self.profiles.get, name)
+        await self.facts.start()
         await super().start()
+
+    async def close(self) -> None:
+        """Stop following the facts, then disconnect."""
+        await self.facts.close()
+        await super().close()
 
 
 

@@ -48,6 +48,7 @@ def reconstruct_file(
     from services.profiles.conventions import Convention
     from services.reconstruct.app import convention_of
     from services.reconstruct.core import reconstruct_lines
+    from services.reconstruct.facts import FactBook
 
     settings = settings_from(config)
     if not file.is_file():
@@ -76,7 +77,7 @@ def reconstruct_file(
     sink = out.open("wb") if out is not None else sys.stdout.buffer
     try:
         with file.open("rb") as f:
-            for result in reconstruct_lines(f, resolve):
+            for result in reconstruct_lines(f, resolve, facts=FactBook()):
                 total += 1
                 if isinstance(result.verdict, DeadLetter):
                     failures[result.verdict.reason] += 1

@@ -9,7 +9,10 @@ dropped: where the provider's :class:`~services.profiles.conventions.Convention`
 may be missing (stripped whitespace, the space around re-parsed arguments, the text
 between tool calls), the ids are accepted only when ``usage.completion_tokens`` proves
 nothing is missing — the count matches and no whitespace at any such place could have
-hidden inside the count — else the sample is a dead letter naming what was lost.
+hidden inside the count — else the sample is a dead letter naming what was lost. What one
+answer proves about its upstream (a field edge showing whitespace, arguments in the model's
+own form) closes those places in the upstream's other answers: ``reconstruct_with_facts``
+and ``services/reconstruct/facts.py``.
 
 Prompt ids are the encoded chat template over the messages as sent; the loss mask is 0
 over them and 1 over the output. Bad input is a :class:`DeadLetter` with a stable reason
@@ -27,6 +30,7 @@ from typing import Protocol
 from schemas import (
     LogprobToken,
     Message,
+    ProviderFactRecorded,
     ResponseReceived,
     SampleReconstructed,
     SchemaError,
@@ -37,6 +41,7 @@ from schemas import (
 from services.common.records import DeadLetter
 from services.profiles import GAP_ARGUMENTS, ProfileError, PromptState
 from services.profiles.conventions import Convention
+from services.reconstruct.facts import ARGUMENTS_PLACE, FACT_CONTRADICTED, PLACES, FactBook, fact_key, upstream_of
 from services.reconstruct.restore import ARBITRARY, CHOICE, WHITESPACE, Slot, restore
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "reconstruct",
     "reconstruct_batch",
     "reconstruct_lines",
+    "reconstruct_with_facts",
     "server_tools",
 ]
 
@@ -184,6 +190,10 @@ class _Plan:
     expected_count: int | None = None
     expected_reasoning: int | None = None  # ids before the think-end, where that count is established
     think_end_at: int | None = None  # offset of the think-end in output_text
+    # Places whose field edge shows whitespace (evidence for the upstream's facts, facts.py).
+    shown: frozenset[str] = frozenset()
+    # Slots the upstream's facts closed (strip gaps, argument choices): kept to test a contradiction.
+    closed: list[Slot] = field(default_factory=list)
 
 
 _TOKEN_ID_FORM = re.compile(r"^token_id:(\d+)$")
@@ -274,16 +284,21 @@ class _Text:
         self.parts.append(text)
         self.length += len(text)
 
-    def gap(self, where: str, kind: str = WHITESPACE) -> None:
+    def gap(self, where: str, kind: str = WHITESPACE, place: str = "") -> None:
         last = self.gaps[-1] if self.gaps else None
+        places = frozenset({place} if place else ())
         if last is not None and last.kind != CHOICE and last.start == self.length:
             if kind == ARBITRARY:  # the wider loss wins where two meet
                 self.gaps[-1] = Slot(self.length, self.length, kind, where=where)
+            elif last.kind == WHITESPACE:
+                self.gaps[-1] = Slot(self.length, self.length, last.kind, where=last.where,
+                                     places=last.places | places)  # fmt: skip
             return
-        self.gaps.append(Slot(self.length, self.length, kind, where=where))
+        self.gaps.append(Slot(self.length, self.length, kind, where=where, places=places))
 
     def choice(self, text: str, alternatives: tuple[str, ...]) -> None:
-        self.gaps.append(Slot(self.length, self.length + len(text), CHOICE, alternatives, where=_ARGS))
+        self.gaps.append(Slot(self.length, self.length + len(text), CHOICE, alternatives, where=_ARGS,
+                              places=frozenset({ARGUMENTS_PLACE})))  # fmt: skip
         self.add(text)
 
     def text(self) -> str:
@@ -408,31 +423,40 @@ def _assemble(
     content_units = {"content"} if thinking else {"content", "text"}
     out = _Text()
     think_end_at: int | None = None
+    r_start, r_end = _edges(response.reasoning)
+    c_start, c_end = _edges(response.content)
+    # The places whose field edge shows whitespace here: evidence about the upstream (facts.py).
+    shown: set[str] = set()
 
-    def edge(units: set[str]) -> None:
+    def edge(units: set[str], place: str, shows: bool) -> None:
+        if shows:
+            shown.add(place)
         if not open_units.isdisjoint(units):
-            out.gap(_STRIP)
+            out.gap(_STRIP, place=place)
 
     if layout.think_start and profile.think_start:
         out.add(profile.think_start)
-    if raw:
-        edge({"reasoning", "text"})
+    if raw:  # which field edge this is depends on a layout the fields cannot show: no evidence
+        edge({"reasoning", "text"}, "answer_start", False)
         out.add(response.reasoning)
-        edge({"reasoning", "text"})
+        edge({"reasoning", "text"}, "answer_end", False)
     elif thinking:
-        edge(reasoning_units)
+        edge(reasoning_units, "reasoning_start", r_start)
         out.add(response.reasoning)
         if not layout.think_end:
-            edge({"reasoning", "text"})
+            edge({"reasoning", "text"}, "reasoning_cut", r_end)
             if layout.end_of_turn:  # a block the model opened and never closed
                 out.add(profile.end_of_turn)
-            return _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
-        edge({"reasoning"})
+            plan = _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
+            plan.shown = frozenset(shown)
+            return plan
+        edge({"reasoning"}, "reasoning_end", r_end)
         think_end_at = out.length
         out.add(profile.think_end or "")
-    edge(content_units)
+    edge(content_units, "content_start" if thinking else "text_start", c_start)
     out.add(response.content)
-    edge(content_units if not calls else {"content"})
+    end_place = "before_tool" if calls else "content_end" if thinking else "text_end"
+    edge(content_units if not calls else {"content"}, end_place, c_end)
     if calls:
         try:
             pieces = profile.tool_call_pieces(calls)
@@ -441,6 +465,8 @@ def _assemble(
         reserialized = profile.tool_format in convention.reserialized_tool_formats
         # Each call's re-serialised part, in call order, becomes a choice slot.
         choices = iter(_argument_choices(profile.tool_format, calls) if reserialized else [])
+        if reserialized and any(not _dumps_form(call.function.arguments) for call in calls):
+            shown.add(ARGUMENTS_PLACE)  # a re-serialising parser returns json.dumps' own form only
         wanted = next(choices, None)
         for piece in pieces:
             if not isinstance(piece, str):
@@ -461,6 +487,7 @@ def _assemble(
         out.add(profile.end_of_turn)
     plan = _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
     plan.think_end_at = think_end_at
+    plan.shown = frozenset(shown)
     return plan
 
 
@@ -471,6 +498,11 @@ def _json_forms(value: object) -> list[str]:
         for separators in ((", ", ": "), (",", ":"))
         for ascii_only in (False, True)
     ]
+
+
+def _dumps_form(arguments: str) -> bool:
+    """Whether tool arguments are in ``json.dumps(value, ensure_ascii=False)``'s own form (valid JSON)."""
+    return arguments == json.dumps(json.loads(arguments), ensure_ascii=False)
 
 
 def _argument_choices(tool_format: str, calls: Sequence[ToolCall]) -> list[tuple[str, tuple[str, ...]]]:
@@ -490,7 +522,7 @@ def _argument_choices(tool_format: str, calls: Sequence[ToolCall]) -> list[tuple
         # The text's own evidence: a re-serialising parser returns exactly json.dumps(value,
         # ensure_ascii=False) (vLLM hermes, SGLang's detectors: PARSERS.md); arguments in any
         # other form are the model's own text.
-        if raw != json.dumps(args, ensure_ascii=False):
+        if not _dumps_form(raw):
             out.append((current, ()))
             continue
         forms = list(dict.fromkeys([raw, *_json_forms(args)]))
@@ -746,14 +778,90 @@ def _sample(
 def reconstruct_batch(
     responses: Sequence[ResponseReceived], profile: ReconstructProfile, convention: Convention
 ) -> list[SampleReconstructed | DeadLetter]:
-    """Rebuild many responses of one profile and provider convention, batching the tokenizer."""
+    """Rebuild many responses of one profile and provider convention, batching the tokenizer (no facts)."""
+    return reconstruct_with_facts(responses, profile, convention, None)[0]
+
+
+def _close_gaps(plan: _Plan, kept: frozenset[str]) -> None:
+    """Move the strip gaps at places the upstream is proven to keep out of the search."""
+    closed = [g for g in plan.gaps if g.where in (_STRIP, _ARGS) and g.places and g.places <= kept]
+    if closed:
+        plan.closed = closed
+        plan.gaps = [g for g in plan.gaps if g not in closed]
+
+
+def _establish(
+    plans: Sequence[_Plan | DeadLetter], book: FactBook, convention: Convention, at: float
+) -> list[ProviderFactRecorded]:
+    """Facts from the whole batch first: each place an answer's field edge shows whitespace at."""
+    if not convention.strips_whitespace:
+        return []
+    changes = []
+    for plan in plans:
+        if not isinstance(plan, _Plan) or not plan.shown:
+            continue
+        upstream = upstream_of(plan.response)
+        if upstream is None or book.contradicted(upstream) is not None:
+            continue
+        for place in sorted(plan.shown & set(PLACES)):
+            record = book.establish(upstream, place, sample_key(plan.response.dataset, plan.response.sample_id), at)
+            if record is not None:
+                changes.append(record)
+    return changes
+
+
+def _contradiction(
+    plan: _Plan, ids: list[int], profile: ReconstructProfile, verdict: DeadLetter | list[int]
+) -> bool:
+    """Whether the count shows whitespace missing at a place the facts closed (with them open, a candidate fits)."""
+    if not plan.closed or plan.expected_count is None or plan.output_text is None:
+        return False
+    if isinstance(verdict, DeadLetter):
+        if verdict.reason not in (WHITESPACE_STRIPPED, TOOL_TEXT_LOST):
+            return False
+    elif len(verdict) == plan.expected_count:
+        return False
+    outcome = restore(plan.output_text, [*plan.gaps, *plan.closed], specials=profile.special_strings,
+                      encode_batch=profile.encode_batch, base_count=len(ids), target=plan.expected_count)  # fmt: skip
+    return outcome.matches >= 1 and not outcome.arbitrary_room
+
+
+def _withdrawn_places(plan: _Plan, book: FactBook, upstream: str | None) -> list[ProviderFactRecorded]:
+    """The withdrawn facts of ``upstream`` at places this answer may have lost whitespace."""
+    if upstream is None or book.contradicted(upstream) is None:
+        return []
+    places = {p for g in (*plan.gaps, *plan.closed) for p in g.places}
+    return [f for f in book.withdrawn(upstream) if f.place in places]
+
+
+def reconstruct_with_facts(
+    responses: Sequence[ResponseReceived],
+    profile: ReconstructProfile,
+    convention: Convention,
+    book: FactBook | None,
+    *,
+    at: float = 0.0,
+) -> tuple[list[SampleReconstructed | DeadLetter], list[ProviderFactRecorded]]:
+    """Rebuild a batch with the upstreams' facts (facts.py): the verdicts, and the facts established or withdrawn.
+
+    ``book`` is updated in place. Facts are established from the whole batch before any
+    sample is judged; then, in batch order, a gap at a place the answer's upstream is proven
+    to keep is closed, and an answer whose count shows whitespace missing at such a place
+    withdraws the fact (refused ``provider_fact_contradicted``, as are the upstream's later
+    answers that would have needed it). ``book=None``: no facts, each answer on its own evidence.
+    """
     plans: list[_Plan | DeadLetter] = [_plan(r, profile, convention) for r in responses]
+    changes = _establish(plans, book, convention, at) if book is not None else []
+    if book is not None:
+        for plan in plans:
+            upstream = upstream_of(plan.response) if isinstance(plan, _Plan) else None
+            if isinstance(plan, _Plan) and plan.gaps and book.contradicted(upstream) is None:
+                _close_gaps(plan, book.kept(upstream))
     live = [p for p in plans if isinstance(p, _Plan)]
     prompt_ids = iter(profile.encode_prompt_batch([p.prompt_text for p in live]))
     output_ids = iter(profile.encode_batch([p.output_text for p in live if p.output_text is not None]))
     out: list[SampleReconstructed | DeadLetter] = []
     lossy: list[tuple[int, _Plan, list[int]]] = []
-    lossy_plans: dict[int, _Plan] = {}
     for plan in plans:
         if isinstance(plan, DeadLetter):
             out.append(plan)
@@ -770,18 +878,44 @@ def reconstruct_batch(
             if bad is not None:
                 out.append(bad)
                 continue
-            if plan.gaps:
+            if plan.gaps or plan.closed:
                 lossy.append((len(out), plan, ids))
-                lossy_plans[len(out)] = plan
         out.append(_sample(plan, profile, prompt, ids))
-    for index, verdict in _prove(lossy, profile).items():
+    for index, plan, ids in lossy:  # in batch order: a contradiction bears on the answers after it
+        upstream = upstream_of(plan.response)
+        key = sample_key(plan.response.dataset, plan.response.sample_id)
+        withdrawn = _withdrawn_places(plan, book, upstream) if book is not None else []
+        if withdrawn:
+            out[index] = _contradicted(withdrawn, key)
+            continue
+        verdict = _prove([(index, plan, ids)], profile)[index] if plan.gaps else ids
+        if book is not None and upstream is not None and _contradiction(plan, ids, profile, verdict):
+            places = sorted({p for g in plan.closed for p in g.places})
+            why = f"{key}'s usage count shows whitespace missing at {', '.join(places)}"
+            withdrawals = [book.withdraw(upstream, p, key, why, at) for p in places]
+            changes += withdrawals
+            out[index] = _contradicted(withdrawals, key)
+            continue
         if isinstance(verdict, DeadLetter):
             out[index] = verdict
             continue
         previous = out[index]
         assert isinstance(previous, SampleReconstructed)  # noqa: S101 - lossy entries are samples
-        out[index] = _sample(lossy_plans[index], profile, list(previous.prompt_ids), verdict)
-    return out
+        out[index] = _sample(plan, profile, list(previous.prompt_ids), verdict)
+    return out, changes
+
+
+def _contradicted(facts: Sequence[ProviderFactRecorded], key: str) -> DeadLetter:
+    """The dead letter of an answer whose upstream's fact (at a place it may have lost text) was contradicted."""
+    named = "; ".join(
+        f"fact {fact_key(f.upstream, f.place)} (whitespace kept, established by {f.evidence}) "
+        f"contradicted by {f.contradicted_by}" for f in facts
+    )
+    return DeadLetter(
+        FACT_CONTRADICTED,
+        f"{key}: {named}: the upstream shows both habits under one name, so its facts no longer stand; "
+        "replay after pinning one upstream",
+    )
 
 
 def reconstruct(
@@ -803,25 +937,30 @@ class LineResult:
 Resolver = Callable[[ResponseReceived], "tuple[ReconstructProfile, Convention] | DeadLetter"]
 
 
-def reconstruct_lines(lines: Iterable[bytes], resolve: Resolver, *, batch_size: int = 256) -> Iterator[LineResult]:
+def reconstruct_lines(
+    lines: Iterable[bytes], resolve: Resolver, *, batch_size: int = 256, facts: FactBook | None = None
+) -> Iterator[LineResult]:
     """Rebuild a JSONL stream of ``ResponseReceived``, in batches, in input order.
 
     ``resolve`` picks the profile and provider convention of a response (or a dead-letter
     verdict when they cannot be had). Blank lines are skipped; undecodable lines get their
-    schema reason code.
+    schema reason code. With ``facts``, the upstreams' facts accumulate over the file as
+    they do over the stage's stream (facts.py).
     """
     pending: list[tuple[int, bytes]] = []
     for number, raw in enumerate(lines, start=1):
         if raw.strip():
             pending.append((number, raw))
         if len(pending) >= batch_size:
-            yield from _reconstruct_chunk(pending, resolve)
+            yield from _reconstruct_chunk(pending, resolve, facts)
             pending = []
     if pending:
-        yield from _reconstruct_chunk(pending, resolve)
+        yield from _reconstruct_chunk(pending, resolve, facts)
 
 
-def _reconstruct_chunk(chunk: list[tuple[int, bytes]], resolve: Resolver) -> Iterator[LineResult]:
+def _reconstruct_chunk(
+    chunk: list[tuple[int, bytes]], resolve: Resolver, facts: FactBook | None
+) -> Iterator[LineResult]:
     verdicts: dict[int, LineResult] = {}
     groups: dict[tuple[int, str], tuple[ReconstructProfile, Convention, list[tuple[int, ResponseReceived]]]] = {}
     for number, raw in chunk:
@@ -838,7 +977,7 @@ def _reconstruct_chunk(chunk: list[tuple[int, bytes]], resolve: Resolver) -> Ite
         profile, convention = resolved
         groups.setdefault((id(profile), convention.name), (profile, convention, []))[2].append((number, response))
     for profile, convention, members in groups.values():
-        batch = reconstruct_batch([r for _, r in members], profile, convention)
+        batch, _ = reconstruct_with_facts([r for _, r in members], profile, convention, facts)
         for (number, response), verdict in zip(members, batch, strict=True):
             verdicts[number] = LineResult(number, sample_key(response.dataset, response.sample_id), verdict)
     for number, _ in chunk:

@@ -55,6 +55,9 @@ class Slot:
     kind: str  # WHITESPACE | ARBITRARY | CHOICE
     alternatives: tuple[str, ...] = ()  # CHOICE: every candidate text, the current one included
     where: str = ""  # for messages: "strip", "tool", "arguments"
+    # For a strip gap: the places it stands for (services/reconstruct/facts.py PLACES); two
+    # places that meet make one slot, which a provider fact closes only when it covers both.
+    places: frozenset[str] = frozenset()
 
     def candidates(self) -> tuple[str, ...]:
         """The texts this slot may stand for."""

@@ -34,8 +34,9 @@ from services.audit.core import audit_batch
 from services.common.config import AuditThresholds, load_settings
 from services.common.kafka import DeadLetter
 from services.profiles import Profile, load_profile
-from services.profiles.conventions import CONVENTIONS
-from services.reconstruct.core import reconstruct_batch
+from services.profiles.conventions import CONVENTIONS, Convention
+from services.reconstruct.core import reconstruct_batch, reconstruct_with_facts
+from services.reconstruct.facts import FactBook
 from tests.conformance import truth as T
 from tests.unit.test_profiles import KIMI_GOOD
 
@@ -48,6 +49,10 @@ LOGPROB_OR_ENGINE = ("vllm", "sglang-strip", "openrouter")
 # Truncated samples are exact too: the matrix keeps them (finish_stop is a dataset choice).
 THRESHOLDS = AuditThresholds(require_stop=False)
 VAGUE = {"", "internal_error", "decode_failed"}
+# Answers per reconstruct batch, as the stage's consumer hands them over.
+BATCH = 16
+# The upstream an OpenRouter-like column names in its replies' ``provider`` (the simulator router's names).
+UPSTREAM_NAME = {"openrouter": "logprobs", "openrouter-nolp": "lossless", "openrouter-nolp-strip": "stripping"}
 
 
 def _profile_settings(model: str, thinking: bool) -> tuple[str, dict[str, Any]]:
@@ -103,6 +108,7 @@ def _response(case: Any, server: str, index: int) -> ResponseReceived:
         logprobs=logprobs,
         native_prompt_ids=got.get("prompt_token_ids"),
         tools_sent=got["tools_sent"],
+        upstream_provider=UPSTREAM_NAME.get(server),
     )
 
 
@@ -121,6 +127,9 @@ class Cell:
     wrong: list[str] = field(default_factory=list)
     vague: list[str] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
+    lossless_reasons: Counter[str] = field(default_factory=Counter)  # why lossless answers were refused
+    refused: list[tuple[Any, ResponseReceived, bool]] = field(default_factory=list)  # reconstruct dead letters
+    outcomes: dict[tuple[str, str], str] = field(default_factory=dict)  # (upstream, sample id): verdict
 
 
 def _differences(sample: SampleReconstructed, case: Any) -> list[str]:
@@ -169,33 +178,52 @@ def _may_hide_a_partial_character(response: ResponseReceived, profile: Profile) 
     return any(tail[start:] in prefixes for start in range(len(tail)))
 
 
-def run_cell(model: str, server: str) -> Cell:
-    """Every conversation of one model through one server emulation, reconstruct and audit."""
+def run_cell(model: str, server: str, book: FactBook | None = None) -> Cell:
+    """Every conversation of one model through one server emulation, reconstruct and audit.
+
+    In order, in batches of ``BATCH`` as a stream delivers them, grouped by profile within a
+    batch as the reconstruct stage does; with ``book``, the upstreams' facts accumulate.
+    """
     cell = Cell()
     convention = CONVENTIONS[SERVER_CONVENTION[server]]
     cases = T.build_cases(model)
-    by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]] = {}
-    for index, case in enumerate(cases):
-        response = _response(case, server, index)
-        profile = profile_for(model, case.conversation.thinking)
-        lossy = T.emulate(case, server)["lossy"] or lossy_by_convention(response, profile, UPSTREAM_CONVENTION[server])
-        by_profile.setdefault(case.conversation.thinking, []).append((case, response, lossy))
+    for first in range(0, len(cases), BATCH):
+        by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]] = {}
+        for index, case in enumerate(cases[first:first + BATCH], start=first):
+            response = _response(case, server, index)
+            profile = profile_for(model, case.conversation.thinking)
+            lossy = T.emulate(case, server)["lossy"] or lossy_by_convention(response, profile,
+                                                                             UPSTREAM_CONVENTION[server])
+            by_profile.setdefault(case.conversation.thinking, []).append((case, response, lossy))
+        _judge(cell, model, by_profile, convention, book)
+    return cell
+
+
+def _judge(cell: Cell, model: str, by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]],
+           convention: Convention, book: FactBook | None) -> None:
+    """Reconstruct and audit one batch, profile group by profile group, into ``cell``."""
     for thinking, members in by_profile.items():
         profile = profile_for(model, thinking)
-        verdicts = reconstruct_batch([r for _, r, _ in members], profile, convention)
+        verdicts, _ = reconstruct_with_facts([r for _, r, _ in members], profile, convention, book)
         samples = [v for v in verdicts if isinstance(v, SampleReconstructed)]
         audited = iter(audit_batch(samples, profile, THRESHOLDS))
         for (case, response, lossy), verdict in zip(members, verdicts, strict=True):
             cell.cases += 1
             cell.lossless += not lossy
+            where = (response.upstream_provider or "", response.sample_id)
+            cell.outcomes[where] = verdict.reason if isinstance(verdict, DeadLetter) else "rebuilt"
             if isinstance(verdict, DeadLetter):
                 cell.reasons[f"reconstruct/{verdict.reason}"] += 1
+                cell.lossless_reasons[f"reconstruct/{verdict.reason}"] += not lossy
+                cell.refused.append((case, response, lossy))
                 if verdict.reason in VAGUE:
                     cell.vague.append(response.sample_id)
                 continue
             result = next(audited)
+            cell.outcomes[where] = "accepted" if result.passed else f"audit/{result.reasons[0]}"
             if not result.passed:
                 cell.reasons[f"audit/{result.reasons[0]}"] += 1
+                cell.lossless_reasons[f"audit/{result.reasons[0]}"] += not lossy
                 continue
             cell.accepted += 1
             cell.accepted_lossless += not lossy
@@ -204,13 +232,39 @@ def run_cell(model: str, server: str) -> Cell:
                 cell.wrong.append(f"{response.sample_id} ({'+'.join(wrong)}; {sorted(case.conversation.features)})")
             else:
                 cell.exact += 1
-    return cell
+
+
+@cache
+def fact_books() -> dict[str, FactBook]:
+    """Per server column, the provider facts its answers established (filled by :func:`matrix`)."""
+    return {server: FactBook() for server in T.SERVERS}
 
 
 @cache
 def matrix() -> dict[tuple[str, str], Cell]:
-    """The whole matrix, computed once per test session."""
-    return {(m, s): run_cell(m, s) for m in T.MODELS for s in T.SERVERS}
+    """The whole matrix, computed once per test session; facts accumulate per column, in order."""
+    books = fact_books()
+    return {(m, s): run_cell(m, s, books[s]) for m in T.MODELS for s in T.SERVERS}
+
+
+@cache
+def replayed() -> dict[tuple[str, str], Cell]:
+    """Each cell's reconstruct dead letters judged once more after its column's stream (``dlq replay``).
+
+    What an operator does once the upstream's facts exist: the stored responses go through
+    reconstruct again with the facts as they stand (and keep accumulating), nothing is paid again.
+    """
+    books, cells = fact_books(), matrix()
+    out = {}
+    for (model, server), cell in cells.items():
+        again = Cell()
+        for first in range(0, len(cell.refused), BATCH):
+            by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]] = {}
+            for case, response, lossy in cell.refused[first:first + BATCH]:
+                by_profile.setdefault(case.conversation.thinking, []).append((case, response, lossy))
+            _judge(again, model, by_profile, CONVENTIONS[SERVER_CONVENTION[server]], books[server])
+        out[(model, server)] = again
+    return out
 
 
 def _print_table(cells: dict[tuple[str, str], Cell]) -> None:
@@ -228,6 +282,13 @@ def _print_table(cells: dict[tuple[str, str], Cell]) -> None:
     kept = sum(c.accepted_lossless for c in cells.values())
     print(f"total: {total} samples, {accepted} accepted, {wrong} accepted with wrong ids; "
           f"lossless emulations: {kept}/{lossless} accepted ({kept / max(lossless, 1):.1%})")
+    for server in T.SERVERS:
+        column = [c for (_, s), c in cells.items() if s == server]
+        lossless = sum(c.lossless for c in column)
+        kept = sum(c.accepted_lossless for c in column)
+        share = f"{kept}/{lossless} ({kept / lossless:.1%})" if lossless else "-"
+        print(f"column {server}: {sum(c.accepted for c in column)}/{sum(c.cases for c in column)} accepted, "
+              f"{sum(len(c.wrong) for c in column)} with wrong ids, lossless accepted {share}")
 
 
 def test_matrix_has_at_least_30_conversations_per_model() -> None:
@@ -259,36 +320,110 @@ def _column(server: str) -> tuple[int, int, int, int]:
             sum(c.accepted_lossless for c in cells))
 
 
-# Measured 2026-12-01: 104 / 157 (66 %). Issue 22 asks for 95 %, which per-sample evidence cannot give: a model
-# that writes no whitespace at a field's edge (V3.1 and Kimi around </think>, the Gemma-like user profile)
-# leaves a strip there possible, and " Word"/"Word" or "."/".\n" are one token each; and a re-serialised
-# argument text longer than another form fits the count as well as that form plus a dropped tail. A floor
-# that ratchets what is reached; the gap is in docs/fidelity.md.
-NOLP_LOSSLESS_FLOOR = 0.65
+def _column_facts(server: str) -> dict[str, list[str]]:
+    """The facts a column's answers established, by upstream: standing places, and withdrawn ones marked."""
+    out: dict[str, list[str]] = {}
+    for (upstream, place), fact in sorted(fact_books()[server].facts.items()):
+        out.setdefault(upstream, []).append(f"{place} (withdrawn by {fact.contradicted_by})" if fact.withdrawn
+                                            else place)  # fmt: skip
+    return out
+
+
+def _stream_figures(server: str) -> tuple[int, int, int, int, int]:
+    """(cases, accepted, lossless, lossless accepted in the stream, lossless accepted after one replay)."""
+    cases, accepted, lossless, kept = _column(server)
+    again = sum(c.accepted_lossless for (_, s), c in replayed().items() if s == server)
+    again_all = sum(c.accepted for (_, s), c in replayed().items() if s == server)
+    wrong = [w for (_, s), c in replayed().items() if s == server for w in c.wrong]
+    assert not wrong, wrong
+    print(f"\n{server}: in the stream, {accepted}/{cases} accepted, "
+          f"{sum(len(c.wrong) for (_, s), c in matrix().items() if s == server)} with wrong ids; "
+          f"{kept}/{lossless} of the lossless answers ({kept / max(lossless, 1):.1%}); after one `dlq replay` of "
+          f"the reconstruct dead letters: {kept + again}/{lossless} ({(kept + again) / max(lossless, 1):.1%}); "
+          f"{accepted + again_all}/{cases} accepted in all")
+    for upstream, places in _column_facts(server).items():
+        print(f"  facts of {upstream}: {', '.join(places)}")
+    return cases, accepted, lossless, kept, kept + again
+
+
+# Measured 2026-12-01 (facts per upstream, batches of 16): 143 / 157 (91.1 %) in the stream, 150 / 157 (95.5 %)
+# after one replay. The stream's rest are answers judged before their upstream's fact existed (a model that
+# seldom writes whitespace at a field edge shows it late: V3.1's reasoning start first at its 20th answer,
+# the Gemma-like profile's text end at its 24th) and cut answers whose tail is ambiguous (7, no fact helps).
+NOLP_STREAM_FLOOR = 0.90
+NOLP_LOSSLESS_FLOOR = 0.95
 
 
 def test_openrouter_without_logprobs_over_a_lossless_upstream() -> None:
-    """No logprobs, vLLM-like text: the fields' own whitespace and the usage count decide; 0 wrong."""
-    cases, accepted, lossless, kept = _column("openrouter-nolp")
-    print(f"\nopenrouter-nolp: {accepted}/{cases} accepted; {kept}/{lossless} of the lossless answers "
-          f"({kept / lossless:.1%})")
+    """No logprobs, vLLM-like text: each answer's own whitespace, its upstream's facts and the count decide; 0 wrong."""
+    cases, accepted, lossless, kept, after_replay = _stream_figures("openrouter-nolp")
     assert lossless >= 100
     assert not any(c.wrong for (_, s), c in matrix().items() if s == "openrouter-nolp")
-    by_model = {m: dict(c.reasons) for (m, s), c in matrix().items() if s == "openrouter-nolp"}
-    assert kept / lossless >= NOLP_LOSSLESS_FLOOR, by_model
+    by_model = {m: dict(c.lossless_reasons) for (m, s), c in matrix().items() if s == "openrouter-nolp"}
+    assert kept / lossless >= NOLP_STREAM_FLOOR, by_model
+    assert after_replay / lossless >= NOLP_LOSSLESS_FLOOR, by_model
     # Where the model writes whitespace at its field edges (Qwen3, Qwen3-2507, R1), the evidence decides
-    # every lossless answer that is not a cut answer's ambiguous tail or a re-serialisable tool call.
+    # every lossless answer that is not a cut answer's ambiguous tail, already in the stream. (Lossy R1 answers
+    # with several tool calls, whose text between the calls vLLM drops, are counted apart: with the upstream's
+    # argument fact they are refused for that whitespace now, no longer for their arguments.)
     for model in ("qwen3", "qwen3-thinking-2507", "deepseek-r1"):
         cell = matrix()[(model, "openrouter-nolp")]
-        assert cell.reasons.get("reconstruct/whitespace_ambiguous", 0) <= 3, (model, dict(cell.reasons))
+        assert set(+cell.lossless_reasons) <= {"reconstruct/truncated_tail_ambiguous"}, (model, cell.lossless_reasons)
+    # The lossless upstream is never caught stripping: no fact of it is withdrawn.
+    assert not any(f.withdrawn for f in fact_books()["openrouter-nolp"].facts.values())
+
+
+# Where SGLang before 2026 strips (PARSERS.md, truth.py's emulation): the start of the text it parsed a think
+# block out of, the content after </think> (both ends), the end of a reasoning it was cut inside, and the content
+# before a DeepSeek/Qwen tool block. It keeps the reasoning's end before </think> and everything of an answer
+# without a think block, so facts there are true ones.
+STRIPPED_PLACES = {"reasoning_start", "content_start", "content_end", "reasoning_cut"}
 
 
 def test_openrouter_without_logprobs_over_a_stripping_upstream_prints_its_yield() -> None:
     """Over SGLang-before-2026 text every answer may have lost whitespace: the figure is printed, 0 wrong."""
-    cases, accepted, _, _ = _column("openrouter-nolp-strip")
-    print(f"\nopenrouter-nolp-strip: {accepted}/{cases} accepted ({accepted / cases:.1%})")
+    cases, accepted, _, _, _ = _stream_figures("openrouter-nolp-strip")
     assert cases >= 100
     assert not any(c.wrong for (_, s), c in matrix().items() if s == "openrouter-nolp-strip")
+    # No fact is ever established where the stripping upstream strips (a strip never shows edge whitespace).
+    book = fact_books()["openrouter-nolp-strip"]
+    wrong_facts = {(u, p) for (u, p), f in book.facts.items() if p in STRIPPED_PLACES
+                   or (p == "before_tool" and not u.startswith("stripping/kimi"))}  # fmt: skip
+    assert not wrong_facts, wrong_facts
+    assert all(u.startswith("stripping/") for u, _ in book.facts)
+
+
+def test_facts_of_one_upstream_never_close_gaps_of_another() -> None:
+    """A mixed stream: lossless and stripping answers under their own provider names, one fact book.
+
+    The stripping upstream's answers are judged exactly as in their own column (the lossless
+    upstream's facts close none of their gaps), and nothing accepted differs from the truth.
+    """
+    book = FactBook()
+    mixed, alone = Cell(), Cell()
+    alone_book = FactBook()
+    for model in ("qwen3", "deepseek-v3.1"):
+        cases = T.build_cases(model)
+        for first in range(0, len(cases), BATCH // 2):
+            chunk = list(enumerate(cases[first:first + BATCH // 2], start=first))
+            by_profile: dict[bool, list[tuple[Any, ResponseReceived, bool]]] = {}
+            strip_only: dict[bool, list[tuple[Any, ResponseReceived, bool]]] = {}
+            for index, case in chunk:
+                for server in ("openrouter-nolp", "openrouter-nolp-strip"):
+                    item = (case, _response(case, server, index), True)
+                    by_profile.setdefault(case.conversation.thinking, []).append(item)
+                    if server == "openrouter-nolp-strip":
+                        strip_only.setdefault(case.conversation.thinking, []).append(item)
+            _judge(mixed, model, by_profile, CONVENTIONS["openrouter"], book)
+            _judge(alone, model, strip_only, CONVENTIONS["openrouter"], alone_book)
+    assert not mixed.wrong and not alone.wrong, (mixed.wrong, alone.wrong)
+    stripping = {k: f.place for k, f in book.facts.items() if k[0].startswith("stripping/")}
+    assert stripping == {k: f.place for k, f in alone_book.facts.items()}
+    assert any(k[0].startswith("lossless/") for k in book.facts)  # the lossless upstream did establish facts
+    # Every stripping answer gets the same verdict with and without the lossless answers beside it.
+    of_stripping = {k: v for k, v in mixed.outcomes.items() if k[0] == "stripping"}
+    assert of_stripping == alone.outcomes
+    assert len(of_stripping) == 64
 
 
 def test_every_dead_letter_names_a_specific_reason() -> None:

@@ -18,8 +18,8 @@ from schemas import (
 )
 from services.audit.app import create_app
 from services.common.config import Settings
-from services.common.kafka import ensure_topics, header, make_producer
-from tests.kafka_fixture import read_records
+from services.common.kafka import ensure_topics, header
+from tests.kafka_fixture import read_records, send_records
 from tests.unit.test_audit_checks import make
 from tests.unit.test_audit_support import deepseek
 
@@ -49,13 +49,7 @@ async def test_audit_worker_routes_good_bad_and_poison(settings_factory: Callabl
         (b"math:oov", encode(out_of_vocab)),
         (b"math:good2", encode(good2)),
     ]
-    producer = make_producer(settings.kafka)
-    await producer.start()
-    try:
-        for key, value in records:
-            await producer.send_and_wait(settings.kafka.topic(SAMPLES_TOPIC), value, key=key)
-    finally:
-        await producer.stop()
+    await send_records(settings, SAMPLES_TOPIC, records)
 
     service = create_app(settings)
     await service.start()

@@ -17,10 +17,10 @@ from schemas import (
     encode,
 )
 from services.common.config import Settings
-from services.common.kafka import ensure_topics, header, make_producer
+from services.common.kafka import ensure_topics, header
 from services.common.metrics import RECONSTRUCTED
 from services.reconstruct.app import create_app
-from tests.kafka_fixture import read_records, wait_until
+from tests.kafka_fixture import read_records, send_records, wait_until
 from tests.unit.test_profiles import deepseek, qwen
 from tests.unit.test_reconstruct import response, tc
 
@@ -49,13 +49,7 @@ async def test_worker_rebuilds_and_dead_letters(settings_factory: Callable[..., 
         (b"math:good2", encode(good2)),
     ]
     before = RECONSTRUCTED.labels(dataset="math", method="reencode")._value.get()
-    producer = make_producer(settings.kafka)
-    await producer.start()
-    try:
-        for key, value in records:
-            await producer.send_and_wait(settings.kafka.topic(RESPONSES_TOPIC), value, key=key)
-    finally:
-        await producer.stop()
+    await send_records(settings, RESPONSES_TOPIC, records)
 
     service = create_app(settings, profiles={"deepseek-r1": ds, "qwen3": qw})
     await service.start()

@@ -83,6 +83,7 @@ def all_events() -> list[msgspec.Struct]:
         s.LeaseReleased(worker="w1", dataset="math", epoch="e1"),
         s.ResponseIndexed(partition=2, offset=41),
         s.StoreCheckpointed(partition=2, next_offset=42),
+        s.ProviderFactRecorded(upstream="Lossless/qwen3", place="content_start", evidence="math:a1"),
     ]
 
 

@@ -1,0 +1,126 @@
+"""Provider facts from evidence: what one answer proves about its upstream holds for its other answers.
+
+A stripping server (``.strip()``) can never return a field that begins or ends with
+whitespace. So one answer of upstream U whose field shows whitespace at a place a strip
+would have removed proves "U keeps whitespace at that place", and reconstruction under a
+convention that *may* strip closes that gap in U's other answers too. A fact is discrete
+and falsifiable, never a learned offset: a later answer of U whose own count shows
+whitespace missing at a place U is said to keep withdraws the fact, and that answer and
+U's later lossy answers are refused ``provider_fact_contradicted`` naming the fact and both
+sample keys. Pure: the facts are :class:`~schemas.ProviderFactRecorded` records, which the
+reconstruct shell keeps on the compacted ``provider-facts`` topic.
+
+Places (where ``services.reconstruct.core`` puts a strip gap): ``reasoning_start``,
+``reasoning_end`` (before the think-end), ``reasoning_cut`` (the end of a reasoning the
+answer stopped inside), ``content_start`` / ``content_end`` (a content after a think block),
+``text_start`` / ``text_end`` (a content with no think block: SGLang before 2026 stripped
+only what its reasoning parser parsed, so the two are different places), ``before_tool``
+(the content before a tool block: SGLang 2026 strips there and nowhere else, PARSERS.md);
+and ``arguments``: tool arguments not in ``json.dumps``' own form prove the upstream's tool
+parser returns the model's argument text (a re-serialising parser returns only that form).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from schemas import ProviderFactRecorded, ResponseReceived
+
+__all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "FactBook", "fact_key", "upstream_of"]
+
+FACT_CONTRADICTED = "provider_fact_contradicted"
+
+ARGUMENTS_PLACE = "arguments"
+PLACES = ("reasoning_start", "reasoning_end", "reasoning_cut", "content_start", "content_end", "text_start",
+          "text_end", "before_tool", ARGUMENTS_PLACE)  # fmt: skip
+
+# Provider kinds that route one request to one of several upstreams: without the upstream's
+# name an answer cannot be attributed, so it establishes nothing and no fact closes its gaps.
+_ROUTERS = frozenset({"openrouter"})
+
+
+def upstream_of(response: ResponseReceived) -> str | None:
+    """Whose habits an answer shows: ``<upstream name>/<model>``, or None when it cannot be attributed.
+
+    OpenRouter names the upstream in ``provider`` (``upstream_provider`` here); an upstream
+    runs its own engine per model, so the model is part of the name. A provider that names no
+    upstream is one anonymous upstream per provider kind and model (``<kind>/<model>``: one
+    server behind one base URL), except a router, whose answers come from several.
+    """
+    if response.upstream_provider:
+        return f"{response.upstream_provider}/{response.model}"
+    if response.provider in _ROUTERS:
+        return None
+    return f"{response.provider}/{response.model}"
+
+
+def fact_key(upstream: str, place: str) -> str:
+    """The record key of a fact on ``provider-facts``."""
+    return f"{upstream}|{place}"
+
+
+@dataclass
+class FactBook:
+    """The facts known now, by ``(upstream, place)``: established ones and withdrawn ones.
+
+    A withdrawn fact stays withdrawn (it is never established again from a later answer):
+    the upstream showed both habits under one name.
+    """
+
+    facts: dict[tuple[str, str], ProviderFactRecorded] = field(default_factory=dict, init=False)
+    # The same records by upstream, so a batch's look-ups do not scan every upstream's facts.
+    _by_upstream: dict[str, dict[str, ProviderFactRecorded]] = field(default_factory=dict, init=False, repr=False)
+
+    def _put(self, record: ProviderFactRecorded) -> None:
+        self.facts[(record.upstream, record.place)] = record
+        self._by_upstream.setdefault(record.upstream, {})[record.place] = record
+
+    @classmethod
+    def of(cls, records: Iterable[ProviderFactRecorded]) -> FactBook:
+        """A book from records read off the topic (the latest per key)."""
+        book = cls()
+        for record in records:
+            book.apply(record)
+        return book
+
+    def apply(self, record: ProviderFactRecorded) -> None:
+        """Take a record written by any worker (this one or another); a withdrawal is final."""
+        known = self.facts.get((record.upstream, record.place))
+        if known is not None and known.withdrawn and not record.withdrawn:
+            return
+        self._put(record)
+
+    def kept(self, upstream: str | None) -> frozenset[str]:
+        """The places where ``upstream`` is proven to keep whitespace."""
+        if upstream is None:
+            return frozenset()
+        return frozenset(p for p, f in self._by_upstream.get(upstream, {}).items() if not f.withdrawn)
+
+    def contradicted(self, upstream: str | None) -> ProviderFactRecorded | None:
+        """A withdrawn fact of ``upstream``, if any: its lossy answers are no longer judged by facts."""
+        if upstream is None:
+            return None
+        of_upstream = self._by_upstream.get(upstream, {})
+        return next((of_upstream[p] for p in sorted(of_upstream) if of_upstream[p].withdrawn), None)
+
+    def withdrawn(self, upstream: str) -> list[ProviderFactRecorded]:
+        """The withdrawn facts of ``upstream``, by place."""
+        of_upstream = self._by_upstream.get(upstream, {})
+        return [of_upstream[p] for p in sorted(of_upstream) if of_upstream[p].withdrawn]
+
+    def establish(self, upstream: str, place: str, evidence: str, at: float = 0.0) -> ProviderFactRecorded | None:
+        """Record that ``upstream`` keeps whitespace at ``place``; the new record, or None if known."""
+        if (upstream, place) in self.facts:
+            return None
+        record = ProviderFactRecorded(upstream=upstream, place=place, evidence=evidence, at=at)
+        self._put(record)
+        return record
+
+    def withdraw(self, upstream: str, place: str, by: str, reason: str, at: float = 0.0) -> ProviderFactRecorded:
+        """Withdraw a fact an answer contradicted; the withdrawal record."""
+        known = self.facts[(upstream, place)]
+        record = ProviderFactRecorded(upstream=upstream, place=place, evidence=known.evidence, withdrawn=True,
+                                      contradicted_by=by, reason=reason, at=at)  # fmt: skip
+        self._put(record)
+        return record
