@@ -150,9 +150,9 @@ class ProviderCall:
             with attempt:
                 tries.sent += 1
                 number = tries.sent
-                seq = await self._admit(prompt, max_tokens)
+                seq, epoch = await self._admit(prompt, max_tokens)
                 try:
-                    started = await self._announce(prompt, max_tokens, number)
+                    started = await self._announce(prompt, max_tokens, number, epoch)
                 except BaseException:
                     throttle.release()
                     raise
@@ -202,33 +202,46 @@ class ProviderCall:
                 return result, number, latency
         raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
 
-    async def _admit(self, prompt: PromptPublished, max_tokens: int) -> int:
-        """Pass the halt gate and the throttle; the request's throttle sequence number.
+    async def _admit(self, prompt: PromptPublished, max_tokens: int) -> tuple[int, str]:
+        """Pass the halt gate, room under the caps, then the throttle; the throttle sequence and lease epoch.
 
-        A halt that lands while the throttle holds the request back sends it to the gate
-        again (it gives its place up: other datasets' requests may go meanwhile).
+        Room under the caps comes first: a request waiting for headroom holds neither a provider
+        slot nor a place in the throttle's window, so it never keeps another dataset's request
+        from going (a place held while waiting for a lease, with that dataset's requests holding
+        the slots the lease's requests need, would leave both waiting for good). A halt that lands
+        while the throttle holds the request back sends it to the gate again and gives its room
+        and its place up (other datasets' requests may go meanwhile).
         """
         throttle = self._guard.throttle
         tokens = throttle.tokens_estimate(prompt_chars(prompt), max_tokens) if throttle.counts_tokens else 0
+        key = sample_key(prompt.dataset, prompt.sample_id)
         while True:
-            await self._halts.gate(prompt.dataset)
-            seq = await throttle.admit(tokens)
+            if self._headroom is None:
+                await self._halts.gate(prompt.dataset)
+                epoch = ""
+            else:  # the halt gate, then room under the caps (this worker's lease)
+                epoch = await self._headroom.admit(prompt.dataset, key, max_tokens)
+            try:
+                seq = await throttle.admit(tokens)
+            except BaseException:
+                self._give_back_room(key)
+                raise
             if not self._halts.is_halted(prompt.dataset) and not self._halts.stopping:
-                return seq
+                return seq, epoch
             throttle.release()
+            self._give_back_room(key)
 
-    async def _announce(self, prompt: PromptPublished, max_tokens: int, attempt: int) -> RequestStarted:
-        """Pass the halt gate and publish the RequestStarted record the budget counts in flight.
+    def _give_back_room(self, key: str) -> None:
+        if self._headroom is not None:
+            self._headroom.settle(key, None)
+
+    async def _announce(self, prompt: PromptPublished, max_tokens: int, attempt: int, epoch: str) -> RequestStarted:
+        """Publish the RequestStarted record the budget counts in flight (room and place already had).
 
         A halt that arrives while the broker acknowledges is caught by ``may_send``, asked
         before the client is called: the attempt is withdrawn and goes back to the gate.
         """
         key = sample_key(prompt.dataset, prompt.sample_id)
-        if self._headroom is None:
-            await self._halts.gate(prompt.dataset)
-            epoch = ""
-        else:  # the halt gate, then room under the caps (this worker's lease)
-            epoch = await self._headroom.admit(prompt.dataset, key, max_tokens)
         started = request_started(
             prompt, max_tokens=max_tokens, worker=self._worker_id, attempt=attempt, now=time.time()
         )
