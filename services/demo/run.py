@@ -35,7 +35,8 @@ DATA = Path(__file__).parent / "data"
 DATASETS = ("math", "code", "tools", "chat")
 # Multi-turn regeneration (issue 26): every assistant turn regenerated on the regenerated history.
 MULTI_TURN = ("chat",)
-SERVICES = ("inference", "reconstruct", "audit", "budget", "sink", "continuation")
+# The budget first: it announces the lease policy the workers wait for (docs/operations.md, "Leases").
+SERVICES = ("budget", "inference", "reconstruct", "audit", "sink", "continuation")
 REPO = Path(__file__).resolve().parents[2]
 
 console = data_console()
