@@ -22,6 +22,8 @@ from schemas import Halt, Resume, SampleAudited, decode
 from services.budget.quality import dead_letter_verdict
 from services.common.kafka import ensure_topics
 from services.control import publish_control, read_control_state
+from services.dlq.app import replay
+from services.dlq.core import Filters
 from services.inference.app import create_app as inference_app
 from services.simulator.app import SimulatorOptions
 from services.simulator.router import habit_upstreams, start_router
@@ -39,7 +41,8 @@ CONCURRENCY = 8  # the same as test_quality_halt's, whose bound counts it as the
 async def test_stripping_upstream_is_halted_and_the_pinned_lossless_upstream_is_accepted(
     settings_factory: Callable[..., Any], report: Callable[..., str]
 ) -> None:
-    """Routed to stripping: quality halt. Pinned to lossless (provider.only) and resumed: >= 95% accepted."""
+    """Routed to stripping: quality halt. Pinned to lossless (provider.only) and resumed: >= 95% accepted;
+    `dlq replay` of the paid-for dead letters then sends no request."""
     router = await start_router(
         habit_upstreams(SimulatorOptions(seed=31, reasoning_tokens=(8, 30), content_tokens=(8, 20)))
     )
@@ -76,6 +79,24 @@ async def test_stripping_upstream_is_halted_and_the_pinned_lossless_upstream_is_
 
         await pipeline.wait(accounted, 240, "every prompt accepted or dead-lettered after the fix")
         standing = (await read_control_state(stripping)).get(DATASET)
+
+        # Phase 3: `dlq replay` of the dataset's paid-for dead letters (reconstruct, audit) re-sends
+        # the stored answers to their original topics: judged again, and not one request more.
+        requests_before_replay = router.stats()["total_requests"]
+
+        async def verdicts() -> int:  # records: each replayed answer ends as one more of either
+            return len(await dead_letters(stripping)) + len(await accepted())
+
+        verdicts_before = await verdicts()
+        replayed = []
+        for stage in ("reconstruct", "audit"):
+            replayed += (await replay(pinned, Filters(stage=stage, dataset=DATASET))).replayed
+
+        async def replays_judged() -> bool:
+            return await verdicts() >= verdicts_before + len(replayed)
+
+        await pipeline.wait(replays_judged, 120, "every replayed answer judged again")
+        requests_after_replay = router.stats()["total_requests"]
     finally:
         await pipeline.stop()
         await router.close()
@@ -109,4 +130,7 @@ async def test_stripping_upstream_is_halted_and_the_pinned_lossless_upstream_is_
     assert stats["chosen"]["stripping"] == chosen_before["stripping"], line
     assert len(after_fix) == N_PROMPTS - paid_stripped, line
     assert share >= 0.95, line
+    # Phase 3: the replay paid for nothing.
+    assert replayed, line
+    assert requests_after_replay == requests_before_replay, (requests_before_replay, requests_after_replay, line)
     assert not isinstance(standing, Halt), line
