@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -502,6 +503,8 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """kafka.sh's entry point: ``kafka.sh: error: ...`` and exit 1 on failure."""
+    # `kafka.sh status | head -1` ends quietly, as the bash script did.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return run(sys.argv[1:] if argv is None else argv, os.environ)
     except KafkaScriptError as exc:
