@@ -271,7 +271,7 @@ class Cluster:
 
     def node(self, i: int) -> Node:
         """Node ``i`` of the cluster."""
-        return Node(self.opts, self.jvm, NodePaths(self.opts.run_dir / f"node-{i}"), port=self.shape.port + i - 1,
+        return Node(self.opts, self.jvm, NodePaths.at(self.opts.run_dir / f"node-{i}"), port=self.shape.port + i - 1,
                     controller_port=self.shape.controller_port + i - 1, node_id=i, voters=self.shape.voters)
 
     def ids(self) -> list[int]:
@@ -293,7 +293,7 @@ class Cluster:
         """
         if self.opts.sasl_ssl_port:
             die("KAFKA_SASL_SSL_PORT is for the single broker; the local cluster is PLAINTEXT only")
-        single_pid = Node(self.opts, self.jvm, NodePaths(self.opts.run_dir), 0, 0).running_pid()
+        single_pid = Node(self.opts, self.jvm, NodePaths.at(self.opts.run_dir), 0, 0).running_pid()
         if single_pid is not None:
             die(f"a single broker (pid {single_pid}) runs in {self.opts.run_dir}: stop it first, "
                 "or use another KAFKA_RUN_DIR")

@@ -438,44 +438,27 @@ def _elapsed(started: float) -> str:
 
 @dataclass(frozen=True)
 class NodePaths:
-    """Where one node keeps its files: the run dir, or ``run_dir/node-I`` in a cluster."""
+    """Where one node keeps its files: the run dir, or ``run_dir/node-I`` in a cluster.
+
+    ``data`` is the storage (log dir), ``props`` the rendered server.properties, ``state_file``
+    the running broker's ports (written at start), ``format_stamp`` what the storage was
+    formatted for.
+    """
 
     root: Path
+    data: Path
+    props: Path
+    pid_file: Path
+    state_file: Path
+    log_file: Path
+    format_log: Path
+    format_stamp: Path
 
-    @property
-    def data(self) -> Path:
-        """The log dir (storage)."""
-        return self.root / "data"
-
-    @property
-    def props(self) -> Path:
-        """The rendered server.properties."""
-        return self.root / "server.properties"
-
-    @property
-    def pid_file(self) -> Path:
-        """The running broker's pid."""
-        return self.root / "kafka.pid"
-
-    @property
-    def state_file(self) -> Path:
-        """Ports of the running broker, written at start."""
-        return self.root / "kafka.state"
-
-    @property
-    def log_file(self) -> Path:
-        """The broker's stdout and stderr."""
-        return self.root / "kafka.log"
-
-    @property
-    def format_log(self) -> Path:
-        """kafka-storage format's output."""
-        return self.root / "format.log"
-
-    @property
-    def format_stamp(self) -> Path:
-        """What the storage was formatted for."""
-        return self.data / ".draftstream-format"
+    @classmethod
+    def at(cls, root: Path) -> NodePaths:
+        """The files of the node whose directory is ``root``."""
+        return cls(root, root / "data", root / "server.properties", root / "kafka.pid", root / "kafka.state",
+                   root / "kafka.log", root / "format.log", root / "data" / ".draftstream-format")
 
 
 # ---------------------------------------------------------------------------------------
@@ -807,7 +790,7 @@ class Node:
 
 def single_node(opts: Options, jvm: Jvm) -> Node:
     """The single broker of the run dir, on KAFKA_PORT / KAFKA_CONTROLLER_PORT."""
-    return Node(opts, jvm, NodePaths(opts.run_dir), port=check_port("KAFKA_PORT", opts.port),
+    return Node(opts, jvm, NodePaths.at(opts.run_dir), port=check_port("KAFKA_PORT", opts.port),
                 controller_port=check_port("KAFKA_CONTROLLER_PORT", opts.controller_port))
 
 

@@ -1,4 +1,5 @@
-"""deploy/kafka/kafka.sh (services.common.kafka_node): storage formats never roll the 1-in-64 die of an id that looks like an option."""
+"""deploy/kafka/kafka.sh (services.common.kafka_node): storage formats never roll the 1-in-64 die
+of an id that looks like an option."""
 
 from __future__ import annotations
 
