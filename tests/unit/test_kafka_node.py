@@ -7,6 +7,7 @@ and base64 as the standard library decodes it."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import socket
 import subprocess
 import threading
@@ -270,3 +271,40 @@ def test_nothing_listening_is_not_ready() -> None:
         port = sock.getsockname()[1]
     assert not kn.port_open("127.0.0.1", port)
     assert not kn.probe_ready("127.0.0.1", port)
+
+
+# --- jars and the class-data archive ----------------------------------------------------
+
+
+def test_libs_are_ready_when_filled_from_this_pom_or_by_hand(tmp_path: Path) -> None:
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    jvm = kn.Jvm(_opts(tmp_path, DRAFTSTREAM_HOME=str(tmp_path)))
+    assert jvm.opts.libs_dir == tmp_path / ".run" / "kafka" / "libs"
+    assert not jvm.libs_ready()  # nothing fetched there yet
+    ours = kn.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs)))
+    (libs / "kafka_2.13-4.4.0.jar").write_bytes(b"")
+    assert ours.libs_ready()  # filled by hand: no marker of ours
+    pom_sha = hashlib.sha256((kn.DEPLOY_DIR / "pom.xml").read_bytes()).hexdigest()
+    (libs / kn.LIBS_MARKER).write_text("0" * 64 + "\n")
+    assert not ours.libs_ready()  # fetched for another pom: fetch again
+    (libs / kn.LIBS_MARKER).write_text(pom_sha + "\n")
+    assert ours.libs_ready()
+
+
+def test_cds_uses_the_archive_records_it_or_stays_off(tmp_path: Path) -> None:
+    libs = tmp_path / "libs"
+    jvm = kn.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs)))
+    jvm.vm_id = "17.0.15_6"
+    flags, partial = jvm.cds_opts(".node2")
+    assert partial.startswith(f"{libs}/.cds/kafka-17.0.15_6.jsa.") and partial.endswith(".node2.partial")
+    assert flags[0] == f"-XX:ArchiveClassesAtExit={partial}"
+    assert kn.cds_archive_of(partial) == str(jvm.cds_archive)
+    jvm.cds_archive.write_bytes(b"archive")
+    assert jvm.cds_opts("") == ([f"-XX:SharedArchiveFile={jvm.cds_archive}", "-Xlog:cds=off",
+                                 "-Xlog:cds+dynamic=off"], "")
+    jvm.cds_archive.unlink()
+    assert kn.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs), KAFKA_CDS="reuse")).cds_opts("") == ([], "")
+    off = kn.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs), KAFKA_CDS="off"))
+    off.vm_id = "17.0.15_6"
+    assert off.cds_opts("") == ([], "")
