@@ -1,11 +1,11 @@
 """A local Kafka broker, or a local cluster of several (KRaft, no Docker), for development and tests.
 
-A thin shell over ``deploy/kafka/kafka.sh``, which does the work: it fetches the jars
-with Maven once, formats the storage, starts ``kafka.Kafka`` in the background under
-``.run/kafka/`` (one node) or ``.run/kafka/node-<id>/`` (a cluster) and waits until a
-Metadata request succeeds. This module runs it and turns its answers into values and
-exceptions for ``draftstream broker start|stop|status`` and the pytest fixtures.
-"""
+A thin shell over ``deploy/kafka/kafka.sh``, the entry point of ``services.common.kafka_cluster``
+and ``services.common.kafka_node``, which do the work: they fetch the jars with Maven once,
+format the storage, start ``kafka.Kafka`` in the background under ``.run/kafka/`` (one node)
+or ``.run/kafka/node-<id>/`` (a cluster) and wait until a Metadata request succeeds. This
+module runs that command (as the Makefile and the shell scripts do) and turns its answers
+into values and exceptions for ``draftstream broker start|stop|status`` and the pytest fixtures."""
 
 from __future__ import annotations
 

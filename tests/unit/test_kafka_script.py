@@ -1,4 +1,5 @@
-"""deploy/kafka/kafka.sh: storage formats never roll the 1-in-64 die of an id that looks like an option."""
+"""deploy/kafka/kafka.sh (services.common.kafka_node): storage formats never roll the 1-in-64 die
+of an id that looks like an option."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import base64
 import re
 import subprocess
 from pathlib import Path
+
+from services.common.kafka_node import Options, format_args
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka.sh"
 
@@ -21,8 +24,10 @@ def test_200_cluster_ids_are_valid_and_never_start_with_a_dash() -> None:
         assert len(base64.urlsafe_b64decode(cluster_id + "==")) == 16
 
 
-def test_format_passes_the_id_in_a_form_no_id_can_break() -> None:
+def test_format_passes_the_id_in_a_form_no_id_can_break(tmp_path: Path) -> None:
     """`--cluster-id=ID` keeps even an id starting with '-' one argument (a second guard)."""
-    text = SCRIPT.read_text(encoding="utf-8")
-    assert '"--cluster-id=$cluster_id"' in text
-    assert not re.search(r"--cluster-id \"\$", text)
+    opts = Options.from_env({"KAFKA_RUN_DIR": str(tmp_path)})
+    for static_quorum in (False, True):
+        args = format_args(opts, tmp_path / "server.properties", "-starts-with-a-dash", static_quorum=static_quorum)
+        assert "--cluster-id=-starts-with-a-dash" in args
+        assert "--cluster-id" not in args  # never the two-argument form
