@@ -80,6 +80,8 @@ async def test_every_event_type_round_trips_through_the_broker(settings_factory:
             assert s.decode_control(record.value) == event
         elif isinstance(event, s.LeaseEvent):
             assert s.decode_lease(record.value) == event
+        elif isinstance(event, s.ResponseIndexed | s.StoreCheckpointed):
+            assert s.decode_store_index(record.value) == event
         else:
             assert s.decode(record.value, type(event)) == event
 
