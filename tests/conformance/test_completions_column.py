@@ -10,7 +10,9 @@ tokenizer over the prompt text it received and ``usage.completion_tokens`` over 
 generated. Each response then goes through reconstruct and audit. Required: 0 accepted with
 ids that differ from the truth (prompt ids included: our render against the official one),
 and at least 98 % accepted for every model, tool calls included, of the answers that stopped by
-themselves; the tool calls derived from the raw text are the model's (names and arguments).
+themselves and of the answers that lost nothing (the stopped ones, and the cut ones whose every byte
+is in the text at an end no withheld partial character could extend); the tool calls derived
+from the raw text are the model's (names and arguments).
 An answer cut at ``max_tokens`` is printed apart: its text may end in a character the
 server holds back (a last token the text cannot pin, ``truncated_tail_*``), in every mode
 alike; a dataset with ``require_stop`` (the default) refuses it anyway.
@@ -47,6 +49,10 @@ class Column:
     accepted_with_tools: int = 0
     stopped: int = 0  # answers that ended by themselves (not cut at max_tokens)
     accepted_stopped: int = 0
+    # Answers whose text lost nothing, as the rest of the matrix counts it: stopped ones, and cut ones
+    # whose every byte is in the text and whose end is no place a withheld partial character could sit.
+    lossless: int = 0
+    accepted_lossless: int = 0
     wrong: list[str] = field(default_factory=list)
     calls_differ: list[str] = field(default_factory=list)  # derived tool calls that are not the model's
     reasons: Counter[str] = field(default_factory=Counter)
@@ -77,6 +83,16 @@ def _calls(sample: SampleReconstructed) -> list[tuple[str, Any]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in sample.response.tool_calls]
 
 
+def _cut_lost_nothing(case: Any, response: ResponseReceived, profile: Any) -> bool:
+    """A cut answer whose text holds every byte of its ids and cannot be read as hiding part of a character."""
+    tok = T.truth_tokenizer(case.model)
+    if response.text.encode("utf-8") != b"".join(tok.token_bytes(t) for t in case.output_ids):
+        return False  # the server withheld a trailing partial character
+    tail = response.text.encode("utf-8")[-16:]
+    prefixes = profile.partial_char_prefixes()
+    return not any(tail[start:] in prefixes for start in range(len(tail)))
+
+
 def run_column(model: str) -> Column:
     """Every conversation of ``model`` through completions mode, reconstruct and audit."""
     column = Column()
@@ -100,6 +116,8 @@ def run_column(model: str) -> Column:
             column.cases += 1
             column.with_tools += tools
             column.stopped += case.finished
+            lossless = case.finished or _cut_lost_nothing(case, response, profile)
+            column.lossless += lossless
             if isinstance(verdict, DeadLetter):
                 column.reasons[f"reconstruct/{verdict.reason}"] += 1
                 continue
@@ -110,6 +128,7 @@ def run_column(model: str) -> Column:
             column.accepted += 1
             column.accepted_with_tools += tools
             column.accepted_stopped += case.finished
+            column.accepted_lossless += lossless
             wrong = _differences(verdict, case)
             if wrong:
                 column.wrong.append(f"{response.sample_id} ({'+'.join(wrong)})")
@@ -125,12 +144,13 @@ def columns() -> dict[str, Column]:
     out = {model: run_column(model) for model in T.MODELS}
     print("\nconformance: completions mode (truth: official templates + real tokenizers)")
     print(f"{'model':<22}{'cases':>6}{'tools':>6}{'accepted':>9}{'share':>7}{'stopped':>8}{'share':>7}"
-          f"{'wrong':>6}  dead letters")
+          f"{'lossless':>9}{'share':>7}{'wrong':>6}  dead letters")
     for model, c in out.items():
         reasons = ", ".join(f"{r} {n}" for r, n in c.reasons.most_common())
         share, stopped = c.accepted / max(c.cases, 1), c.accepted_stopped / max(c.stopped, 1)
+        lossless = c.accepted_lossless / max(c.lossless, 1)
         print(f"{model:<22}{c.cases:>6}{c.with_tools:>6}{c.accepted:>9}{share:>7.1%}{c.stopped:>8}{stopped:>7.1%}"
-              f"{len(c.wrong):>6}  {reasons}")
+              f"{c.lossless:>9}{lossless:>7.1%}{len(c.wrong):>6}  {reasons}")
     return out
 
 
@@ -146,6 +166,8 @@ def test_completions_column_accepts_98_percent(model: str) -> None:
     c = columns()[model]
     assert c.cases >= 30 and c.stopped >= 20
     assert c.accepted_stopped / c.stopped >= 0.98, dict(c.reasons)
+    # Cut answers included, counted as the rest of the matrix counts lossless answers.
+    assert c.lossless > c.stopped and c.accepted_lossless / c.lossless >= 0.98, (c.lossless, dict(c.reasons))
 
 
 def test_completions_column_covers_tool_calls() -> None:
