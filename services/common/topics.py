@@ -10,6 +10,7 @@ control follower and response store, and the tests all read through here.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeAlias
@@ -44,6 +45,25 @@ class Compacted(NamedTuple):
 
     values: dict[bytes, bytes]
     ends: dict[int, int]
+
+
+async def follow(
+    consumer: AIOKafkaConsumer, take: Callable[[Record], None], *, what: str, timeout_ms: int = 500
+) -> None:
+    """Hand every record a started consumer fetches to ``take``, until cancelled.
+
+    A fetch that fails is logged and tried again a second later: a follower outlives broker trouble.
+    """
+    while True:
+        try:
+            batches = await consumer.getmany(timeout_ms=timeout_ms)
+        except Exception:  # noqa: BLE001 - the follower must outlive broker trouble
+            logging.getLogger(__name__).exception("%s follower failed; retrying", what)
+            await asyncio.sleep(1.0)
+            continue
+        for records in batches.values():
+            for record in records:
+                take(record)
 
 
 async def partitions_of(admin: AIOKafkaAdminClient, topics: Sequence[str]) -> dict[str, list[int]]:
@@ -209,6 +229,7 @@ __all__ = [
     "TopicNotReady",
     "TopicReadTimeout",
     "catch_up",
+    "follow",
     "partitions_of",
     "read_compacted",
     "read_keys",

@@ -42,7 +42,7 @@ from services.common.config import KafkaSettings
 from services.common.halts import HaltFollower
 from services.common.kafka import make_consumer
 from services.common.service import release
-from services.common.topics import Record, read_compacted, ready_partitions
+from services.common.topics import Record, follow, read_compacted, ready_partitions
 
 log = logging.getLogger(__name__)
 
@@ -241,16 +241,7 @@ class Headroom:
     async def _follow(self) -> None:
         consumer = self._consumer
         assert consumer is not None  # noqa: S101 - set in start()
-        while True:
-            try:
-                batches = await consumer.getmany(timeout_ms=200)
-            except Exception:  # noqa: BLE001 - without grants the worker only waits; keep trying
-                log.exception("lease follower failed; retrying")
-                await asyncio.sleep(1.0)
-                continue
-            for records in batches.values():
-                for record in records:
-                    self._take(record)
+        await follow(consumer, self._take, what="lease", timeout_ms=200)  # without grants the worker only waits
 
     def _take(self, record: Record) -> None:
         self._take_value(record.value)

@@ -25,7 +25,7 @@ from services.common.config import KafkaSettings, Settings
 from services.common.kafka import DeadLetter, Outgoing, create_topics, make_consumer, publish_all
 from services.common.metrics import RECONSTRUCTED
 from services.common.stage import Result, RunnerService, StageRunner
-from services.common.topics import Record, catch_up, ready_partitions
+from services.common.topics import Record, catch_up, follow, ready_partitions
 from services.profiles import Profile, ProfileError, load_profile
 from services.profiles.conventions import Convention, convention_for
 from services.reconstruct.core import reconstruct_with_facts
@@ -144,16 +144,7 @@ class FactFollower:
 
     async def _follow(self) -> None:
         assert self._consumer is not None  # noqa: S101 - start() first
-        while True:
-            try:
-                batches = await self._consumer.getmany(timeout_ms=500)
-            except Exception:  # noqa: BLE001 - the follower must outlive broker trouble
-                log.exception("provider-facts follower failed; retrying")
-                await asyncio.sleep(1.0)
-                continue
-            for records in batches.values():
-                for record in records:
-                    self._take(record)
+        await follow(self._consumer, self._take, what="provider facts")
 
     def _take(self, record: Record) -> None:
         if record.value is None:
