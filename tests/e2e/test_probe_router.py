@@ -147,7 +147,6 @@ async def test_probe_first_halts_a_bad_route_before_the_spend_and_a_good_route_p
         bad, good = settings_for("stripping"), settings_for("lossless")
         await ensure_topics(bad.kafka, ["bad", "good"])
         await produce(bad, bad.kafka.prompts_topic("bad"), [prompt_value("bad", i) for i in range(PROMPTS)])
-        await produce(good, good.kafka.prompts_topic("good"), [prompt_value("good", i) for i in range(PROMPTS)])
 
         pipeline = Pipeline()
         try:
@@ -156,6 +155,9 @@ async def test_probe_first_halts_a_bad_route_before_the_spend_and_a_good_route_p
         finally:
             await pipeline.stop()
         paid_bad = requests_of(router.stats(), "bad")
+        # Only now the good dataset's prompts: the first worker (routed to stripping) follows every
+        # prompts topic, and would otherwise pay for good prompts in the moment before it stops.
+        await produce(good, good.kafka.prompts_topic("good"), [prompt_value("good", i) for i in range(PROMPTS)])
 
         accepted_topic = good.kafka.topic("accepted")
 
