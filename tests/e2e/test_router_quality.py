@@ -128,7 +128,10 @@ async def test_stripping_upstream_is_halted_and_the_pinned_lossless_upstream_is_
     assert "stripping" not in kept and lost["stripping"] > 0, line
     # Phase 2: every later request went to the lossless upstream; >= 95% of those were accepted.
     assert stats["chosen"]["stripping"] == chosen_before["stripping"], line
-    assert len(after_fix) == N_PROMPTS - paid_stripped, line
+    # Every prompt the stripping upstream did not answer went to lossless; a prompt answered by stripping
+    # but not yet committed when the worker was restarted is asked again under the new routing (another
+    # request, so not in the store): at most the requests in flight at the restart.
+    assert N_PROMPTS - paid_stripped <= len(after_fix) <= N_PROMPTS - paid_stripped + CONCURRENCY, line
     assert share >= 0.95, line
     # Phase 3: the replay paid for nothing.
     assert replayed, line
