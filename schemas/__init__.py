@@ -455,6 +455,12 @@ class BudgetSnapshot(Struct, kw_only=True):
     # The quality halt's figures of a dataset scope, and per upstream (OpenRouter's ``provider``).
     quality: YieldFigures | None = None
     upstreams: dict[str, YieldFigures] = msgspec.field(default_factory=dict)
+    # The ``global`` scope's tallies of the records it read on ``dead-letter`` (stage -> reason ->
+    # count) and of the truncated answers accepted (dataset -> count), up to its ``offsets``:
+    # ``status`` reads only the records after them instead of both topics whole. None: no
+    # tally (another scope, or a ledger begun before tallies, which ``status`` reads whole).
+    dead_letters: dict[str, dict[str, int]] | None = None
+    accepted_truncated: dict[str, int] | None = None
 
 
 class ReplayRecorded(Struct, kw_only=True):

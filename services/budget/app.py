@@ -39,6 +39,7 @@ from schemas import (
     SchemaError,
     decode,
     encode,
+    topology,
 )
 from services.budget.core import Caps, Counted, Ledger
 from services.budget.lease_desk import LeaseDesk
@@ -254,6 +255,9 @@ class BudgetService:
         try:
             if logical == ACCEPTED_TOPIC:
                 # A verdict only; a record that is no passed sample is the sink's to dead-letter.
+                if header(record.headers, topology.TRUNCATED_HEADER) == "1":
+                    dataset = (record.key or b"").decode("utf-8", "replace").split(":", 1)[0]
+                    self.ledger.tally_truncated(position, record.offset, dataset)
                 self.ledger.skip(position, record.offset)
                 return self._judge(accepted_verdict(record.value))
             if logical == DEAD_LETTER_TOPIC:
@@ -262,6 +266,8 @@ class BudgetService:
                 # away (the quality halt); never dead-lettered again.
                 key = (record.key or b"").decode("utf-8", "replace")
                 stage = header(record.headers, DLQ_HEADERS.STAGE)
+                reason = header(record.headers, DLQ_HEADERS.REASON)
+                self.ledger.tally_dead_letter(position, record.offset, stage or "unknown", reason or "unknown")
                 if stage == "inference" and ":" in key:
                     dataset, _, sample_id = key.partition(":")
                     self.ledger.on_request_failed(dataset, sample_id, position, record.offset)
@@ -269,7 +275,6 @@ class BudgetService:
                         self.leases.on_failed(dataset, sample_id)
                     return []
                 self.ledger.skip(position, record.offset)
-                reason = header(record.headers, DLQ_HEADERS.REASON)
                 return self._judge(dead_letter_verdict(stage, reason, record.value))
             if logical == REQUESTS_TOPIC:
                 request = decode(record.value, RequestStarted)

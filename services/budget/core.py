@@ -69,6 +69,10 @@ class Counted:
     priced: bool
 
 
+def _copy_tally(tally: dict[str, dict[str, int]] | None) -> dict[str, dict[str, int]] | None:
+    return None if tally is None else {stage: dict(reasons) for stage, reasons in tally.items()}
+
+
 @dataclass
 class ScopeTotals:
     """Running totals of one scope (a dataset or ``global``)."""
@@ -89,6 +93,10 @@ class ScopeTotals:
     floor: dict[str, int] = field(default_factory=dict)
     # Caps recorded in the last snapshot (to tell a raised cap at restart).
     previous_caps: Caps | None = None
+    # Only on ``global``: dead letters read (stage -> reason -> count), truncated answers accepted
+    # per dataset; None when restored from a snapshot written before tallies (never tallied then).
+    dead_letters: dict[str, dict[str, int]] | None = field(default_factory=dict)
+    accepted_truncated: dict[str, int] | None = field(default_factory=dict)
     window: deque[tuple[float, float, int]] = field(default_factory=deque)
     first_event_at: float | None = None
 
@@ -222,6 +230,8 @@ class Ledger:
                 inflight={k: (v, now) for k, v in snap.inflight.items()},
                 floor=dict(snap.offsets),
                 previous_caps=Caps(snap.cap_completion_tokens, snap.cap_usd),
+                dead_letters=_copy_tally(snap.dead_letters),
+                accepted_truncated=None if snap.accepted_truncated is None else dict(snap.accepted_truncated),
             )
             self.scopes[snap.scope] = totals
         seek = dict(self.scopes[GLOBAL_SCOPE].floor)
@@ -262,6 +272,21 @@ class Ledger:
         """Mark a scope changed so the next checkpoint writes it (e.g. new audit verdicts)."""
         self._scope(scope)
         self._dirty.add(scope)
+
+    def tally_dead_letter(self, position: str, offset: int, stage: str, reason: str) -> None:
+        """Count a record of ``dead-letter`` not counted before (``status`` reads the tally)."""
+        tally = self.scopes[GLOBAL_SCOPE].dead_letters
+        if tally is not None and offset >= self.offsets.get(position, 0):
+            reasons = tally.setdefault(stage, {})
+            reasons[reason] = reasons.get(reason, 0) + 1
+            self._dirty.add(GLOBAL_SCOPE)
+
+    def tally_truncated(self, position: str, offset: int, dataset: str) -> None:
+        """Count a truncated answer accepted, once (``status`` reads the tally)."""
+        counts = self.scopes[GLOBAL_SCOPE].accepted_truncated
+        if counts is not None and offset >= self.offsets.get(position, 0):
+            counts[dataset] = counts.get(dataset, 0) + 1
+            self._dirty.add(GLOBAL_SCOPE)
 
     def skip(self, position: str, offset: int) -> None:
         """Move past a record that counts for nothing (e.g. one sent to the dead letters)."""
@@ -537,6 +562,12 @@ class Ledger:
             projected_usd=projected_usd,
             projected_completion_tokens=projected_tokens,
             updated_at=now,
+            dead_letters=_copy_tally(totals.dead_letters) if scope == GLOBAL_SCOPE else None,
+            accepted_truncated=(
+                dict(totals.accepted_truncated)
+                if scope == GLOBAL_SCOPE and totals.accepted_truncated is not None
+                else None
+            ),
         )
 
     def checkpoint(

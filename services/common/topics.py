@@ -151,9 +151,14 @@ async def catch_up(
 
 
 async def _read(
-    kafka: KafkaSettings, topic: str, handle: Handler, deadline_s: float
+    kafka: KafkaSettings,
+    topic: str,
+    handle: Handler,
+    deadline_s: float,
+    from_offsets: Mapping[int, int] | None = None,
 ) -> dict[TopicPartition, int] | None:
-    """Read ``topic`` to its end; the end offsets, or None when the topic does not exist."""
+    """Read ``topic`` to its end (from ``from_offsets``: partition -> offset, where given); the
+    end offsets, or None when the topic does not exist."""
     admin = make_admin(kafka)
     try:
         await admin.start()  # inside the try: a broker that does not answer leaks no client
@@ -169,7 +174,9 @@ async def _read(
     try:
         await consumer.start()  # inside the try: a failed start leaks no connection
         consumer.assign(tps)
-        return await catch_up(consumer, tps, handle, deadline_s=deadline_s)
+        marks = from_offsets or {}
+        starts = {tp: marks[tp.partition] for tp in tps if tp.partition in marks}
+        return await catch_up(consumer, tps, handle, deadline_s=deadline_s, from_offsets=starts)
     finally:
         await consumer.stop()
 
@@ -180,13 +187,16 @@ async def read_to_end(
     handle: Handler,
     *,
     deadline_s: float = DEFAULT_DEADLINE_S,
+    from_offsets: Mapping[int, int] | None = None,
 ) -> bool:
     """Feed every record of the physical ``topic`` present now, on every partition, to ``handle``.
 
-    Returns False when the topic does not exist. Raises :class:`TopicReadTimeout` when
-    the end offsets taken at the start are not reached within ``deadline_s``.
+    ``from_offsets`` (partition -> offset, e.g. a checkpoint's) starts a partition there
+    instead of at its beginning. Returns False when the topic does not exist. Raises
+    :class:`TopicReadTimeout` when the end offsets taken at the start are not reached
+    within ``deadline_s``.
     """
-    return await _read(kafka, topic, handle, deadline_s) is not None
+    return await _read(kafka, topic, handle, deadline_s, from_offsets) is not None
 
 
 async def read_compacted(kafka: KafkaSettings, topic: str, *, deadline_s: float = DEFAULT_DEADLINE_S) -> Compacted:

@@ -3,8 +3,9 @@
 Everything is read without joining a consumer group or committing anything: end and
 beginning offsets through a group-less consumer, committed offsets of the stage groups
 through the admin client, ``budget-state`` as its latest snapshot per scope,
-``dead-letter`` and ``accepted`` (for the truncated answers accepted, a header) read once to
-their current end, and ``conversation-state`` (latest per conversation).
+``dead-letter`` and ``accepted`` (for the truncated answers accepted, a header) from the budget's
+tallies on ``budget-state`` and only the records after the offsets those cover (the whole topic
+when no budget tallied it), and ``conversation-state`` (latest per conversation).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from schemas import (
     CONVERSATIONS_TOPIC,
     DEAD_LETTER_TOPIC,
     DLQ_HEADERS,
+    GLOBAL_SCOPE,
+    BudgetSnapshot,
     ConversationProgressed,
     Halt,
     SchemaError,
@@ -109,13 +112,44 @@ async def collect(
             snapshot.accepted_truncated[(record.key or b"").decode("utf-8", "replace").split(":", 1)[0]] += 1
 
     budgets = await read_budget_snapshots(settings, on_unreadable=unreadable)
-    await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead)
-    await read_to_end(kafka, kafka.topic(ACCEPTED_TOPIC), accepted)
+    dead_from, accepted_from = _tallied(budgets.get(GLOBAL_SCOPE), snapshot)
+    await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead, from_offsets=dead_from)
+    await read_to_end(kafka, kafka.topic(ACCEPTED_TOPIC), accepted, from_offsets=accepted_from)
     await read_to_end(kafka, kafka.topic(CONVERSATIONS_TOPIC), lambda r: _conversation(snapshot, r))
     snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
     await _rate_limits(settings, snapshot)
     return snapshot
+
+
+def _tallied(budget: BudgetSnapshot | None, snapshot: StatusSnapshot) -> tuple[dict[int, int], dict[int, int]]:
+    """Start from the budget's tallies; the offsets of ``dead-letter`` and ``accepted`` they cover.
+
+    A tally is exact up to the offsets of the same checkpoint, so only the records after
+    them are read: bounded by what arrived since the last checkpoint, not by history. No
+    tally (no budget ran, or its ledger began before tallies) reads the topic whole.
+    """
+
+    def covered(logical: str) -> dict[int, int]:
+        assert budget is not None  # noqa: S101 - called only with a budget snapshot
+        marks = {}
+        for position, offset in budget.offsets.items():
+            name, _, partition = position.rpartition(":")
+            if name == logical and partition.isdigit():
+                marks[int(partition)] = offset
+        return marks
+
+    dead_from: dict[int, int] = {}
+    accepted_from: dict[int, int] = {}
+    if budget is not None and budget.dead_letters is not None:
+        for stage, reasons in budget.dead_letters.items():
+            for reason, count in reasons.items():
+                snapshot.dead_letters[(stage, reason)] += count
+        dead_from = covered(DEAD_LETTER_TOPIC)
+    if budget is not None and budget.accepted_truncated is not None:
+        snapshot.accepted_truncated.update(budget.accepted_truncated)
+        accepted_from = covered(ACCEPTED_TOPIC)
+    return dead_from, accepted_from
 
 
 async def _rate_limits(settings: Settings, snapshot: StatusSnapshot) -> None:

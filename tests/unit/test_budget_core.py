@@ -335,3 +335,44 @@ def test_a_prompt_dead_lettered_at_inference_is_no_longer_in_flight() -> None:
     assert ledger.inflight_tokens("math") == 100
     assert ledger.inflight_tokens(GLOBAL_SCOPE) == 100
     assert ledger.offsets["dead-letter:0"] == 1
+
+
+def _tally(ledger: Ledger, offsets: range) -> None:
+    """Dead letters of two reasons and truncated answers, as the budget's shell feeds them."""
+    for off in offsets:
+        ledger.tally_dead_letter("dead-letter:0", off, "audit", "usage_matches" if off % 3 else "id_range")
+        ledger.skip("dead-letter:0", off)
+        ledger.tally_truncated("accepted:0", off, "math")
+        ledger.skip("accepted:0", off)
+
+
+def test_dead_letter_tally_checkpoints_with_its_offsets_and_counts_once() -> None:
+    first = make_ledger()
+    _tally(first, range(9))
+    snaps = first.checkpoint(0.0)
+    glob = snaps[-1]
+    assert glob.dead_letters == {"audit": {"id_range": 3, "usage_matches": 6}}
+    assert glob.accepted_truncated == {"math": 9}
+    assert glob.offsets == {"dead-letter:0": 9, "accepted:0": 9}
+    # A restart re-reads from the checkpoint; a record delivered again is not counted again.
+    _tally(first, range(9, 12))
+    second = make_ledger()
+    seek = second.restore(snaps, 0.0)
+    _tally(second, range(seek["dead-letter:0"] - 2, 12))
+    again = second.checkpoint(0.0)[-1]
+    assert again.dead_letters == {"audit": {"id_range": 4, "usage_matches": 8}}
+    assert again.accepted_truncated == {"math": 12}
+
+
+def test_a_ledger_restored_from_before_tallies_keeps_none() -> None:
+    """A snapshot without tallies (an older budget): no partial tally that would undercount."""
+    first = make_ledger()
+    first.on_response(response("math", "s0", completion=5), "responses:0", 0, 0.0)
+    old = [msgspec.structs.replace(s, dead_letters=None, accepted_truncated=None) for s in first.checkpoint(0.0)]
+    second = make_ledger()
+    second.restore(old, 0.0)
+    _tally(second, range(3))
+    snaps = second.checkpoint(0.0, everything=True)
+    assert [s.scope for s in snaps] == ["math", GLOBAL_SCOPE]
+    assert all(s.dead_letters is None and s.accepted_truncated is None for s in snaps)
+    assert snaps[-1].offsets["dead-letter:0"] == 3
