@@ -157,8 +157,8 @@ async def test_status_counts_from_the_budget_tally_and_reads_only_the_records_af
     from aiokafka.admin import RecordsToDelete
 
     from services.budget.app import create_app as create_budget
-    from services.control import read_budget_snapshots
     from services.common.kafka import make_admin
+    from services.control import read_budget_snapshots
     from tests.kafka_fixture import wait_until
 
     settings = settings_factory()
