@@ -23,6 +23,7 @@ import io
 import os
 import re
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ class Accounting:
         self.datasets = datasets  # a glob of the sink's dataset folders
         self.settings = settings
         self.accepted: set[str] = set()
+        self.rows: Counter[str] = Counter()  # rows per id in the sink's files (a duplicate counts 2)
         self.dead: set[str] = set()
         self._offsets: dict[Path, int] = {}
         self._task: asyncio.Task[None] | None = None
@@ -116,6 +118,7 @@ class Accounting:
                 m = _ID.search(line[:400])
                 if m:
                     self.accepted.add(m.group(1).decode())
+                    self.rows[m.group(1).decode()] += 1
             self._offsets[path] = start + end
 
     def count(self, keys: set[str]) -> tuple[int, int]:

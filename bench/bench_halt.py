@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import time
 from pathlib import Path
 
@@ -82,6 +83,12 @@ async def responses_after(config: Path, marks: list[tuple[float, float]]) -> lis
     finally:
         await consumer.stop()
     return out
+
+
+def _in_force_ms(log_path: Path) -> list[str]:
+    """How long after each halt it was in force in the worker, as the worker logged it."""
+    text = log_path.read_text(errors="replace")
+    return re.findall(rf"halt {DATASET} \(by bench\): bench; in force here (-?\d+) ms", text)
 
 
 async def measure(quick: bool) -> list[Result]:
@@ -165,9 +172,11 @@ async def measure(quick: bool) -> list[Result]:
                 t_resume = time.time()
                 marks.append((t_halt, t_resume))
                 await publish_control(settings, Resume(scope=DATASET, reason="bench", by="bench"))
+                in_force = _in_force_ms(worker.log_path)
                 print(
                     f"trial {trial + 1}: {n_inflight} in flight at the halt; last new request "
-                    f"{delay * 1000:.0f} ms after it",
+                    f"{delay * 1000:.0f} ms after it (stamped by the simulator); in force in the worker "
+                    f"{in_force[-1] if len(in_force) > trial else '?'} ms after it",
                     flush=True,
                 )
         worker.check()

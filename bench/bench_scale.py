@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Int64, Schema, String
 
@@ -223,8 +224,20 @@ async def startups(config: Path) -> dict[str, Any]:
     return out
 
 
-async def run_size(total: int, seed: int) -> dict[str, Any]:
-    """One size: the pipeline run, the reference on the same prompts, then the start-ups."""
+async def _sim_stats(base: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        response = await http.get(f"{base}/_sim/stats")
+        response.raise_for_status()
+        stats: dict[str, Any] = response.json()
+        return stats
+
+
+async def run_size(total: int, seed: int, *, kills: bool = False) -> dict[str, Any]:
+    """One size: the pipeline run, the reference on the same prompts, then the start-ups.
+
+    ``kills``: SIGKILL each stage once while prompts flow (restarted at once), then count what
+    was lost, written twice and paid twice instead of timing (no reference, no start-ups).
+    """
     from services.common.config import load_settings
     from services.common.kafka import ensure_topics
     from services.control import read_budget_snapshots
@@ -269,6 +282,9 @@ async def run_size(total: int, seed: int) -> dict[str, Any]:
         capped = {name for name, _, _, c in DATASETS if c}
         await asyncio.sleep(15.0)  # the services load their tokenizers: not part of the per-prompt cost
         cpu0 = {name: proc.cpu_seconds() for name, proc in stages.items()}
+        to_kill = list(SERVICES) if kills else []
+        killed: list[str] = []
+        killed_at = -1
         t0 = time.monotonic()
         try:
             for name in counts:
@@ -276,13 +292,25 @@ async def run_size(total: int, seed: int) -> dict[str, Any]:
             last_change, last_done, halted = t0, -1, set[str]()
             while True:
                 for p in procs:
-                    p.check()
+                    if p.name not in killed:  # a killed stage's old process (its new one has a new name)
+                        p.check()
                 done = {name: sum(acct.count(keys[name])) for name in keys}
                 finished = all(done[n] >= counts[n] for n in counts if n not in capped)
                 if sum(done.values()) != last_done:
                     last_done, last_change = sum(done.values()), time.monotonic()
+                # The kills: one stage each time another seventh of the prompts is accounted for.
+                progress = sum(done.values())
+                if to_kill and progress > killed_at and progress >= total * (len(killed) + 1) / (len(SERVICES) + 2):
+                    killed_at = progress  # the next kill waits for progress after this one
+                    name = to_kill.pop(0)
+                    stages[name].popen.kill()
+                    stages[name].popen.wait()
+                    killed.append(name)
+                    stages[name] = stage_proc(name, config, work, name=f"{name}-{len(killed)}")
+                    procs.append(stages[name])
+                    print(f"SIGKILL {name} at {sum(done.values()):,} accounted for; restarted", flush=True)
                 halted = await _halted(settings)
-                if finished and all(done[n] >= counts[n] or n in halted for n in capped):
+                if finished and not to_kill and all(done[n] >= counts[n] or n in halted for n in capped):
                     if time.monotonic() - last_change > 10.0:  # the halted datasets' in-flight answers landed
                         break
                 if time.monotonic() - t0 > 3600:
@@ -294,23 +322,43 @@ async def run_size(total: int, seed: int) -> dict[str, Any]:
             await acct.stop()
         await asyncio.sleep(2.0)  # one more budget checkpoint
         snapshots = await read_budget_snapshots(settings)
+        figures["halted"] = sorted(halted)
+        figures["answered"] = len(answered)
+        figures["held_by_halt"] = sum(counts.values()) - len(answered)
+        figures["rows"] = len(answered & acct.accepted)
+        figures["overshoot"] = {n: snapshots[n].completion_tokens - cap for n in sorted(capped) if n in snapshots}
+        figures["inflight_bound"] = CONCURRENCY * MAX_TOKENS
+        if kills:
+            for proc in stages.values():
+                proc.stop()
+            per_key = (await _sim_stats(base))["keys"]
+            published = set().union(*keys.values())
+            lost = {k for n in keys if n not in capped or n not in halted for k in keys[n] - answered}
+            figures["kills"] = killed
+            figures["lost"] = len(lost)
+            figures["duplicate_rows"] = sum(c - 1 for c in acct.rows.values() if c > 1)
+            figures["foreign"] = len((acct.accepted | acct.dead) - published)
+            figures["paid_twice"] = sum(c - 1 for c in per_key.values() if c > 1)
+            figures["paid_twice_bound"] = CONCURRENCY * killed.count("inference")
+            await delete_topics(prefix)
+            return figures
         figures["rss_mib"] = {name: proc.vm_hwm_kib() / 1024 for name, proc in stages.items()}
         figures["cpu_s_per_1000"] = {
             name: (proc.cpu_seconds() - cpu0[name]) * 1000 / max(1, len(answered)) for name, proc in stages.items()
         }
         for proc in stages.values():
             proc.stop()
-        figures["halted"] = sorted(halted)
-        figures["answered"] = len(answered)
-        figures["held_by_halt"] = sum(counts.values()) - len(answered)
-        figures["rows"] = len(answered & acct.accepted)
         tokens = snapshots["global"].completion_tokens if "global" in snapshots else 0
         figures["pipeline_prompts_s"] = len(answered) / seconds
         figures["pipeline_tokens_s"] = tokens / seconds
-        figures["overshoot"] = {n: snapshots[n].completion_tokens - cap for n in sorted(capped) if n in snapshots}
-        figures["inflight_bound"] = CONCURRENCY * MAX_TOKENS
         figures["disk_mb"] = {t: b / 1e6 for t, b in sorted((await disk_per_topic(prefix)).items())}
-        # The no-Kafka script on exactly the prompts the pipeline answered (the same answers).
+        # The no-Kafka script on exactly the prompts the pipeline answered (the same answers), against
+        # a fresh simulator: it generates every answer again, as it did for the pipeline (its cache
+        # would otherwise hand the script answers the pipeline paid the generation of).
+        sim.stop()
+        sim = simulator_proc(work, port, latency=0.0, extra=seeds_shape, name="simulator-reference")
+        procs.append(sim)
+        await wait_simulator(base, sim)
         chosen = [r for n in rows for r in rows[n] if f"{n}:{r[0]}" in answered]
         ref_s, _, _ = await reference_round(
             settings, f"{base}/api/v1", [r[2] for r in chosen], f"ref{total}", [r[1] for r in chosen]
@@ -404,8 +452,38 @@ async def status_with_dead_letters(n: int) -> str:
         t0 = time.monotonic()
         snapshot = await collect(settings)
         full = time.monotonic() - t0
+        await _tallied_by_budget(settings, n)
+        t0 = time.monotonic()
+        tallied = await collect(settings)
+        bounded = time.monotonic() - t0
     count = sum(snapshot.dead_letters.values())
-    return f"status with 0 dead letters {empty:.2f} s; with {count:,} of 35 KB {full:.2f} s"
+    assert sum(tallied.dead_letters.values()) == count  # noqa: S101 - the tally counts what the read counted
+    return (
+        f"status with 0 dead letters {empty:.2f} s; with {count:,} of 35 KB {full:.2f} s read whole (no budget ran), "
+        f"{bounded:.2f} s from the budget's tally"
+    )
+
+
+async def _tallied_by_budget(settings: Any, n: int) -> None:
+    """Run the budget service until its checkpoint's tally covers ``n`` dead letters."""
+    from services.budget.app import create_app as budget_app
+    from services.control import read_budget_snapshots
+
+    budget = budget_app(settings, checkpoint_interval_s=0.5)
+    await budget.start()
+    task = asyncio.create_task(budget.run())
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            snap = (await read_budget_snapshots(settings)).get("global")
+            if snap is not None and sum(sum(r.values()) for r in (snap.dead_letters or {}).values()) >= n:
+                return
+            await asyncio.sleep(1.0)
+        raise TimeoutError(f"the budget did not tally {n:,} dead letters within 10 minutes")
+    finally:
+        budget.stop()
+        await asyncio.wait_for(task, 60)
+        await budget.close()
 
 
 # ----------------------------------------------------------------- the report
@@ -435,6 +513,16 @@ def flat(figures: dict[str, Any]) -> dict[str, float]:
     rows.update({f"overshoot tokens {n}": v for n, v in figures["overshoot"].items()})
     rows.update({f"start-up s {n}": v for n, v in figures["startup_s"].items()})
     return rows
+
+
+def kill_line(f: dict[str, Any]) -> str:
+    """The run with one SIGKILL of each stage, as one line."""
+    return (
+        f"SIGKILL of {', '.join(f['kills'])} at {f['size']:,} prompts: {f['answered']:,} answered "
+        f"({f['rows']:,} accepted), held by the caps' halts {f['held_by_halt']:,}, lost {f['lost']}, "
+        f"duplicate rows {f['duplicate_rows']}, keys nobody published {f['foreign']}, "
+        f"paid twice {f['paid_twice']} (bound: {f['paid_twice_bound']:,} in flight at the inference kill)"
+    )
 
 
 def report(all_figures: list[dict[str, Any]]) -> str:
@@ -469,6 +557,10 @@ async def measure(quick: bool) -> list[Result]:
         print(json.dumps(figures, indent=1), flush=True)
         all_figures.append(figures)
     print(report(all_figures), flush=True)
+    if os.environ.get("BENCH_SCALE_KILLS", "1") != "0":
+        kill = await run_size(total // 4, seed=3, kills=True)
+        print(json.dumps(kill, indent=1), flush=True)
+        print(kill_line(kill), flush=True)
     entries = 2000 if quick else int(os.environ.get("BENCH_SCALE_INDEX", "500000"))
     if entries:
         print(await index_load(entries), flush=True)

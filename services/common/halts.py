@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,7 +219,7 @@ class HaltFollower:
             return
         with self._lock:
             changed = self.state.apply(event)
-        self._call_main(self._deliver, event, changed)
+        self._call_main(self._deliver, event, changed, time.time())
 
     def _call_main(self, callback: Callable[..., object], *args: object) -> None:
         try:
@@ -226,12 +227,12 @@ class HaltFollower:
         except RuntimeError:  # the main loop is closed: the process is ending
             self._closing.set()
 
-    def _deliver(self, event: Halt | Resume, changed: bool) -> None:
+    def _deliver(self, event: Halt | Resume, changed: bool, applied_at: float) -> None:
         """On the main loop: what an event read by the follower thread means beyond the state."""
         for listener in self.event_listeners:
             listener(event)
         if changed:
-            self._log_change(event)
+            self._log_change(event, applied_at)
             self._changed_now()
 
     @staticmethod
@@ -250,8 +251,12 @@ class HaltFollower:
             return None
 
     @staticmethod
-    def _log_change(event: Halt | Resume) -> None:
-        log.warning("%s %s (by %s): %s", type(event).__name__.lower(), event.scope, event.by or "?", event.reason)
+    def _log_change(event: Halt | Resume, applied_at: float) -> None:
+        """The change, and how long after it was issued it reached this process (its ``at``, when set)."""
+        lag = f"; in force here {(applied_at - event.at) * 1000:.0f} ms after it was issued" if event.at else ""
+        log.warning(
+            "%s %s (by %s): %s%s", type(event).__name__.lower(), event.scope, event.by or "?", event.reason, lag
+        )
 
     def _changed_now(self) -> None:
         halted = set(self.state.scopes())
