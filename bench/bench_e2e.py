@@ -7,10 +7,12 @@ is accounted for (an accepted row in the sink's files or a dead letter). Referen
 one asyncio process making the same provider calls (the worker's HTTP client, same concurrency, same
 request bodies), reconstructing and auditing with the same cores in batches (in a
 worker thread, overlapping the HTTP calls) and writing JSONL rows to memory — the shape
-of the script the real run used, without durability, replay or halts. A warm-up round
-fills the simulator's per-prompt cache and the services' tokenizers, and one reference
-round does the same for the script; then the two alternate, round by round, and the
-ratio is the median of the rounds' ratios (spread: their min and max). Each round prints
+of the script the real run used, without durability, replay or halts. Warm-up rounds
+fill the simulator's per-prompt cache and the services' tokenizers and let the broker's
+JIT settle (its CPU per round of 2,000 prompts fell from 2.0 to 0.6 s over a fresh broker's
+first five rounds), and one reference round does the same for the script; then the two
+alternate, round by round (five pairs: on 2 shared cores one pair's ratio ranged
+0.72-1.06), and the ratio is the median of the rounds' ratios (spread: their min and max). Each round prints
 the CPU seconds every process used (stages, simulator, broker, this process);
 ``BENCH_PROFILE=1`` runs the stages under cProfile and prints their top functions.
 """
@@ -296,7 +298,7 @@ async def measure(quick: bool) -> list[Result]:
     # 2,000 prompts a round: the steady rate of a run. At 400 a round lasted about half a
     # second, of which the pipeline's fill and drain (five hops through the broker) were
     # a third, so the figure measured latency, not the rate of a run of thousands.
-    n, rounds = (60, 1) if quick else (int(os.environ.get("BENCH_E2E_PROMPTS", "2000")), 3)
+    n, rounds, warm = (60, 1, 1) if quick else (int(os.environ.get("BENCH_E2E_PROMPTS", "2000")), 5, 3)
     texts = prompt_texts(n, seed=2)
     prefix = unique_prefix("e2e")
     ours: list[float] = []
@@ -319,12 +321,18 @@ async def measure(quick: bool) -> list[Result]:
         acct = Accounting(out_dir, settings)
         await acct.start()
         try:
-            seconds, accepted, dead = await pipeline_round(config, work, acct, texts, "warm", procs)
-            print(f"warm-up: {n} prompts in {seconds:.1f}s ({accepted} accepted, {dead} dead letters)", flush=True)
+            meter = CpuMeter(procs)
+            for w in range(warm):
+                meter.start()
+                seconds, accepted, dead = await pipeline_round(config, work, acct, texts, f"warm{w}", procs)
+                print(
+                    f"warm-up {w + 1}: {n} prompts in {seconds:.1f}s ({accepted} accepted, {dead} dead letters); "
+                    f"{meter.line((*STAGES, 'simulator', 'broker', 'bench'))}",
+                    flush=True,
+                )
             # The reference warms up too (its profile load, the simulator's cache for its bodies).
             seconds, accepted, rejected = await reference_round(settings, f"{base}/api/v1", texts, "ref-warm")
             print(f"reference warm-up: {n} prompts in {seconds:.1f}s ({accepted} accepted)", flush=True)
-            meter = CpuMeter(procs)
             for i in range(rounds):
                 for which in ("ours", "ref") if i % 2 == 0 else ("ref", "ours"):
                     meter.start()

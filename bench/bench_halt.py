@@ -180,6 +180,17 @@ async def measure(quick: bool) -> list[Result]:
                     flush=True,
                 )
         worker.check()
+        pauses = [
+            int(ms)
+            for ms in re.findall(
+                r"cycle collection of generation \d took (\d+) ms", worker.log_path.read_text(errors="replace")
+            )
+        ]
+        print(
+            f"the worker's cycle collections of 100 ms or more: {len(pauses)}"
+            + (f", longest {max(pauses)} ms" if pauses else ""),
+            flush=True,
+        )
         windows = await responses_after(config, marks)
     await delete_topics(prefix)
     bound = concurrency * MAX_TOKENS

@@ -177,6 +177,35 @@ def collect_garbage_for_a_service() -> None:
     """
     gc.freeze()
     gc.set_threshold(*SERVICE_GC_THRESHOLDS)
+    gc.callbacks.append(_SlowCollections().on_phase)
+
+
+SLOW_COLLECTION_S = 0.1
+"""A collection this long holds the interpreter lock long enough to delay a halt: it is logged."""
+
+
+class _SlowCollections:
+    """Logs each cycle collection that holds the interpreter lock for ``SLOW_COLLECTION_S`` or more.
+
+    While it runs nothing else in the process runs (the control follower's thread included),
+    so a slow one explains a late halt or a gap in a benchmark's rate.
+    """
+
+    def __init__(self) -> None:
+        self._started = 0.0
+
+    def on_phase(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started
+        if took >= SLOW_COLLECTION_S:
+            log.warning(
+                "cycle collection of generation %d took %.0f ms (%d collected)",
+                info.get("generation", -1),
+                took * 1000,
+                info.get("collected", 0),
+            )
 
 
 async def release(*things: Any) -> None:

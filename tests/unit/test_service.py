@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from aiokafka.errors import KafkaConnectionError
@@ -60,3 +61,34 @@ async def test_a_stop_while_waiting_returns_none() -> None:
     stopping = asyncio.Event()
     stopping.set()
     assert await start_with_retry(lambda: Flaky(failures=99), name="t", timeout_s=30, stopping=stopping) is None
+
+
+def test_a_slow_cycle_collection_is_logged_and_a_quick_one_is_not(caplog: pytest.LogCaptureFixture) -> None:
+    """A real collection over a heap of cycles, timed by the callback a service installs."""
+    import gc
+
+    from services.common import service
+
+    watcher = service._SlowCollections()  # noqa: SLF001 - the callback collect_garbage_for_a_service installs
+    caplog.set_level("WARNING", logger="services.common.service")
+    gc.callbacks.append(watcher.on_phase)
+    try:
+        gc.collect(0)  # an empty young generation: quick, not logged
+        assert not [r for r in caplog.records if "cycle collection" in r.getMessage()]
+        cycles = []
+        for _ in range(400_000):
+            node: list[object] = []
+            node.append(node)
+            cycles.append(node)
+        del node
+        old = service.SLOW_COLLECTION_S
+        service.SLOW_COLLECTION_S = 0.0  # any collection is "slow": the message and its figures
+        try:
+            gc.collect(2)
+        finally:
+            service.SLOW_COLLECTION_S = old
+    finally:
+        gc.callbacks.remove(watcher.on_phase)
+    lines = [r.getMessage() for r in caplog.records if "cycle collection of generation 2" in r.getMessage()]
+    assert len(lines) == 1 and re.fullmatch(r"cycle collection of generation 2 took \d+ ms \(\d+ collected\)", lines[0])
+    del cycles
