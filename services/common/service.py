@@ -177,7 +177,8 @@ def collect_garbage_for_a_service() -> None:
     """
     gc.freeze()
     gc.set_threshold(*SERVICE_GC_THRESHOLDS)
-    gc.callbacks.append(_SlowCollections().on_phase)
+    if _SLOW.on_phase not in gc.callbacks:
+        gc.callbacks.append(_SLOW.on_phase)
 
 
 SLOW_COLLECTION_S = 0.1
@@ -206,6 +207,9 @@ class _SlowCollections:
                 took * 1000,
                 info.get("collected", 0),
             )
+
+
+_SLOW = _SlowCollections()
 
 
 async def release(*things: Any) -> None:
