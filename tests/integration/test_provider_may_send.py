@@ -169,3 +169,31 @@ async def test_the_worker_client_keeps_no_cookie_a_provider_sets() -> None:
         await client.aclose()
         await runner.cleanup()
     assert seen == [None, None]
+
+
+async def test_an_answer_and_its_body_are_freed_without_the_cycle_collector() -> None:
+    """httpx binds a response's stream to the response: left alone, each answer (and its body,
+    megabytes with the logprobs of a long answer) lived until the cycle collector ran, whose
+    young collections then took 100-160 ms at 1,000 in flight. The worker's client unbinds it.
+    (A refusal lives on in its exception's traceback until that is collected: rare, and small.)"""
+    import gc
+
+    import httpx
+
+    sim = await start_simulator(SimulatorOptions(logprobs=True), profile=PROFILE)
+    settings = _settings("simulator", f"http://{sim.host}:{sim.port}/api/v1")
+    client = make_http_client(settings)
+    provider = make_provider(settings, client)
+    gc.collect()
+    gc.disable()  # what is alive now is what reference counting left
+    try:
+        for i in range(5):
+            await provider.complete(_prompt(f"s{i}"), settings.defaults, max_tokens=16)
+        alive = [o for o in gc.get_objects() if isinstance(o, httpx.Response)]
+    finally:
+        gc.enable()
+        await client.aclose()
+        requests = _chat_requests(sim)
+        await sim.close()
+    assert requests == 5
+    assert alive == []
