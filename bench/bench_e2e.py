@@ -266,10 +266,15 @@ class CpuMeter:
         """Take the starting snapshot."""
         self._start = self._now()
 
+    def used(self) -> dict[str, float]:
+        """CPU seconds each process used since :meth:`start`."""
+        now = self._now()
+        return {n: now[n] - self._start[n] for n in now if n in self._start}
+
     def line(self, names: tuple[str, ...]) -> str:
         """CPU seconds used by ``names`` since :meth:`start`, and their total."""
-        now = self._now()
-        used = {n: now[n] - self._start[n] for n in names if n in now and n in self._start}
+        all_used = self.used()
+        used = {n: all_used[n] for n in names if n in all_used}
         parts = ", ".join(f"{n} {v:.2f}" for n, v in used.items())
         return f"CPU s: {parts}; total {sum(used.values()):.2f}"
 

@@ -35,7 +35,7 @@ import httpx
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Int64, Schema, String
 
-from bench.bench_e2e import Accounting, reference_round
+from bench.bench_e2e import Accounting, CpuMeter, reference_round
 from bench.common import (
     BOOTSTRAP,
     Result,
@@ -282,6 +282,8 @@ async def run_size(total: int, seed: int, *, kills: bool = False) -> dict[str, A
         capped = {name for name, _, _, c in DATASETS if c}
         await asyncio.sleep(15.0)  # the services load their tokenizers: not part of the per-prompt cost
         cpu0 = {name: proc.cpu_seconds() for name, proc in stages.items()}
+        others = CpuMeter([sim])  # the simulator, the broker and this process (which publishes)
+        others.start()
         to_kill = list(SERVICES) if kills else []
         killed: list[str] = []
         killed_at = -1
@@ -343,9 +345,10 @@ async def run_size(total: int, seed: int, *, kills: bool = False) -> dict[str, A
             await delete_topics(prefix)
             return figures
         figures["rss_mib"] = {name: proc.vm_hwm_kib() / 1024 for name, proc in stages.items()}
+        per_1000 = 1000 / max(1, len(answered))
         figures["cpu_s_per_1000"] = {
-            name: (proc.cpu_seconds() - cpu0[name]) * 1000 / max(1, len(answered)) for name, proc in stages.items()
-        }
+            name: (proc.cpu_seconds() - cpu0[name]) * per_1000 for name, proc in stages.items()
+        } | {f"{name} (pipeline run)": v * per_1000 for name, v in others.used().items()}
         for proc in stages.values():
             proc.stop()
         tokens = snapshots["global"].completion_tokens if "global" in snapshots else 0
@@ -360,9 +363,16 @@ async def run_size(total: int, seed: int, *, kills: bool = False) -> dict[str, A
         procs.append(sim)
         await wait_simulator(base, sim)
         chosen = [r for n in rows for r in rows[n] if f"{n}:{r[0]}" in answered]
+        others = CpuMeter([sim])
+        others.start()
         ref_s, _, _ = await reference_round(
             settings, f"{base}/api/v1", [r[2] for r in chosen], f"ref{total}", [r[1] for r in chosen]
         )
+        figures["cpu_s_per_1000"] |= {
+            f"{'script' if name == 'bench' else name} (script run)": v * per_1000
+            for name, v in others.used().items()
+            if name != "broker"
+        }
         figures["reference_prompts_s"] = len(chosen) / ref_s
         figures["reference_tokens_s"] = tokens / ref_s  # the same answers: the same tokens
         figures["startup_s"] = await startups(config)
