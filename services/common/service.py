@@ -18,6 +18,7 @@ from aiokafka.errors import (
     TopicAuthorizationFailedError,
 )
 
+from services.common import memory
 from services.common.errors import PortInUse
 from services.common.metrics import serve
 
@@ -83,8 +84,12 @@ async def run_service(
     metrics_port: int = 0,
     metrics_host: str = "127.0.0.1",
     start_timeout_s: float = 300.0,
+    trim_memory: bool = False,
 ) -> None:
     """Run a service until SIGINT/SIGTERM, serving its metrics on ``metrics_port``.
+
+    ``trim_memory``: return the C heap's free pages every :data:`services.common.memory.TRIM_EVERY_S`
+    (a ``draftstream run`` process, whose allocator :func:`run_from_cli` has tuned).
 
     A second SIGINT/SIGTERM calls the service's ``stop_now()`` when it has one.
 
@@ -133,11 +138,20 @@ async def run_service(
     if stopping.is_set():
         running.stop()
     log.info("%s started%s", name, f" (metrics on :{metrics_port})" if metrics_port else "")
+    trimming = asyncio.create_task(_trim_every(memory.TRIM_EVERY_S)) if trim_memory else None
     try:
         await running.run()
     finally:
+        await release(trimming)
         await running.close()
         log.info("%s stopped", name)
+
+
+async def _trim_every(seconds: float) -> None:
+    """Hand the C heap's free pages back every ``seconds`` (on a thread: the call releases the GIL)."""
+    while True:
+        await asyncio.sleep(seconds)
+        await asyncio.to_thread(memory.trim)
 
 
 def run_from_cli(
@@ -154,8 +168,11 @@ def run_from_cli(
     setup_logging(settings, log_level)
     port = int(getattr(settings.metrics, f"{name}_port"))
     collect_garbage_for_a_service()
+    memory.tune_allocator()
     asyncio.run(
-        run_service(lambda: build(settings), name=name, metrics_port=port, metrics_host=settings.metrics.host)
+        run_service(
+            lambda: build(settings), name=name, metrics_port=port, metrics_host=settings.metrics.host, trim_memory=True
+        )
     )
 
 
