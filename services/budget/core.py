@@ -276,17 +276,22 @@ class Ledger:
     def tally_dead_letter(self, position: str, offset: int, stage: str, reason: str) -> None:
         """Count a record of ``dead-letter`` not counted before (``status`` reads the tally)."""
         tally = self.scopes[GLOBAL_SCOPE].dead_letters
-        if tally is not None and offset >= self.offsets.get(position, 0):
+        if tally is not None and self._uncounted(position, offset):
             reasons = tally.setdefault(stage, {})
             reasons[reason] = reasons.get(reason, 0) + 1
-            self._dirty.add(GLOBAL_SCOPE)
 
     def tally_truncated(self, position: str, offset: int, dataset: str) -> None:
         """Count a truncated answer accepted, once (``status`` reads the tally)."""
         counts = self.scopes[GLOBAL_SCOPE].accepted_truncated
-        if counts is not None and offset >= self.offsets.get(position, 0):
+        if counts is not None and self._uncounted(position, offset):
             counts[dataset] = counts.get(dataset, 0) + 1
-            self._dirty.add(GLOBAL_SCOPE)
+
+    def _uncounted(self, position: str, offset: int) -> bool:
+        """Whether a tallied record is new (past the ledger's offsets); marks ``global`` changed if so."""
+        if offset < self.offsets.get(position, 0):
+            return False
+        self._dirty.add(GLOBAL_SCOPE)
+        return True
 
     def skip(self, position: str, offset: int) -> None:
         """Move past a record that counts for nothing (e.g. one sent to the dead letters)."""

@@ -122,6 +122,16 @@ async def collect(
     return snapshot
 
 
+def _partition_offsets(offsets: Mapping[str, int], logical: str) -> dict[int, int]:
+    """Partition -> offset of ``logical`` among a checkpoint's ``"<topic>:<partition>"`` offsets."""
+    marks = {}
+    for position, offset in offsets.items():
+        name, _, partition = position.rpartition(":")
+        if name == logical and partition.isdigit():
+            marks[int(partition)] = offset
+    return marks
+
+
 def _tallied(budget: BudgetSnapshot | None, snapshot: StatusSnapshot) -> tuple[dict[int, int], dict[int, int]]:
     """Start from the budget's tallies; the offsets of ``dead-letter`` and ``accepted`` they cover.
 
@@ -129,26 +139,16 @@ def _tallied(budget: BudgetSnapshot | None, snapshot: StatusSnapshot) -> tuple[d
     them are read: bounded by what arrived since the last checkpoint, not by history. No
     tally (no budget ran, or its ledger began before tallies) reads the topic whole.
     """
-
-    def covered(logical: str) -> dict[int, int]:
-        assert budget is not None  # noqa: S101 - called only with a budget snapshot
-        marks = {}
-        for position, offset in budget.offsets.items():
-            name, _, partition = position.rpartition(":")
-            if name == logical and partition.isdigit():
-                marks[int(partition)] = offset
-        return marks
-
     dead_from: dict[int, int] = {}
     accepted_from: dict[int, int] = {}
     if budget is not None and budget.dead_letters is not None:
         for stage, reasons in budget.dead_letters.items():
             for reason, count in reasons.items():
                 snapshot.dead_letters[(stage, reason)] += count
-        dead_from = covered(DEAD_LETTER_TOPIC)
+        dead_from = _partition_offsets(budget.offsets, DEAD_LETTER_TOPIC)
     if budget is not None and budget.accepted_truncated is not None:
         snapshot.accepted_truncated.update(budget.accepted_truncated)
-        accepted_from = covered(ACCEPTED_TOPIC)
+        accepted_from = _partition_offsets(budget.offsets, ACCEPTED_TOPIC)
     return dead_from, accepted_from
 
 
