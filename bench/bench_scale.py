@@ -300,9 +300,11 @@ async def run_size(total: int, seed: int, *, kills: bool = False) -> dict[str, A
                 finished = all(done[n] >= counts[n] for n in counts if n not in capped)
                 if sum(done.values()) != last_done:
                     last_done, last_change = sum(done.values()), time.monotonic()
-                # The kills: one stage each time another seventh of the prompts is accounted for.
-                progress = sum(done.values())
-                if to_kill and progress > killed_at and progress >= total * (len(killed) + 1) / (len(SERVICES) + 2):
+                # The kills: one stage each time another seventh of the uncapped datasets' prompts is
+                # accounted for (a capped dataset may halt at its cap before the last kill was due).
+                progress = sum(done[n] for n in counts if n not in capped)
+                due = sum(counts[n] for n in counts if n not in capped) * (len(killed) + 1) / (len(SERVICES) + 2)
+                if to_kill and progress > killed_at and progress >= due:
                     killed_at = progress  # the next kill waits for progress after this one
                     name = to_kill.pop(0)
                     stages[name].popen.kill()

@@ -141,7 +141,10 @@ class LeaseDesk:
                 book.on_release(release)
             self._releases.clear()
             for lease in book.expire(now):
-                log.warning("budget: lease of %s for %s expired: taken back", lease.worker, lease.dataset)
+                requests, tokens = book.reserved_under(lease)
+                log.warning("budget: lease of %s for %s expired: taken back%s", lease.worker, lease.dataset,
+                            f"; its {requests} unanswered request(s) stay counted at their worst case "
+                            f"({tokens:,} tokens): the provider may have billed them" if requests else "")
         grants, finished = book.decide(now)
         dead.extend(Outgoing(self._topic, encode(g), lease_key(g).encode()) for g in grants)
         await publish_all(producer, dead)

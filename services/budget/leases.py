@@ -241,6 +241,32 @@ class LeaseBook:
                 lost += held.max_tokens
         return lost
 
+    def reserved_under(self, lease: Lease) -> tuple[int, int]:
+        """The requests counted against ``lease`` and not answered yet, and their worst case."""
+        held = [r.max_tokens for r in self._reserved.values() if (r.worker, r.dataset) == (lease.worker, lease.dataset)]
+        return len(held), sum(held)
+
+    def _orphans(self, scope: str) -> tuple[int, int]:
+        """Requests reserved under leases taken back (their worker stopped unanswered) and their worst case."""
+        held = [self.reserved_under(lease) for lease in self._leases_of(scope) if not lease.live]
+        return sum(n for n, _ in held), sum(tokens for _, tokens in held)
+
+    def _may_land(self, scope: str) -> bool:
+        """Whether an answer of ``scope`` may still land: a request in flight not orphaned by a lease taken back.
+
+        A killed worker's requests stay counted at their worst case (see :meth:`lost`), but their
+        answers will not come: waiting for them (the ledger forgets them only after every
+        attempt's timeout) kept a scope that cannot fit another request from finishing.
+        """
+        names = [n for n in self.ledger.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
+        for name in names:
+            totals = self.ledger.scopes.get(name)
+            for key in totals.inflight if totals is not None else ():
+                held = self._reserved.get(key)
+                if held is None or self.leases[(held.worker, held.dataset)].live:
+                    return True
+        return False
+
     def free(self, scope: str) -> float:
         """Tokens no request and no grant holds yet under every cap of ``scope`` (inf: uncapped)."""
         caps = self.ledger.caps(scope)
@@ -298,7 +324,7 @@ class LeaseBook:
                 need = self.max_tokens_for(scope)
             if not datasets or self._uncapped(scope) or isinstance(self.ledger.control.get(scope), Halt):
                 continue
-            if self.ledger.inflight_tokens(scope):
+            if self._may_land(scope):
                 continue  # answers still to land may hand headroom back
             leases = self._leases_of(scope)
             if not any(lease.live and lease.target > lease.granted for lease in leases):
@@ -324,6 +350,12 @@ class LeaseBook:
         if caps.usd is not None:
             spent_usd = totals.cost_usd if totals else 0.0
             parts.append(f"${spent_usd:.4f} of ${caps.usd:.4f} used, ${caps.usd - spent_usd:.4f} unused")
+        orphans, tokens = self._orphans(scope)
+        if orphans:
+            parts.append(
+                f"{tokens} of them held for {orphans} request(s) whose worker stopped before their answers "
+                "were published (the provider may have billed them; raise the cap by as much if it did not)"
+            )
         return (
             f"{CAPPED_PREFIX} {label} finished at its cap: {'; '.join(parts)} "
             f"(no worker can fit another request's worst case of {need} tokens in it); raise the cap to send the rest"

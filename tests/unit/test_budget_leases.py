@@ -235,3 +235,30 @@ def test_a_dead_workers_unanswered_request_stays_held_after_the_ledger_forgets_i
     assert run.ledger.expire_inflight(run.now) == 1
     run.ask("w2", 2 * MAX)
     assert run.decide()[0] == {"w2": MAX}
+
+
+def test_a_scope_held_full_by_a_dead_workers_requests_finishes_once_its_lease_is_taken_back() -> None:
+    run = Run({"d": Caps(completion_tokens=3 * MAX)}, ttl_s=5.0)
+    run.ledger.inflight_ttl_s = 1_000.0  # the ledger forgets the requests only long after
+    run.ask("w1", 2 * MAX)
+    assert run.decide()[0] == {"w1": 2 * MAX}
+    run.send("w1", "s0")
+    run.send("w1", "s1")  # then w1 is killed: neither answer is ever published
+    run.ask("w2", 2 * MAX)
+    assert run.decide() == ({"w2": MAX}, [])
+    run.send("w2", "s2")
+    run.now += 3.0
+    run.ask("w2", 2 * MAX)
+    assert run.decide() == ({"w2": MAX}, [])  # w1's lease is live yet: its answers may come
+    run.now += 3.5  # past w1's TTL and grace: its lease is taken back
+    run.ask("w2", 2 * MAX)
+    assert run.decide() == ({"w2": MAX}, [])  # w2's own request may still hand room back
+    run.answer("s2", MAX)  # it used its worst case: nothing comes back
+    run.ask("w2", 2 * MAX)
+    granted, finished = run.decide()
+    assert granted == {"w2": MAX}
+    assert [scope for scope, _ in finished] == ["d"]
+    reason = finished[0][1]
+    assert reason.startswith(CAPPED_PREFIX)
+    assert f"{MAX} of {3 * MAX} completion tokens used, {2 * MAX} unused" in reason
+    assert f"{2 * MAX} of them held for 2 request(s) whose worker stopped" in reason
