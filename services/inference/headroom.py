@@ -88,7 +88,7 @@ class Headroom:
         self._slots = slots
         self._concurrency = concurrency
         self.listeners: list[Callable[[], None]] = []
-        """Called when the datasets short of headroom may have changed (the worker pauses them)."""
+        """Called when the datasets short of headroom may have changed (their prompts wait or flow again)."""
         self._topic = kafka.topic(LEASES_TOPIC)
         self.worker_id = worker_id
         self._halts = halts
