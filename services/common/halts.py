@@ -88,6 +88,7 @@ class HaltFollower:
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._live = False  # the standing state is read
 
     async def start(self, producer: AIOKafkaProducer) -> None:
         """Read ``control`` to its end, then go on following it, on a thread of its own.
@@ -103,6 +104,7 @@ class HaltFollower:
         )
         self._thread.start()
         await caught_up
+        self._live = True  # events from now on arrive as they are issued (their delay is worth a log)
         # The global gauge exists from the start (0 unless halted), so the "halt in force"
         # annotation and alert see a series on a run that never halts.
         self._changed_now()
@@ -232,7 +234,7 @@ class HaltFollower:
         for listener in self.event_listeners:
             listener(event)
         if changed:
-            self._log_change(event, applied_at)
+            self._log_change(event, applied_at if self._live else None)
             self._changed_now()
 
     @staticmethod
@@ -251,9 +253,11 @@ class HaltFollower:
             return None
 
     @staticmethod
-    def _log_change(event: Halt | Resume, applied_at: float) -> None:
-        """The change, and how long after it was issued it reached this process (its ``at``, when set)."""
-        lag = f"; in force here {(applied_at - event.at) * 1000:.0f} ms after it was issued" if event.at else ""
+    def _log_change(event: Halt | Resume, applied_at: float | None) -> None:
+        """The change, and how long after it was issued it reached this process (a live event with its ``at``)."""
+        lag = ""
+        if applied_at is not None and event.at:
+            lag = f"; in force here {(applied_at - event.at) * 1000:.0f} ms after it was issued"
         log.warning(
             "%s %s (by %s): %s%s", type(event).__name__.lower(), event.scope, event.by or "?", event.reason, lag
         )
