@@ -248,8 +248,9 @@ class LeaseBook:
 
     def _orphans(self, scope: str) -> tuple[int, int]:
         """Requests reserved under leases taken back (their worker stopped unanswered) and their worst case."""
-        held = [self.reserved_under(lease) for lease in self._leases_of(scope) if not lease.live]
-        return sum(n for n, _ in held), sum(tokens for _, tokens in held)
+        held = [r.max_tokens for r in self._reserved.values()
+                if scope in (GLOBAL_SCOPE, r.dataset) and not self.leases[(r.worker, r.dataset)].live]
+        return len(held), sum(held)
 
     def _may_land(self, scope: str) -> bool:
         """Whether an answer of ``scope`` may still land: a request in flight not orphaned by a lease taken back.
