@@ -231,15 +231,37 @@ class LeaseBook:
         Their worker died before their answers were published: the provider may have billed
         them in full, and the budget never learns how much, so their worst case stays held.
         """
-        lost = 0
+        by_dataset = self._lost_by_dataset()
+        return sum(by_dataset.values()) if scope == GLOBAL_SCOPE else by_dataset.get(scope, 0)
+
+    def _lost_by_dataset(self) -> dict[str, int]:
+        """:meth:`lost` of every dataset, in one pass over the reservations (none while every lease is live)."""
+        out: dict[str, int] = {}
+        if all(lease.live for lease in self.leases.values()):
+            return out
         for key, held in self._reserved.items():
-            lease = self.leases[(held.worker, held.dataset)]
-            inflight = self.ledger.scopes.get(held.dataset)
-            if scope not in (GLOBAL_SCOPE, held.dataset) or lease.live:
+            if self.leases[(held.worker, held.dataset)].live:
                 continue
+            inflight = self.ledger.scopes.get(held.dataset)
             if inflight is None or key not in inflight.inflight:
-                lost += held.max_tokens
-        return lost
+                out[held.dataset] = out.get(held.dataset, 0) + held.max_tokens
+        return out
+
+    def _holds(self) -> Callable[[str], int]:
+        """What requests hold in a scope (in flight, and :meth:`lost`): fixed while one :meth:`decide` runs.
+
+        Computed once per scope and pass, not once per pending lease (each sums every request in flight).
+        """
+        lost = self._lost_by_dataset()
+        memo: dict[str, int] = {}
+
+        def held(scope: str) -> int:
+            if scope not in memo:
+                gone = sum(lost.values()) if scope == GLOBAL_SCOPE else lost.get(scope, 0)
+                memo[scope] = self.ledger.inflight_tokens(scope) + gone
+            return memo[scope]
+
+        return held
 
     def reserved_under(self, lease: Lease) -> tuple[int, int]:
         """The requests counted against ``lease`` and not answered yet, and their worst case."""
@@ -268,13 +290,15 @@ class LeaseBook:
                     return True
         return False
 
-    def free(self, scope: str) -> float:
-        """Tokens no request and no grant holds yet under every cap of ``scope`` (inf: uncapped)."""
+    def free(self, scope: str, holds: Callable[[str], int] | None = None) -> float:
+        """Tokens no request and no grant holds yet under every cap of ``scope`` (inf: uncapped).
+
+        ``holds``: :meth:`_holds` of the current pass.
+        """
         caps = self.ledger.caps(scope)
         totals = self.ledger.scopes.get(scope)
         spent = totals.completion_tokens if totals else 0
-        held = self.ledger.inflight_tokens(scope) + sum(lease.unused for lease in self._leases_of(scope))
-        held += self.lost(scope)
+        held = (holds or self._holds())(scope) + sum(lease.unused for lease in self._leases_of(scope))
         free = math.inf
         if caps.completion_tokens is not None:
             free = caps.completion_tokens - spent - held
@@ -289,12 +313,13 @@ class LeaseBook:
         A finished scope comes with its halt reason (see :data:`CAPPED_PREFIX`).
         """
         grants: list[LeaseGranted] = []
+        holds = self._holds()
         for worker, dataset in sorted(self._pending, key=lambda k: self.leases[k].asked_at):
             lease = self.leases[(worker, dataset)]
             unlimited = self._uncapped(dataset) and self._uncapped(GLOBAL_SCOPE)
             wanted = lease.target - lease.granted
             if not unlimited and wanted > 0 and now >= self.grants_from:
-                free = max(0.0, min(self.free(dataset), self.free(GLOBAL_SCOPE)))
+                free = max(0.0, min(self.free(dataset, holds), self.free(GLOBAL_SCOPE, holds)))
                 # Whole requests only: what the lease holds unused counts towards the next one.
                 step, unused = max(1, lease.step), max(0, lease.granted - lease.consumed)
                 whole = int((free + unused) // step) * step - unused
@@ -311,9 +336,9 @@ class LeaseBook:
                 )
             )
         self._pending.clear()
-        return grants, self._finished(now)
+        return grants, self._finished(now, holds)
 
-    def _finished(self, now: float) -> list[tuple[str, str]]:
+    def _finished(self, now: float, holds: Callable[[str], int]) -> list[tuple[str, str]]:
         if now < self.grants_from:
             return []
         datasets = set(self.ledger.datasets) | {lease.dataset for lease in self.leases.values()}
@@ -330,7 +355,7 @@ class LeaseBook:
             leases = self._leases_of(scope)
             if not any(lease.live and lease.target > lease.granted for lease in leases):
                 continue  # no request waits for room: the scope is idle, not finished
-            free = self.free(scope)
+            free = self.free(scope, holds)
             best = max((lease.unused for lease in leases), default=0)
             if free + best >= need:
                 continue

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,6 +58,15 @@ class _Grant:
     granted: int
     unlimited: bool
     valid_until: float  # monotonic
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A request waiting for room: woken (its future set) when the room may fit it."""
+
+    max_tokens: int
+    woken: asyncio.Future[None]
+    in_line: bool = True
 
 
 @dataclass(frozen=True)
@@ -96,9 +106,10 @@ class Headroom:
         self._grants: dict[str, _Grant] = {}
         self.consumed: dict[str, int] = {}
         self._reserved: dict[str, _Reserved] = {}
-        self._waiting: dict[str, list[int]] = {}  # dataset -> worst case of each waiting request
+        self._waiting: dict[str, deque[_Waiter]] = {}  # dataset -> its waiting requests, oldest first
+        self._waiting_tokens: dict[str, int] = {}  # dataset -> the sum of their worst cases
+        self._askers: dict[str, asyncio.Task[None]] = {}  # dataset -> its repeated ask while requests wait
         self._asked: dict[str, tuple[int, float]] = {}  # dataset -> (target, monotonic time)
-        self._changed = asyncio.Event()
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -136,6 +147,11 @@ class Headroom:
     async def admit(self, dataset: str, key: str, max_tokens: int) -> str:
         """Pass the halt gate and wait for room for ``max_tokens``; the lease epoch ("" when none is needed).
 
+        The requests of a dataset wait in line, oldest first: room handed back wakes the
+        oldest ones it fits, not every waiting request (near a cap a worker holds hundreds
+        waiting, and every answer hands room back). A dataset's repeated ask for room runs
+        once for all its waiting requests (:meth:`_asking`).
+
         Raises :class:`~services.common.halts.Stopped` when the worker stops meanwhile.
         """
         task = asyncio.current_task()
@@ -154,26 +170,36 @@ class Headroom:
                         raise
                 return epoch
             self._yield_slot()
-            waiting = self._waiting.setdefault(dataset, [])
-            waiting.append(max_tokens)
-            if len(waiting) == 1:
+            waiter = _Waiter(max_tokens, asyncio.get_running_loop().create_future())
+            line = self._waiting.setdefault(dataset, deque())
+            line.append(waiter)
+            self._waiting_tokens[dataset] = self._waiting_tokens.get(dataset, 0) + max_tokens
+            if len(line) == 1:
                 self._notify()
+                if dataset not in self._askers:
+                    self._askers[dataset] = asyncio.create_task(self._asking(dataset))
             if task is not None:
                 self._halts.held.add(task)
             try:
                 await self._ask(dataset, max_tokens)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), ASK_EVERY_S)
+                await waiter.woken
             finally:
-                waiting.remove(max_tokens)
+                if waiter.in_line:  # not woken: cancelled, or the ask failed
+                    waiter.in_line = False
+                    line.remove(waiter)
+                    self._waiting_tokens[dataset] -= max_tokens
                 if task is not None:
                     self._halts.held.discard(task)
-                if not waiting:
+                if not line:
                     self._notify()
 
     def short(self) -> set[str]:
         """Datasets with a request waiting for headroom (no more of their prompts should be fetched)."""
-        return {dataset for dataset, waiting in self._waiting.items() if waiting}
+        return {dataset for dataset, line in self._waiting.items() if line}
+
+    def waiting(self, dataset: str) -> int:
+        """How many requests of ``dataset`` wait for room."""
+        return len(self._waiting.get(dataset, ()))
 
     def _yield_slot(self) -> None:
         if self._slots is not None:
@@ -198,17 +224,34 @@ class Headroom:
         if held is None or self.policy is None or held.epoch != self.policy.epoch:
             return
         self.consumed[held.dataset] = self.consumed.get(held.dataset, 0) + (used or 0) - held.max_tokens
-        self._wake()
+        self._wake(held.dataset)
 
     async def _ask(self, dataset: str, step: int) -> None:
         """Ask the budget for room for every waiting request (not more often than :data:`ASK_EVERY_S`)."""
-        target = self.consumed.get(dataset, 0) + sum(self._waiting.get(dataset, ()))
+        target = self.consumed.get(dataset, 0) + self._waiting_tokens.get(dataset, 0)
         last = self._asked.get(dataset)
         now = time.monotonic()
         if last is not None and now - last[1] < (ASK_MORE_EVERY_S if target > last[0] else ASK_EVERY_S):
             return  # thousands of requests starting to wait at once make one ask, not thousands
         self._asked[dataset] = (target, now)
         await self._send_request(dataset, target, step)
+
+    async def _asking(self, dataset: str) -> None:
+        """Ask again for the dataset's waiting requests every :data:`ASK_EVERY_S` while any wait.
+
+        The budget frees room as answers land but grants only what is asked for.
+        """
+        try:
+            while line := self._waiting.get(dataset):
+                await asyncio.sleep(ASK_EVERY_S)
+                if line:
+                    try:
+                        await self._ask(dataset, line[0].max_tokens)
+                    except Exception:  # noqa: BLE001 - asked again in ASK_EVERY_S; the requests wait meanwhile
+                        log.warning("could not ask for headroom for %s", dataset, exc_info=True)
+                self._wake(dataset, every=self._halts.stopping)  # a stopping worker's requests leave
+        finally:
+            self._askers.pop(dataset, None)
 
     async def _send_request(self, dataset: str, target: int, step: int) -> None:
         if self.policy is None:
@@ -231,8 +274,8 @@ class Headroom:
             if not self.in_force:
                 continue
             for dataset in sorted(set(self._grants) | set(self._asked)):
-                target = self.consumed.get(dataset, 0) + sum(self._waiting.get(dataset, ()))
-                step = max(self._waiting.get(dataset) or [0])
+                target = self.consumed.get(dataset, 0) + self._waiting_tokens.get(dataset, 0)
+                step = max((waiter.max_tokens for waiter in self._waiting.get(dataset, ())), default=0)
                 try:
                     await self._send_request(dataset, target, step)
                 except Exception:  # noqa: BLE001 - the next renewal tries again; the lease lapses meanwhile
@@ -259,6 +302,7 @@ class Headroom:
                 self.consumed.clear()
                 self._asked.clear()
             self.policy = event
+            self._wake()
         elif isinstance(event, LeaseGranted):
             if event.worker != self.worker_id or self.policy is None or event.epoch != self.policy.epoch:
                 return
@@ -267,16 +311,32 @@ class Headroom:
             margin = min(1.0, event.ttl_s / 10)
             left = min(event.ttl_s, event.at + event.ttl_s - time.time()) - margin
             self._grants[event.dataset] = _Grant(event.granted, event.unlimited, time.monotonic() + left)
-        else:
-            return
-        self._wake()
+            self._wake(event.dataset)
 
-    def _wake(self) -> None:
-        old, self._changed = self._changed, asyncio.Event()
-        old.set()
+    def _wake(self, dataset: str | None = None, *, every: bool = False) -> None:
+        """Wake the oldest waiting requests of ``dataset`` (None: of every dataset) that its room fits.
+
+        A woken request reserves its room itself when it runs (or waits again, at the end of the
+        line, should the room be gone by then). ``every``: wake them all (the worker stops: they
+        leave through the halt gate).
+        """
+        for name in [dataset] if dataset is not None else list(self._waiting):
+            line = self._waiting.get(name)
+            if not line:
+                continue
+            room = None if every else self.room(name)
+            while line and (room is None or room >= line[0].max_tokens):
+                waiter = line.popleft()
+                waiter.in_line = False
+                self._waiting_tokens[name] -= waiter.max_tokens
+                if room is not None:
+                    room -= waiter.max_tokens
+                if not waiter.woken.done():
+                    waiter.woken.set_result(None)
 
     async def close(self) -> None:
         """Release the leases held (the unused part goes back to the budget), stop following."""
+        self._tasks.extend(self._askers.values())
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
