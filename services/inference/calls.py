@@ -4,8 +4,8 @@ Each attempt waits at the halt gate and at the rate-limit throttle (the adaptive
 and ``Retry-After`` pause of :mod:`services.inference.throttle`), announces itself on ``requests`` (what the budget
 counts as in flight) and, once the broker acknowledged, calls the provider. An attempt a
 halt holds back before its first byte goes out is withdrawn on ``requests`` (the same
-record, ``withheld``) and waits at the gate again. Retries follow stamina (exponential
-backoff with jitter, capped, honouring ``Retry-After``). A 429 is never a dead letter:
+record, ``withheld``) and waits at the gate again. Retries back off exponentially
+(with jitter, capped, honouring ``Retry-After``). A 429 is never a dead letter:
 it shrinks the window, pauses new requests and the prompt waits its turn again, without
 using up the attempts other failures have (a storm that admits nothing for
 ``provider.rate_limit_stall_s`` halts every worker, see the guard). After the last attempt a failure
@@ -16,11 +16,12 @@ dead letter).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import time
 
 import msgspec
-import stamina
 from aiokafka import AIOKafkaProducer
 
 from schemas import REQUESTS_TOPIC, PromptPublished, RequestStarted, encode, sample_key
@@ -119,18 +120,48 @@ class ProviderCall:
                 log.exception("provider adapter failed on %s", sample_key(prompt.dataset, prompt.sample_id))
                 return DeadLetter("inference_internal_error", f"{type(exc).__name__}: {exc}")
 
-    def _backoff(self, exc: Exception) -> bool | float:
-        if isinstance(exc, ProviderFailure) and not is_rate_limited(exc):  # a 429 waits at the throttle
-            return backoff_for(exc, self._cfg.backoff_max_s)
-        return False
+    def _backoff(self, exc: Exception, attempt: int) -> float | None:
+        """Seconds to wait before the next attempt after ``exc``; None: no retry (raise it)."""
+        if not isinstance(exc, ProviderFailure) or is_rate_limited(exc):  # a 429 waits at the throttle
+            return None
+        wait = backoff_for(exc, self._cfg.backoff_max_s)
+        if wait is False:
+            return None
+        if wait is True:  # exponential, capped, with jitter
+            cfg = self._cfg
+            jitter = random.uniform(0, cfg.backoff_initial_s)  # noqa: S311 - spreading retries, not secrecy
+            return float(min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (attempt - 1) + jitter))
+        return wait
 
     async def _attempts(
         self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int, tries: _Tries
     ) -> Paid:
-        """One provider call with retries (stamina: exponential backoff, jitter, Retry-After).
+        """One provider call with retries (exponential backoff with jitter, capped; ``Retry-After`` wins).
 
         The attempts left are those other failures have not used; a 429 ends them at once.
+        A plain loop: a retry library's per-call set-up cost more than the rest of a
+        request's own bookkeeping, on every request, to serve the few that fail.
         """
+        attempts = max(1, self._cfg.max_attempts - tries.failed)
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._attempt(prompt, dataset, max_tokens, tries)
+            except Exception as exc:
+                wait = self._backoff(exc, attempt) if attempt < attempts else None
+                if wait is None:
+                    raise
+                log.warning(
+                    "%s: attempt %d of %d failed (%s); retrying in %.1f s",
+                    sample_key(prompt.dataset, prompt.sample_id), attempt, attempts,
+                    getattr(exc, "reason", type(exc).__name__), wait,
+                )
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
+
+    async def _attempt(
+        self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int, tries: _Tries
+    ) -> Paid:
+        """One attempt: the gates, the request record, the provider call and what its outcome counts."""
         cfg, provider, outage, throttle = self._cfg, self._provider, self._guard.outage, self._guard.throttle
         scopes, halts = (prompt.dataset,), self._halts
 
@@ -139,68 +170,58 @@ class ProviderCall:
             # state is kept current by the control follower's own thread.
             return not halts.is_halted(*scopes) and not halts.stopping
 
-        async for attempt in stamina.retry_context(
-            on=self._backoff,
-            attempts=max(1, cfg.max_attempts - tries.failed),
-            timeout=None,
-            wait_initial=cfg.backoff_initial_s,
-            wait_max=cfg.backoff_max_s,
-            wait_jitter=cfg.backoff_initial_s,
-        ):
-            with attempt:
-                tries.sent += 1
-                number = tries.sent
-                seq, epoch = await self._admit(prompt, max_tokens)
-                try:
-                    started = await self._announce(prompt, max_tokens, number, epoch)
-                except BaseException:
-                    throttle.release()
-                    raise
-                inflight = INFLIGHT.labels(dataset=prompt.dataset)
-                inflight.inc()
-                t0 = time.monotonic()
-                outage_seq = outage.begin()
-                sent = True
-                result: ProviderResult | None = None
-                try:
-                    result = await provider.complete(prompt, dataset, max_tokens=max_tokens, may_send=may_send)
-                except NotSent:
-                    sent = False  # withheld at the last moment: no latency, no outcome to count
-                    throttle.release()
-                    await self._withdraw(started)
-                    raise
-                except ProviderFailure as failure:
-                    failure.attempt = number
-                    REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
-                    if is_rate_limited(failure):
-                        throttle.refused(seq, failure.retry_after_s, failure.upstream)
-                        if throttle.stalled():
-                            await self._guard.halt_rate_limit()
-                    else:
-                        throttle.release()
-                        tries.failed += 1
-                    if failure.retryable and (is_rate_limited(failure) or tries.failed < cfg.max_attempts):
-                        RETRIES.labels(provider=provider.name, reason=failure.reason).inc()
-                    if is_outage_failure(failure) and tries.mark is None:
-                        tries.mark = outage_seq
-                    failure.answered_mark = tries.mark
-                    if outage.failure(failure, outage_seq):
-                        await self._guard.halt_outage()
-                    raise
-                except BaseException:
-                    throttle.release()  # cancelled: the request's place goes to the next
-                    raise
-                finally:
-                    self._settle(started, result)
-                    latency = time.monotonic() - t0
-                    inflight.dec()
-                    if sent:
-                        REQUEST_LATENCY.labels(provider=provider.name).observe(latency)
-                throttle.answered(result.upstream_provider, result.usage.completion_tokens)
-                REQUESTS.labels(provider=provider.name, outcome="ok").inc()
-                outage.success(outage_seq)
-                return result, number, latency
-        raise AssertionError("unreachable: stamina re-raises the last failure")  # pragma: no cover
+        tries.sent += 1
+        number = tries.sent
+        seq, epoch = await self._admit(prompt, max_tokens)
+        try:
+            started = await self._announce(prompt, max_tokens, number, epoch)
+        except BaseException:
+            throttle.release()
+            raise
+        inflight = INFLIGHT.labels(dataset=prompt.dataset)
+        inflight.inc()
+        t0 = time.monotonic()
+        outage_seq = outage.begin()
+        sent = True
+        result: ProviderResult | None = None
+        try:
+            result = await provider.complete(prompt, dataset, max_tokens=max_tokens, may_send=may_send)
+        except NotSent:
+            sent = False  # withheld at the last moment: no latency, no outcome to count
+            throttle.release()
+            await self._withdraw(started)
+            raise
+        except ProviderFailure as failure:
+            failure.attempt = number
+            REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
+            if is_rate_limited(failure):
+                throttle.refused(seq, failure.retry_after_s, failure.upstream)
+                if throttle.stalled():
+                    await self._guard.halt_rate_limit()
+            else:
+                throttle.release()
+                tries.failed += 1
+            if failure.retryable and (is_rate_limited(failure) or tries.failed < cfg.max_attempts):
+                RETRIES.labels(provider=provider.name, reason=failure.reason).inc()
+            if is_outage_failure(failure) and tries.mark is None:
+                tries.mark = outage_seq
+            failure.answered_mark = tries.mark
+            if outage.failure(failure, outage_seq):
+                await self._guard.halt_outage()
+            raise
+        except BaseException:
+            throttle.release()  # cancelled: the request's place goes to the next
+            raise
+        finally:
+            self._settle(started, result)
+            latency = time.monotonic() - t0
+            inflight.dec()
+            if sent:
+                REQUEST_LATENCY.labels(provider=provider.name).observe(latency)
+        throttle.answered(result.upstream_provider, result.usage.completion_tokens)
+        REQUESTS.labels(provider=provider.name, outcome="ok").inc()
+        outage.success(outage_seq)
+        return result, number, latency
 
     async def _admit(self, prompt: PromptPublished, max_tokens: int) -> tuple[int, str]:
         """Pass the halt gate, room under the caps, then the throttle; the throttle sequence and lease epoch.
