@@ -82,12 +82,13 @@ class Accounting:
 
         from schemas import DEAD_LETTER_TOPIC
         from services.common.kafka import make_consumer
+        from services.common.topics import ready_partitions
 
         topic = self.settings.kafka.topic(DEAD_LETTER_TOPIC)
         consumer = make_consumer(self.settings.kafka, group_id=None)
         await consumer.start()
-        await consumer._client.force_metadata_update()  # noqa: SLF001 - the topic was just created
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        # The topic was just created: wait for its leaders (a fresh broker's metadata may not list it yet).
+        tps = [TopicPartition(topic, p) for p in await ready_partitions(self.settings.kafka, topic)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
 

@@ -73,6 +73,17 @@ def make_producer(kafka: KafkaSettings, **extra: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**client_kwargs(kafka), **kwargs)
 
 
+STREAM_FETCH: dict[str, Any] = {"fetch_min_bytes": 64 * 1024, "fetch_max_wait_ms": 50}
+"""Fetch settings of the consumers that read a stage's whole stream (the stages, the budget).
+
+The broker answers a fetch once 64 KiB are there or 50 ms have passed: at the default
+(one byte, answered at once) a consumer keeping up fetched a few records at a time, and
+the fetches cost the broker more CPU than the records. At short answers (benchmark 2)
+the broker's CPU per 2,000 prompts fell from 1.2-3.1 s to 0.8-1.9 s, end to end rose
+from 0.83 to 1.03 of the no-Kafka script. A record waits at most 50 ms more per hop.
+"""
+
+
 def make_consumer(kafka: KafkaSettings, *topics: str, group_id: str | None, **extra: Any) -> AIOKafkaConsumer:
     """A consumer with manual commits and fetch limits sized for large samples."""
     kwargs: dict[str, Any] = {

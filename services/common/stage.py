@@ -25,6 +25,7 @@ from schemas import DEAD_LETTER_TOPIC, topology
 from services.common.checkpoint import Checkpoint
 from services.common.config import Settings
 from services.common.kafka import (
+    STREAM_FETCH,
     DeadLetter,
     Outgoing,
     dead_letter_of,
@@ -96,7 +97,7 @@ class StageRunner:
             self.producer = make_producer(kafka)
             with refused_as(kafka, "WRITE"):
                 await self.producer.start()
-        self._consumer = make_consumer(kafka, group_id=self.group_id)
+        self._consumer = make_consumer(kafka, group_id=self.group_id, **STREAM_FETCH)
         self._checkpoint = Checkpoint(self._consumer, label=self.stage)
         listener = _ForgetRevoked(self._checkpoint)
         if self.pattern:
