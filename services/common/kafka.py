@@ -76,11 +76,12 @@ def make_producer(kafka: KafkaSettings, **extra: Any) -> AIOKafkaProducer:
 STREAM_FETCH: dict[str, Any] = {"fetch_min_bytes": 64 * 1024, "fetch_max_wait_ms": 50}
 """Fetch settings of the consumers that read a stage's whole stream (the stages, the budget).
 
-The broker answers a fetch once 64 KiB are there or 50 ms have passed: at the default
-(one byte, answered at once) a consumer keeping up fetched a few records at a time, and
-the fetches cost the broker more CPU than the records. At short answers (benchmark 2)
-the broker's CPU per 2,000 prompts fell from 1.2-3.1 s to 0.8-1.9 s, end to end rose
-from 0.83 to 1.03 of the no-Kafka script. A record waits at most 50 ms more per hop.
+The broker answers a fetch once 64 KiB are there or 50 ms have passed; at the default (one
+byte, answered at once) a consumer keeping up fetched a few records at a time. A record waits
+at most 50 ms more per hop. Benchmark 2 (short answers), end to end against the no-Kafka
+script: 0.832 in the `make bench` before, 0.942 and 0.919 in the two after (1.031 in one
+run alone). The broker's CPU per round of 2,000 prompts varies too much between rounds
+(1.0-3.3 s) to show the change by itself.
 """
 
 
