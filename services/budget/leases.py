@@ -225,17 +225,13 @@ class LeaseBook:
         caps = self.ledger.caps(scope)
         return caps.completion_tokens is None and caps.usd is None
 
-    def lost(self, scope: str) -> int:
-        """Worst case of requests whose worker's lease expired and which the ledger no longer counts in flight.
+    def _lost_by_dataset(self) -> dict[str, int]:
+        """Per dataset: the worst case of requests whose lease expired and the ledger no longer counts in flight.
 
         Their worker died before their answers were published: the provider may have billed
         them in full, and the budget never learns how much, so their worst case stays held.
+        One pass over the reservations (none while every lease is live).
         """
-        by_dataset = self._lost_by_dataset()
-        return sum(by_dataset.values()) if scope == GLOBAL_SCOPE else by_dataset.get(scope, 0)
-
-    def _lost_by_dataset(self) -> dict[str, int]:
-        """:meth:`lost` of every dataset, in one pass over the reservations (none while every lease is live)."""
         out: dict[str, int] = {}
         if all(lease.live for lease in self.leases.values()):
             return out
@@ -248,7 +244,7 @@ class LeaseBook:
         return out
 
     def _holds(self) -> Callable[[str], int]:
-        """What requests hold in a scope (in flight, and :meth:`lost`): fixed while one :meth:`decide` runs.
+        """What requests hold in a scope (in flight, and lost with their worker): fixed while one :meth:`decide` runs.
 
         Computed once per scope and pass, not once per pending lease (each sums every request in flight).
         """
@@ -277,7 +273,7 @@ class LeaseBook:
     def _may_land(self, scope: str) -> bool:
         """Whether an answer of ``scope`` may still land: a request in flight not orphaned by a lease taken back.
 
-        A killed worker's requests stay counted at their worst case (see :meth:`lost`), but their
+        A killed worker's requests stay counted at their worst case (see :meth:`_lost_by_dataset`), but their
         answers will not come: waiting for them (the ledger forgets them only after every
         attempt's timeout) kept a scope that cannot fit another request from finishing.
         """
