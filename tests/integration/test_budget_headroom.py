@@ -252,13 +252,15 @@ async def test_a_dataset_short_of_headroom_waits_unpaused_and_its_fetched_prompt
         settings = settings_factory(
             provider={"kind": "simulator", "base_url": sim.url, "concurrency": 40, "timeout_s": 10.0},
             # Ten requests' worst case: the short answers spend little, so "capped" stays short of
-            # headroom for the whole run, its requests waiting and going a few at a time.
+            # headroom for the whole run, its requests waiting and going a few at a time. It has
+            # more prompts than the run answers (300 ran out within the 6 s looked at: about 270
+            # are answered in it), so it never runs dry while looked at.
             datasets={"capped": {"cap_completion_tokens": 10 * MAX_TOKENS, "max_tokens": MAX_TOKENS},
                       "free": {"max_tokens": 256}},
             budget={"lease_ttl_s": 2.0, "lease_grace_s": 0.5},
         )
         await ensure_topics(settings.kafka, settings.datasets)
-        await publish_prompts(settings, "capped", 300)
+        await publish_prompts(settings, "capped", 1_200)
         await publish_prompts(settings, "free", 300)
         async with running_budget(settings) as budget, running_workers(settings, 1) as (worker,):
             await wait_until(lambda: budget.ledger.scopes.get("capped") is not None
