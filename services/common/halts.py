@@ -89,6 +89,7 @@ class HaltFollower:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live = False  # the standing state is read
+        self._handing_over = False  # a rebalance is on: no request leaves the gate (hold_for_hand_over)
 
     async def start(self, producer: AIOKafkaProducer) -> None:
         """Read ``control`` to its end, then go on following it, on a thread of its own.
@@ -125,6 +126,26 @@ class HaltFollower:
         """Whether the owner is stopping (no request should start)."""
         return self._stopping.is_set()
 
+    @property
+    def handing_over(self) -> bool:
+        """Whether a rebalance holds every request at the gate (:meth:`hold_for_hand_over`)."""
+        return self._handing_over
+
+    def hold_for_hand_over(self) -> None:
+        """Hold every request not yet sent at the gate until :meth:`end_hand_over`.
+
+        From the moment a rebalance takes partitions away until it says which come back, a
+        request that leaves the gate (a resume, a lease granted meanwhile) may be of a
+        partition whose next owner reads it again from the committed offset: both would pay.
+        Held here, it is in :attr:`held`: not waited for, and dropped if its partition went.
+        """
+        self._handing_over = True
+
+    def end_hand_over(self) -> None:
+        """The rebalance is over: the requests held for it go on (those of partitions gone were dropped)."""
+        self._handing_over = False
+        self.wake()
+
     def standing(self, scope: str) -> Halt | None:
         """The halt standing for ``scope`` exactly (not counting the global one), if any."""
         return self.state.halted.get(scope)
@@ -134,7 +155,8 @@ class HaltFollower:
         return self.state.scopes()
 
     async def gate(self, *scopes: str) -> None:
-        """Wait while a halt stands for any of ``scopes``; raise :class:`Stopped` when stopping.
+        """Wait while a halt stands for any of ``scopes`` or a rebalance hands partitions over;
+        raise :class:`Stopped` when stopping.
 
         The tasks waiting here are in :attr:`held` meanwhile.
         """
@@ -142,7 +164,7 @@ class HaltFollower:
         while True:
             if self._stopping.is_set():
                 raise Stopped
-            if not self.state.is_halted(*scopes):
+            if not self._handing_over and not self.state.is_halted(*scopes):
                 return
             if task is not None:
                 self.held.add(task)

@@ -262,9 +262,12 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka s
         """Let their requests at the provider be answered, then commit the completed prefix.
 
         The next owner starts at the committed offset: a prompt still being answered here
-        would be paid for again there. A request held at the halt gate sent nothing.
+        would be paid for again there. A request held at the halt gate sent nothing, and
+        from here to the assignment none leaves the gate (a resume or a lease granted
+        meanwhile would otherwise send a prompt the next owner sends again).
         """
         worker, gone = self._worker, set(revoked)
+        worker.halts.hold_for_hand_over()  # until the assignment says which partitions stay here
         timeout_s = worker.settings.inference.handover_timeout_s
         unanswered = await worker.inflight.hand_over(gone, timeout_s, worker.halts.held)
         if unanswered:
@@ -277,16 +280,20 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka s
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         """Keep the state of partitions still owned (skip their in-flight records), pause, catch up.
 
-        A prompt of a partition gone elsewhere that waits at the halt gate is dropped: its new
-        owner reads it again, and both would pay for it after the resume.
+        A prompt of a partition gone elsewhere that waits at the halt gate (a halt, or the
+        hold since the revocation) is dropped: its new owner reads it again, and both would
+        pay for it otherwise.
         """
-        owned = set(assigned)
-        self._worker.inflight.drop_held(owned, self._worker.halts.held)
-        _started(self._worker.checkpoint).reassigned(owned)
-        self._worker.apply_pauses()
-        if self._worker.store is not None:
-            # Responses another worker paid for just before handing these partitions over.
-            await self._worker.store.catch_up()
+        owned, worker = set(assigned), self._worker
+        try:
+            worker.inflight.drop_held(owned, worker.halts.held)
+            _started(worker.checkpoint).reassigned(owned)
+            worker.apply_pauses()
+            if worker.store is not None:
+                # Responses another worker paid for just before handing these partitions over.
+                await worker.store.catch_up()
+        finally:
+            worker.halts.end_hand_over()  # the held prompts of partitions still here go on
 
 
 class InFlight:
@@ -388,7 +395,7 @@ class InFlight:
         for task in gone:
             task.cancel()
         if gone:
-            log.info("dropped %d prompt(s) held by a halt: their partitions went to another worker", len(gone))
+            log.info("dropped %d prompt(s) held at the gate: their partitions went to another worker", len(gone))
         return len(gone)
 
     def wake(self) -> None:

@@ -168,7 +168,7 @@ class ProviderCall:
         def may_send() -> bool:
             # Asked by the HTTP client at the last moment before a byte goes out; the halt
             # state is kept current by the control follower's own thread.
-            return not halts.is_halted(*scopes) and not halts.stopping
+            return not halts.is_halted(*scopes) and not halts.stopping and not halts.handing_over
 
         tries.sent += 1
         number = tries.sent
@@ -247,7 +247,8 @@ class ProviderCall:
             except BaseException:
                 self._give_back_room(key)
                 raise
-            if not self._halts.is_halted(prompt.dataset) and not self._halts.stopping:
+            halts = self._halts
+            if not halts.is_halted(prompt.dataset) and not halts.stopping and not halts.handing_over:
                 return seq, epoch
             throttle.release()
             self._give_back_room(key)
