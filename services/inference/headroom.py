@@ -156,8 +156,10 @@ class Headroom:
         """
         task = asyncio.current_task()
         while True:
-            if self._halts.is_halted(dataset):
-                self._yield_slot()  # a halted prompt does not keep another dataset's request waiting
+            if self._halts.is_halted(dataset) or self._halts.handing_over:
+                # A held prompt does not keep another request waiting for a slot (in a
+                # rebalance, one the hand-over would wait for in vain).
+                self._yield_slot()
             await self._halts.gate(dataset)
             room = self.room(dataset)
             if room is None or room >= max_tokens:
