@@ -126,10 +126,13 @@ class HaltFollower:
         """Whether the owner is stopping (no request should start)."""
         return self._stopping.is_set()
 
-    @property
-    def handing_over(self) -> bool:
-        """Whether a rebalance holds every request at the gate (:meth:`hold_for_hand_over`)."""
-        return self._handing_over
+    def held_back(self, *scopes: str) -> bool:
+        """Whether the gate holds a request of ``scopes`` now: a halt of one, or a hand-over."""
+        return self._handing_over or self.state.is_halted(*scopes)
+
+    def may_go(self, *scopes: str) -> bool:
+        """Whether a request of ``scopes`` may leave now: not held back, and the owner not stopping."""
+        return not self.held_back(*scopes) and not self._stopping.is_set()
 
     def hold_for_hand_over(self) -> None:
         """Hold every request not yet sent at the gate until :meth:`end_hand_over`.
@@ -164,7 +167,7 @@ class HaltFollower:
         while True:
             if self._stopping.is_set():
                 raise Stopped
-            if not self._handing_over and not self.state.is_halted(*scopes):
+            if not self.held_back(*scopes):
                 return
             if task is not None:
                 self.held.add(task)

@@ -168,7 +168,7 @@ class ProviderCall:
         def may_send() -> bool:
             # Asked by the HTTP client at the last moment before a byte goes out; the halt
             # state is kept current by the control follower's own thread.
-            return not halts.is_halted(*scopes) and not halts.stopping and not halts.handing_over
+            return halts.may_go(*scopes)
 
         tries.sent += 1
         number = tries.sent
@@ -247,8 +247,7 @@ class ProviderCall:
             except BaseException:
                 self._give_back_room(key)
                 raise
-            halts = self._halts
-            if not halts.is_halted(prompt.dataset) and not halts.stopping and not halts.handing_over:
+            if self._halts.may_go(prompt.dataset):
                 return seq, epoch
             throttle.release()
             self._give_back_room(key)

@@ -156,7 +156,7 @@ class Headroom:
         """
         task = asyncio.current_task()
         while True:
-            if self._halts.is_halted(dataset) or self._halts.handing_over:
+            if self._halts.held_back(dataset):
                 # A held prompt does not keep another request waiting for a slot (in a
                 # rebalance, one the hand-over would wait for in vain).
                 self._yield_slot()
