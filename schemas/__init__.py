@@ -395,6 +395,9 @@ class LeaseGranted(Struct, kw_only=True, tag="grant", tag_field="action"):
 
     The worker keeps the worst case of its requests in flight plus what its answers used
     (this epoch) within ``granted``; ``unlimited`` when no cap applies to the dataset.
+    ``releases``: how many of the worker's :class:`LeaseReleased` the budget had applied when
+    it granted this; a grant decided before the worker's last release is stale (the worker
+    ignores it: its room went back to the budget).
     """
 
     worker: Name
@@ -403,16 +406,22 @@ class LeaseGranted(Struct, kw_only=True, tag="grant", tag_field="action"):
     granted: NonNegInt = 0
     unlimited: bool = False
     ttl_s: NonNegFloat = 10.0
+    releases: NonNegInt = 0
     at: float = 0.0
     schema_version: Version = SCHEMA_VERSION
 
 
 class LeaseReleased(Struct, kw_only=True, tag="release", tag_field="action"):
-    """A stopping worker gives its unused headroom back (a killed one's lease expires instead)."""
+    """A worker gives its unused headroom of a dataset back: it stops, or it has nothing of the
+    dataset to send (a killed one's lease expires instead).
+
+    ``releases`` counts the worker's releases of this lease in the epoch, this one included.
+    """
 
     worker: Name
     dataset: Name
     epoch: str
+    releases: NonNegInt = 0
     at: float = 0.0
     schema_version: Version = SCHEMA_VERSION
 

@@ -14,7 +14,8 @@ An answer landing below its worst case hands the difference back to the worker t
 it (its consumption drops), so a worker asks only for the shortfall of its next request
 and holds less than one request's worst case unused. A lease not renewed within its TTL
 (plus a grace) is taken back: its grant shrinks to what the budget saw it consume, and
-the rest goes to the other workers. A stopping worker releases its lease at once. When
+the rest goes to the other workers. A stopping worker releases its lease at once, and so
+does one with nothing of the dataset left to send (its partitions went, or ran dry). When
 no worker can fit one more request and nothing is in flight, the scope is finished at its
 cap: :meth:`LeaseBook.decide` returns the halt reason with the unused remainder.
 
@@ -76,6 +77,7 @@ class Lease:
     target: int = 0  # the cumulative grant the worker asked for
     step: int = 0  # one waiting request's worst case
     asked_at: float = 0.0
+    releases: int = 0  # the worker's releases applied (its grants say so: older ones are stale)
 
     @property
     def unused(self) -> int:
@@ -192,10 +194,11 @@ class LeaseBook:
         self._pending.add((event.worker, event.dataset))
 
     def on_release(self, event: LeaseReleased) -> None:
-        """A stopping worker gives back what it did not use."""
+        """A worker gives back what it did not use (it stops, or has nothing of the dataset to send)."""
         lease = self.leases.get((event.worker, event.dataset))
         if lease is not None and event.epoch == self.epoch:
             self._take_back(lease)
+            lease.releases = max(lease.releases, event.releases)
 
     @staticmethod
     def _take_back(lease: Lease) -> None:
@@ -328,6 +331,7 @@ class LeaseBook:
                     granted=lease.granted,
                     unlimited=unlimited,
                     ttl_s=self.ttl_s,
+                    releases=lease.releases,
                     at=now,
                 )
             )

@@ -8,8 +8,11 @@ plus ``max_tokens`` stays within the tokens granted. Otherwise the request waits
 halt gate's ``held`` set: it sent nothing), and the worker asks the budget for the
 shortfall. An answer landing below its worst case gives the difference back at once. The
 lease is renewed every third of its TTL; it is void here a little before the TTL runs out
-without a renewal, and when a new epoch is announced (a restarted budget). On a clean stop
-the worker releases its leases; a killed worker's expire at the budget.
+without a renewal, and when a new epoch is announced (a restarted budget). A lease with room
+left and nothing of its dataset in flight, waiting, admitted or answered for a whole renewal period is
+released (its partitions went to another worker, or ran dry): room held by a worker with
+nothing to send would keep the other workers waiting and the dataset from finishing at its
+cap. On a clean stop the worker releases its leases; a killed worker's expire at the budget.
 
 Without a policy on ``leases`` (no budget service running leases) nothing waits here.
 Written on aiokafka directly, like :class:`~services.common.halts.HaltFollower`.
@@ -110,6 +113,8 @@ class Headroom:
         self._waiting_tokens: dict[str, int] = {}  # dataset -> the sum of their worst cases
         self._askers: dict[str, asyncio.Task[None]] = {}  # dataset -> its repeated ask while requests wait
         self._asked: dict[str, tuple[int, float]] = {}  # dataset -> (target, monotonic time)
+        self._released: dict[str, int] = {}  # dataset -> its releases this epoch (grants before the last are stale)
+        self._active: set[str] = set()  # datasets with a request admitted or settled since the last renewal
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -217,6 +222,7 @@ class Headroom:
         epoch = self.policy.epoch
         self.settle(key, None)  # a previous attempt of this prompt, if any
         self._reserved[key] = _Reserved(epoch, dataset, max_tokens)
+        self._active.add(dataset)
         self.consumed[dataset] = self.consumed.get(dataset, 0) + max_tokens
         return epoch
 
@@ -225,6 +231,7 @@ class Headroom:
         held = self._reserved.pop(key, None)
         if held is None or self.policy is None or held.epoch != self.policy.epoch:
             return
+        self._active.add(held.dataset)
         self.consumed[held.dataset] = self.consumed.get(held.dataset, 0) + (used or 0) - held.max_tokens
         self._wake(held.dataset)
 
@@ -273,15 +280,57 @@ class Headroom:
         while True:
             ttl = self.policy.ttl_s if self.policy is not None else 10.0
             await asyncio.sleep(max(0.05, ttl / 3))
-            if not self.in_force:
+            await self.renew_once()
+
+    async def renew_once(self) -> None:
+        """One renewal of every lease held (or wanted); a lease left idle since the last is released."""
+        active, self._active = self._active, set()
+        if not self.in_force:
+            return
+        for dataset in sorted(set(self._grants) | set(self._asked)):
+            if self._idle(dataset, active):
+                await self._give_back(dataset)
                 continue
-            for dataset in sorted(set(self._grants) | set(self._asked)):
-                target = self.consumed.get(dataset, 0) + self._waiting_tokens.get(dataset, 0)
-                step = max((waiter.max_tokens for waiter in self._waiting.get(dataset, ())), default=0)
-                try:
-                    await self._send_request(dataset, target, step)
-                except Exception:  # noqa: BLE001 - the next renewal tries again; the lease lapses meanwhile
-                    log.warning("could not renew the lease of %s", dataset, exc_info=True)
+            target = self.consumed.get(dataset, 0) + self._waiting_tokens.get(dataset, 0)
+            step = max((waiter.max_tokens for waiter in self._waiting.get(dataset, ())), default=0)
+            try:
+                await self._send_request(dataset, target, step)
+            except Exception:  # noqa: BLE001 - the next renewal tries again; the lease lapses meanwhile
+                log.warning("could not renew the lease of %s", dataset, exc_info=True)
+
+    def _idle(self, dataset: str, active: set[str]) -> bool:
+        """Whether the lease of ``dataset`` holds room nothing here uses: no request of it in
+        flight or waiting, none admitted or answered since the last renewal (``active``)."""
+        grant = self._grants.get(dataset)
+        if grant is None or grant.unlimited or dataset in active or self._waiting.get(dataset):
+            return False
+        if any(held.dataset == dataset for held in self._reserved.values()):
+            return False
+        return (self.room(dataset) or 0) > 0
+
+    async def _give_back(self, dataset: str) -> None:
+        """Release the lease of ``dataset``: its room goes back to the budget (asked for again when needed).
+
+        The grant is void here first. A grant the budget decided before it applied the release
+        names fewer releases and is ignored (see :meth:`_take_value`), so the room is never
+        used here and handed to another worker as well.
+        """
+        if self.policy is None:
+            return
+        unused = self.room(dataset) or 0
+        self._grants.pop(dataset, None)
+        self._asked.pop(dataset, None)
+        count = self._released[dataset] = self._released.get(dataset, 0) + 1
+        event = LeaseReleased(worker=self.worker_id, dataset=dataset, epoch=self.policy.epoch, releases=count,
+                              at=time.time())
+        try:
+            await self._send(event)
+        except Exception:  # noqa: BLE001 - the lease stays the budget's view; the next grant restores it here
+            self._released[dataset] = count - 1
+            log.warning("could not release the idle lease of %s", dataset, exc_info=True)
+            return
+        log.info("released the lease of %s: nothing of it to send here, %d token(s) of room back to the budget",
+                 dataset, unused)
 
     async def _follow(self) -> None:
         consumer = self._consumer
@@ -303,11 +352,15 @@ class Headroom:
                 self._grants.clear()
                 self.consumed.clear()
                 self._asked.clear()
+                self._released.clear()
             self.policy = event
             self._wake()
         elif isinstance(event, LeaseGranted):
             if event.worker != self.worker_id or self.policy is None or event.epoch != self.policy.epoch:
                 return
+            if event.releases < self._released.get(event.dataset, 0):
+                return  # decided before the budget took the released room back: it is not ours
+            self._released[event.dataset] = event.releases
             # Valid a little less than its TTL from when it was granted (the budget's clock) and
             # from when it arrived, whichever ends first: a stalled worker does not outlive it.
             margin = min(1.0, event.ttl_s / 10)
@@ -347,7 +400,9 @@ class Headroom:
         self._tasks = []
         if self.in_force and self.policy is not None and self._producer is not None:
             for dataset in sorted(self._grants):
-                event = LeaseReleased(worker=self.worker_id, dataset=dataset, epoch=self.policy.epoch, at=time.time())
+                count = self._released.get(dataset, 0) + 1
+                event = LeaseReleased(worker=self.worker_id, dataset=dataset, epoch=self.policy.epoch,
+                                      releases=count, at=time.time())
                 try:
                     await self._send(event)
                 except Exception:  # noqa: BLE001 - it expires at the budget instead

@@ -155,6 +155,25 @@ def test_a_released_lease_frees_its_unused_part_at_once() -> None:
     assert run.decide()[0] == {"w2": 2 * MAX}
 
 
+def test_room_an_idle_worker_releases_goes_to_the_one_waiting_and_its_grants_say_so() -> None:
+    run = Run({"d": Caps(completion_tokens=3 * MAX)})
+    run.ask("w1", 2 * MAX)
+    grants, _ = run.book.decide(run.now)
+    assert [(g.granted, g.releases) for g in grants] == [(2 * MAX, 0)]
+    run.send("w1", "s0")
+    run.answer("s0", MAX // 4)  # w1's partitions go elsewhere: its room stays unused
+    run.ask("w2", 2 * MAX)
+    assert run.decide() == ({"w2": MAX}, [])  # w1 could still fit one: not finished, w2 short
+    run.ask("w2", 2 * MAX)
+    assert run.decide() == ({"w2": MAX}, [])  # and so it would stay
+    run.book.on_release(LeaseReleased(worker="w1", dataset="d", epoch=EPOCH, releases=1))
+    run.ask("w2", 2 * MAX)
+    assert run.decide()[0] == {"w2": 2 * MAX}
+    run.ask("w1", MAX // 4 + MAX)  # w1 asks again: its grant starts from what it consumed
+    grants, _ = run.book.decide(run.now)
+    assert [(g.granted, g.releases) for g in grants] == [(MAX // 4, 1)]
+
+
 def test_a_restarted_budget_grants_nothing_until_the_old_epoch_expired() -> None:
     run = Run({"d": Caps(completion_tokens=10 * MAX)}, grants_from=1010.0)
     run.ask("w1", MAX)

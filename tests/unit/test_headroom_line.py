@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from schemas import LeaseGranted, LeasePolicy, LeaseRequested, decode_lease, encode
+from schemas import LeaseGranted, LeasePolicy, LeaseReleased, LeaseRequested, decode_lease, encode
 from services.common.config import KafkaSettings
 from services.common.halts import HaltFollower, Stopped
 from services.inference import headroom as headroom_mod
@@ -26,11 +26,14 @@ class _Asks:
 
     def __init__(self) -> None:
         self.sent: list[LeaseRequested] = []
+        self.released: list[LeaseReleased] = []
 
     async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future[None]:
         event = decode_lease(value)
         if isinstance(event, LeaseRequested):
             self.sent.append(event)
+        elif isinstance(event, LeaseReleased):
+            self.released.append(event)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
@@ -46,9 +49,9 @@ def _headroom() -> tuple[Headroom, asyncio.Event, _Asks]:
     return room, stopping, asks
 
 
-def _grant(room: Headroom, dataset: str, granted: int, *, unlimited: bool = False) -> None:
+def _grant(room: Headroom, dataset: str, granted: int, *, unlimited: bool = False, releases: int = 0) -> None:
     event = LeaseGranted(worker="w1", dataset=dataset, epoch=EPOCH, granted=granted, unlimited=unlimited,
-                         ttl_s=30.0, at=time.time())
+                         ttl_s=30.0, releases=releases, at=time.time())
     room._take_value(encode(event))
 
 
@@ -128,5 +131,50 @@ def test_a_stopping_worker_releases_its_waiting_requests_within_one_ask(monkeypa
         assert all(isinstance(r, Stopped) for r in results)
         assert room.waiting("capped") == 0
         await room.close()
+
+    asyncio.run(main())
+
+
+def test_a_lease_with_nothing_to_send_is_released_and_grants_decided_before_are_ignored() -> None:
+    """Its partitions went to another worker (or ran dry): the room it holds goes back to the budget."""
+
+    async def main() -> None:
+        room, _, asks = _headroom()
+        _grant(room, "capped", 500)
+        await room.admit("capped", "capped:a", 100)
+        await room.renew_once()  # a request in flight: renewed, not released
+        room.settle("capped:a", 40)
+        await room.renew_once()  # answered since the last renewal: renewed
+        assert asks.released == [] and room.room("capped") == 460
+        assert [e.target for e in asks.sent[-2:]] == [100, 40]
+        await room.renew_once()  # nothing in flight, waiting or admitted for a whole period
+        assert [(e.dataset, e.releases) for e in asks.released] == [("capped", 1)]
+        assert room.room("capped") == 0  # void here first: never used here and by another worker
+        _grant(room, "capped", 500)  # decided before the budget applied the release
+        assert room.room("capped") == 0
+        await room.renew_once()  # not renewed any more: the budget lets the lease go
+        assert asks.sent[-1].target == 40 and len(asks.released) == 1
+        waiting = asyncio.create_task(room.admit("capped", "capped:b", 100))
+        await _settled()
+        assert room.waiting("capped") == 1 and asks.sent[-1].target == 140  # asks again when needed
+        _grant(room, "capped", 140, releases=1)
+        await asyncio.wait_for(waiting, 1.0)
+        await room.renew_once()  # busy again: renewed
+        assert len(asks.released) == 1
+        room.settle("capped:b", 100)
+        await room.close()  # the clean stop's release counts on
+        assert [e.releases for e in asks.released] == [1, 2]
+
+    asyncio.run(main())
+
+
+def test_an_unlimited_or_empty_lease_is_not_released() -> None:
+    async def main() -> None:
+        room, _, asks = _headroom()
+        _grant(room, "free", 0, unlimited=True)
+        _grant(room, "spent", 0)
+        for _ in range(3):
+            await room.renew_once()
+        assert asks.released == [] and {e.dataset for e in asks.sent} == {"free", "spent"}
 
     asyncio.run(main())
