@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -48,3 +49,14 @@ def settings_factory(
         return load_settings(None, kafka=kafka, metrics=metrics, sink=sink, **overrides)
 
     return build
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _slow_collection_log_ends_with_the_session() -> Iterator[None]:
+    """A service run in this process installs its slow-collection log on ``gc.callbacks``; pytest's
+    last collections come after the log's stream is closed ("--- Logging error ---")."""
+    yield
+    from services.common import service
+
+    if service._SLOW.on_phase in gc.callbacks:  # noqa: SLF001 - the service's own callback
+        gc.callbacks.remove(service._SLOW.on_phase)  # noqa: SLF001
