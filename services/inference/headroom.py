@@ -320,17 +320,20 @@ class Headroom:
         unused = self.room(dataset) or 0
         self._grants.pop(dataset, None)
         self._asked.pop(dataset, None)
-        count = self._released[dataset] = self._released.get(dataset, 0) + 1
-        event = LeaseReleased(worker=self.worker_id, dataset=dataset, epoch=self.policy.epoch, releases=count,
-                              at=time.time())
+        event = self._release(dataset, self.policy.epoch)
         try:
             await self._send(event)
         except Exception:  # noqa: BLE001 - the lease stays the budget's view; the next grant restores it here
-            self._released[dataset] = count - 1
+            self._released[dataset] = event.releases - 1
             log.warning("could not release the idle lease of %s", dataset, exc_info=True)
             return
         log.info("released the lease of %s: nothing of it to send here, %d token(s) of room back to the budget",
                  dataset, unused)
+
+    def _release(self, dataset: str, epoch: str) -> LeaseReleased:
+        """The next release of the lease of ``dataset`` (counted here: later grants must name it)."""
+        count = self._released[dataset] = self._released.get(dataset, 0) + 1
+        return LeaseReleased(worker=self.worker_id, dataset=dataset, epoch=epoch, releases=count, at=time.time())
 
     async def _follow(self) -> None:
         consumer = self._consumer
@@ -400,9 +403,7 @@ class Headroom:
         self._tasks = []
         if self.in_force and self.policy is not None and self._producer is not None:
             for dataset in sorted(self._grants):
-                count = self._released.get(dataset, 0) + 1
-                event = LeaseReleased(worker=self.worker_id, dataset=dataset, epoch=self.policy.epoch,
-                                      releases=count, at=time.time())
+                event = self._release(dataset, self.policy.epoch)
                 try:
                     await self._send(event)
                 except Exception:  # noqa: BLE001 - it expires at the budget instead
