@@ -73,15 +73,18 @@ def make_producer(kafka: KafkaSettings, **extra: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**client_kwargs(kafka), **kwargs)
 
 
-STREAM_FETCH: dict[str, Any] = {"fetch_min_bytes": 64 * 1024, "fetch_max_wait_ms": 50}
-"""Fetch settings of the consumers that read a stage's whole stream (the stages, the budget).
+STREAM_FETCH: dict[str, Any] = {"fetch_min_bytes": 1024 * 1024, "fetch_max_wait_ms": 100}
+"""Fetch settings of the consumers that read a whole stream: the stages, the budget and the
+inference workers' response-store followers.
 
-The broker answers a fetch once 64 KiB are there or 50 ms have passed; at the default (one
-byte, answered at once) a consumer keeping up fetched a few records at a time. A record waits
-at most 50 ms more per hop. Benchmark 2 (short answers), end to end against the no-Kafka
-script: 0.832 in the `make bench` before, 0.942 and 0.919 in the two after (1.031 in one
-run alone). The broker's CPU per round of 2,000 prompts varies too much between rounds
-(1.0-3.3 s) to show the change by itself.
+The broker answers a fetch once 1 MiB is there or 100 ms have passed. Every fetch costs the
+broker and the consumer a round of work whatever it carries: at one byte (the default) a
+consumer keeping up fetched a record or two at a time, and at 64 KiB and 50 ms (before) it
+still fetched 20 times a second, since one seeds-sized sample (~100 KB, ~20 KB compressed)
+nearly fills 64 KiB. A record waits at most 100 ms more per hop, against answers that take
+seconds to minutes. 250 ms cut the fetches further but its tail (up to 250 ms at each of four
+hops) showed in benchmark 2's three-second rounds (end to end 0.835-0.999 in three runs,
+against 0.962 and 1.033 at 100 ms). Figures: bench/README.md.
 """
 
 

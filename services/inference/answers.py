@@ -138,9 +138,10 @@ class Answerer:
         )
         event = msgspec.structs.replace(event, request_hash=digest)
         sample = key_of(prompt.dataset, prompt.sample_id).encode()
-        acks = [await self._producer.send(self._responses, encode(event), key=sample)]
+        value = encode(event)
+        acks = [await self._producer.send(self._responses, value, key=sample)]
         if self._store is not None:
-            acks.append(await self._store.put(key, event))
+            acks.append(await self._store.put(key, value))
         await asyncio.gather(*acks)
         RESPONSES.labels(dataset=prompt.dataset).inc()
         self.responded += 1

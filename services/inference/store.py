@@ -28,9 +28,9 @@ from collections import OrderedDict
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from schemas import RESPONSE_INDEX_TOPIC, RESPONSE_STORE_TOPIC, ResponseReceived, SchemaError, decode, encode
+from schemas import RESPONSE_INDEX_TOPIC, RESPONSE_STORE_TOPIC, ResponseReceived, SchemaError, decode
 from services.common.config import KafkaSettings
-from services.common.kafka import make_consumer
+from services.common.kafka import STREAM_FETCH, make_consumer
 from services.common.service import release
 from services.common.topics import Record, catch_up
 from services.inference.store_index import StoreIndex
@@ -80,7 +80,7 @@ class ResponseStore:
     async def start(self, partitions: list[int], timeout_s: float) -> None:
         """Load the index (``response-index``, then the store past its checkpoints), then follow the store."""
         self._tps = [TopicPartition(self.topic, p) for p in partitions]
-        follower = make_consumer(self._kafka, group_id=None)
+        follower = make_consumer(self._kafka, group_id=None, **STREAM_FETCH)  # every worker's writes
         self._follower = follower
         await follower.start()
         follower.assign(self._tps)
@@ -265,12 +265,12 @@ class ResponseStore:
         log.warning("response store: could not read %s at %d:%d; paying again", key, partition, offset)
         return None
 
-    async def put(self, key: str, response: ResponseReceived) -> asyncio.Future[object]:
-        """Send a paid response to the store; the returned future resolves on the broker's ack.
+    async def put(self, key: str, value: bytes) -> asyncio.Future[object]:
+        """Send a paid response (``value``, its encoded :class:`ResponseReceived`) to the store;
+        the returned future resolves on the broker's ack.
 
         The index is updated as soon as the broker acknowledges the write.
         """
-        value = encode(response)
         future: asyncio.Future[object] = await self._producer.send(self.topic, value, key=key.encode())
 
         def indexed(done: asyncio.Future[object]) -> None:
