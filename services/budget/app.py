@@ -55,7 +55,7 @@ from services.common.acls import used_topics
 from services.common.config import Settings
 from services.common.halts import HaltFollower
 from services.common.kafka import (
-    STREAM_FETCH,
+    FOLLOW_FETCH,
     DeadLetter,
     Outgoing,
     dead_letter_of,
@@ -168,7 +168,7 @@ class BudgetService:
         now = self.clock()
         seek = self.ledger.restore(sorted(snapshots.values(), key=lambda s: s.scope == GLOBAL_SCOPE), now)
         self.quality.restore(snapshots.values())
-        consumer = make_consumer(kafka, group_id=None, **STREAM_FETCH)
+        consumer = make_consumer(kafka, group_id=None, **FOLLOW_FETCH)
         await consumer.start()
         self._consumer = consumer
         partitions: list[TopicPartition] = []

@@ -73,18 +73,28 @@ def make_producer(kafka: KafkaSettings, **extra: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**client_kwargs(kafka), **kwargs)
 
 
-STREAM_FETCH: dict[str, Any] = {"fetch_min_bytes": 1024 * 1024, "fetch_max_wait_ms": 100}
-"""Fetch settings of the consumers that read a whole stream: the stages, the budget and the
-inference workers' response-store followers.
+STREAM_FETCH: dict[str, Any] = {"fetch_min_bytes": 1024 * 1024, "fetch_max_wait_ms": 50}
+"""Fetch settings of the stages (reconstruct, audit, sink): the consumers on a sample's path.
 
-The broker answers a fetch once 1 MiB is there or 100 ms have passed. Every fetch costs the
+The broker answers a fetch once 1 MiB is there or 50 ms have passed. Every fetch costs the
 broker and the consumer a round of work whatever it carries: at one byte (the default) a
-consumer keeping up fetched a record or two at a time, and at 64 KiB and 50 ms (before) it
-still fetched 20 times a second, since one seeds-sized sample (~100 KB, ~20 KB compressed)
-nearly fills 64 KiB. A record waits at most 100 ms more per hop, against answers that take
-seconds to minutes. 250 ms cut the fetches further but its tail (up to 250 ms at each of four
-hops) showed in benchmark 2's three-second rounds (end to end 0.835-0.999 in three runs,
-against 0.962 and 1.033 at 100 ms). Figures: bench/README.md.
+consumer keeping up fetched a record or two at a time. The wait is paid at every hop by the
+records that arrive while the stage is caught up (the first and last of a burst), so it is kept
+short here: in benchmark 2 alone (rounds of two to three seconds), end to end was 0.911 and
+0.990 at 100 ms, 0.964 and 1.019 at 50 ms, 0.990-1.121 at 25 ms (four runs); 25 ms would fetch
+twice as often as 50 ms at the seeds' rates (~20 prompts/s) for a latency that costs nothing
+over a run of hours. Figures: bench/README.md.
+"""
+
+FOLLOW_FETCH: dict[str, Any] = {"fetch_min_bytes": 1024 * 1024, "fetch_max_wait_ms": 100}
+"""Fetch settings of the consumers that follow a stream off a sample's path: the budget and
+the inference workers' response-store followers.
+
+The broker answers once 1 MiB is there or 100 ms have passed. No sample waits for these, so
+they fetch half as often as the stages: one seeds-sized sample (~100 KB, ~20 KB compressed)
+never fills 1 MiB at the seeds' rates, and the follower fetched once per write at the default
+of one byte. 250 ms cut the fetches further, but the budget's view of spend then lagged by
+that much more.
 """
 
 

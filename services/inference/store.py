@@ -30,7 +30,7 @@ from aiokafka.errors import KafkaError
 
 from schemas import RESPONSE_INDEX_TOPIC, RESPONSE_STORE_TOPIC, ResponseReceived, SchemaError, decode
 from services.common.config import KafkaSettings
-from services.common.kafka import STREAM_FETCH, make_consumer
+from services.common.kafka import FOLLOW_FETCH, make_consumer
 from services.common.service import release
 from services.common.topics import Record, catch_up
 from services.inference.store_index import StoreIndex
@@ -80,7 +80,7 @@ class ResponseStore:
     async def start(self, partitions: list[int], timeout_s: float) -> None:
         """Load the index (``response-index``, then the store past its checkpoints), then follow the store."""
         self._tps = [TopicPartition(self.topic, p) for p in partitions]
-        follower = make_consumer(self._kafka, group_id=None, **STREAM_FETCH)  # every worker's writes
+        follower = make_consumer(self._kafka, group_id=None, **FOLLOW_FETCH)  # every worker's writes
         self._follower = follower
         await follower.start()
         follower.assign(self._tps)
