@@ -285,6 +285,9 @@ class StageSettings(BaseModel):
 
     batch_max: int = Field(default=64, gt=0)
     batch_timeout_ms: int = Field(default=200, ge=0)
+    # How long the broker may hold a stage's fetch for 1 MiB (services/common/kafka.py,
+    # STREAM_FETCH): shorter is less latency per hop, longer fewer and larger batches.
+    fetch_wait_ms: int = Field(default=50, ge=0, le=1000)
 
 
 class Settings(BaseSettings):

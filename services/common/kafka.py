@@ -73,17 +73,19 @@ def make_producer(kafka: KafkaSettings, **extra: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**client_kwargs(kafka), **kwargs)
 
 
-STREAM_FETCH: dict[str, Any] = {"fetch_min_bytes": 1024 * 1024, "fetch_max_wait_ms": 50}
+STREAM_FETCH: dict[str, Any] = {"fetch_min_bytes": 1024 * 1024}
 """Fetch settings of the stages (reconstruct, audit, sink): the consumers on a sample's path.
 
-The broker answers a fetch once 1 MiB is there or 50 ms have passed. Every fetch costs the
-broker and the consumer a round of work whatever it carries: at one byte (the default) a
-consumer keeping up fetched a record or two at a time. The wait is paid at every hop by the
-records that arrive while the stage is caught up (the first and last of a burst), so it is kept
-short here: in benchmark 2 alone (rounds of two to three seconds), end to end was 0.911 and
-0.990 at 100 ms, 0.964 and 1.019 at 50 ms, 0.990-1.121 at 25 ms (four runs); 25 ms would fetch
-twice as often as 50 ms at the seeds' rates (~20 prompts/s) for a latency that costs nothing
-over a run of hours. Figures: bench/README.md.
+The broker answers a fetch once 1 MiB is there or the stage's ``[stage] fetch_wait_ms`` has
+passed (default 50). Every fetch costs the broker and the consumer a round of work whatever it
+carries, and each one the stage takes is a batch it decides, publishes and commits: at one byte
+(aiokafka's default) a consumer keeping up fetched a record or two at a time. The wait is paid
+at every hop by the records that arrive while the stage is caught up (the first and last of a
+burst). In benchmark 2 alone (rounds of two to three seconds), end to end was 0.911 and 0.990
+at 100 ms, 0.964 and 1.019 at 50 ms, 0.990-1.121 at 25 ms. At the seeds' rates a fetch never
+fills 1 MiB, so the wait sets how often each stage fetches: at 4,000 prompts of the seeds'
+shape, 50 ms cost reconstruct, audit and sink 16.6 CPU s per 1,000 prompts against 14.2 at
+100 ms. Figures: bench/README.md.
 """
 
 FOLLOW_FETCH: dict[str, Any] = {"fetch_min_bytes": 1024 * 1024, "fetch_max_wait_ms": 100}

@@ -97,7 +97,9 @@ class StageRunner:
             self.producer = make_producer(kafka)
             with refused_as(kafka, "WRITE"):
                 await self.producer.start()
-        self._consumer = make_consumer(kafka, group_id=self.group_id, **STREAM_FETCH)
+        self._consumer = make_consumer(
+            kafka, group_id=self.group_id, **STREAM_FETCH, fetch_max_wait_ms=self.settings.stage.fetch_wait_ms
+        )
         self._checkpoint = Checkpoint(self._consumer, label=self.stage)
         listener = _ForgetRevoked(self._checkpoint)
         if self.pattern:
