@@ -288,6 +288,9 @@ class StageSettings(BaseModel):
     # How long the broker may hold a stage's fetch for 1 MiB (services/common/kafka.py,
     # STREAM_FETCH): shorter is less latency per hop, longer fewer and larger batches.
     fetch_wait_ms: int = Field(default=50, ge=0, le=1000)
+    # How often a stage and an inference worker commit their consumed offsets (0: after every
+    # batch). Outputs are acknowledged before any commit; a crash reads this much again.
+    commit_interval_ms: int = Field(default=1000, ge=0, le=60_000)
 
 
 class Settings(BaseSettings):

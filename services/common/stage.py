@@ -2,13 +2,15 @@
 
 reconstruct, audit and sink read a topic in batches, hand each batch to one core
 call, publish what it returns (outputs or dead letters), wait for the broker's
-acknowledgement, and only then commit the batch's offsets. A crash anywhere before the
-commit replays the batch (at-least-once; duplicates downstream are idempotent by key),
-a crash after it loses nothing because the outputs were already acknowledged.
+acknowledgement, and only then commit the batch's offsets: at most once per ``[stage]
+commit_interval_ms`` (default 1 s), at once on a clean stop or a revocation. A crash
+before the commit replays what was done since the last one (at-least-once; duplicates
+downstream are idempotent by key), a crash after it loses nothing because the outputs were
+already acknowledged.
 
 Written on aiokafka directly rather than as a FastStream subscriber because the stages
 need the raw record (value bytes, headers, partition, offset) for byte-exact dead
-letters, one commit per published batch, and a pause/stop they control.
+letters, commits only of acknowledged batches, and a pause/stop they control.
 """
 
 from __future__ import annotations
@@ -44,13 +46,16 @@ BatchHandler = Callable[[Sequence[ConsumerRecord[bytes, bytes]]], Awaitable[list
 
 
 class _ForgetRevoked(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka ships no type stubs
-    """Partitions taken away leave the checkpoint (a batch is always finished before a fetch)."""
+    """Partitions taken away are committed, then leave the checkpoint (a batch is always finished
+    before a fetch, so what was taken of them is done)."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self._checkpoint = checkpoint
 
     async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
-        self._checkpoint.forget(revoked)
+        gone = list(revoked)
+        await self._checkpoint.commit(only=gone)
+        self._checkpoint.forget(gone)
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         """Nothing to do: a new owner starts from the committed offsets."""
@@ -100,7 +105,9 @@ class StageRunner:
         self._consumer = make_consumer(
             kafka, group_id=self.group_id, **STREAM_FETCH, fetch_max_wait_ms=self.settings.stage.fetch_wait_ms
         )
-        self._checkpoint = Checkpoint(self._consumer, label=self.stage)
+        self._checkpoint = Checkpoint(
+            self._consumer, label=self.stage, interval_s=self.settings.stage.commit_interval_ms / 1000
+        )
         listener = _ForgetRevoked(self._checkpoint)
         if self.pattern:
             self._consumer.subscribe(pattern=self.pattern, listener=listener)
@@ -135,6 +142,7 @@ class StageRunner:
                 )
             records = [r for part in batches.values() for r in part]
             if not records:
+                await checkpoint.commit_due()
                 await self._report_lag(consumer)
                 continue
             for tp, part in batches.items():
@@ -155,10 +163,11 @@ class StageRunner:
             for tp, part in batches.items():
                 for record in part:
                     checkpoint.done(tp, record.offset)
-            await checkpoint.commit()
+            await checkpoint.commit_due()
             self.processed += len(records)
             STAGE_RECORDS.labels(stage=self.stage).inc(len(records))
             await self._report_lag(consumer)
+        await checkpoint.commit()  # a clean stop leaves nothing done uncommitted
 
     async def _decide(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[Result]:
         """The handler's verdicts; a failing batch is retried record by record."""

@@ -146,7 +146,7 @@ class InferenceWorker:
         consumer = self._consumer = make_consumer(  # the group waits for a hand-over (_Rebalance)
             kafka, group_id=self.group_id, metadata_max_age_ms=10_000,
             rebalance_timeout_ms=int((settings.inference.handover_timeout_s + 10) * 1000))
-        self.checkpoint = Checkpoint(consumer, label=STAGE)
+        self.checkpoint = Checkpoint(consumer, label=STAGE, interval_s=settings.stage.commit_interval_ms / 1000)
         consumer.subscribe(pattern=f"^{re.escape(kafka.topic(PROMPTS_TOPIC_PREFIX))}[A-Za-z0-9._-]+$",
                            listener=_Rebalance(self))
         with refused_as(kafka, "READ"):
@@ -201,7 +201,7 @@ class InferenceWorker:
                         for record in records:
                             checkpoint.take(tp, record.offset)
                             self.inflight.spawn(self._process(tp, record), tp)
-                await checkpoint.commit()
+                await checkpoint.commit_due()
                 await progress.tick(consumer)
             if self.failure is not None:
                 raise self.failure
