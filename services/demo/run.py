@@ -22,7 +22,7 @@ from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -172,15 +172,24 @@ def wait_http(url: str, timeout: float) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
+def sink_rows(out_dir: Path) -> list[dict[str, Any]]:
+    """Every whole row of the sink's JSONL parts under ``out_dir``, read while the sink may run.
+
+    A row is written with buffered writes and fsynced per batch, so a reader can find a
+    part's last line only partly there: what follows the last newline is a write in
+    progress, left for the next read (the sink itself truncates it as a torn write if it
+    stopped there).
+    """
+    rows: list[dict[str, Any]] = []
+    for part in sorted(out_dir.glob("*/part-*.jsonl")):
+        data = part.read_bytes()
+        rows.extend(json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip())
+    return rows
+
+
 def accepted_keys(out_dir: Path) -> Counter[str]:
     """How often each key appears in the training files."""
-    keys: Counter[str] = Counter()
-    for part in sorted(out_dir.glob("*/part-*.jsonl")):
-        for line in part.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                with suppress(ValueError):
-                    keys[json.loads(line)["id"]] += 1
-    return keys
+    return Counter(row["id"] for row in sink_rows(out_dir))
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Helpers shared by the reliability and security tests: produce, read back, run stages.
 
-Subprocess helpers (``Processes``, ``cli``, ``run_cli``, ``wait_http``, ``accepted_keys``,
+Subprocess helpers (``Processes``, ``cli``, ``run_cli``, ``wait_http``, ``accepted_keys``, ``sink_rows``,
 ``read_dead_letters``) are the demo's own, reused from :mod:`services.demo.run`.
 """
 
@@ -40,7 +40,7 @@ from services.common.kafka import header, make_admin, make_consumer, make_produc
 from services.common.service import Service
 from services.common.topics import partitions_of as topic_partitions
 from services.common.topics import read_to_end
-from services.demo.run import Processes, accepted_keys, cli, read_dead_letters, run_cli, wait_http
+from services.demo.run import Processes, accepted_keys, cli, read_dead_letters, run_cli, sink_rows, wait_http
 from tests.kafka_fixture import wait_until
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "Pipeline",
     "Processes",
     "accepted_keys",
+    "sink_rows",
     "cli",
     "dead_letters",
     "budget_caught_up",

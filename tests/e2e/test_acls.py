@@ -45,7 +45,7 @@ from services.publish.app import publish
 from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import SimulatorOptions, start_simulator
 from services.sink.app import create_app as sink_app
-from tests.e2e.harness import LocalBroker, Pipeline, cli, dead_letters, read_all, run_cli, wait_until
+from tests.e2e.harness import LocalBroker, Pipeline, cli, dead_letters, read_all, run_cli, sink_rows, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -165,15 +165,6 @@ def _prompts_file(path: Path, n: int) -> Path:
     return path
 
 
-def _sink_ids(out_dir: Path) -> list[str]:
-    return [
-        json.loads(line)["id"]
-        for part in sorted(out_dir.glob("*/part-*.jsonl"))
-        for line in part.read_text(encoding="utf-8").splitlines()
-        if line.strip()
-    ]
-
-
 async def _committed(admin_settings: Settings, group: str) -> dict[Any, Any]:
     admin = make_admin(admin_settings.kafka)
     await admin.start()
@@ -234,7 +225,7 @@ async def test_pipeline_runs_under_the_acls_and_a_refused_write_loses_nothing(
         await pipeline.start("audit", audit_app(users["audit"]))
 
         async def settled() -> bool:
-            done = set(_sink_ids(out_dir)) | {d.key for d in await dead_letters(admin)}
+            done = set([r["id"] for r in sink_rows(out_dir)]) | {d.key for d in await dead_letters(admin)}
             return len(done) >= N
 
         await pipeline.wait(settled, 240, "every prompt written by the sink or dead-lettered")
@@ -249,7 +240,7 @@ async def test_pipeline_runs_under_the_acls_and_a_refused_write_loses_nothing(
 
     prompts = (await read_all(admin, kafka.prompts_topic(DATASET)))[kafka.prompts_topic(DATASET)]
     published_keys = {(r.key or b"").decode() for r in prompts}
-    rows = _sink_ids(out_dir)
+    rows = [r["id"] for r in sink_rows(out_dir)]
     dead = {d.key for d in await dead_letters(admin)}
     line = report(prompts=N, published=len(published_keys), sink_rows=len(rows), dead_letters=len(dead),
                   refused=str(error).split(" (")[0])

@@ -32,8 +32,8 @@ from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import SimulatorOptions, start_simulator
 from services.sink.app import create_app as sink_app
 from tests.conformance import truth as T
-from tests.e2e.harness import Pipeline, dead_letters, read_all
-from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3, publish_and_settle, sink_rows
+from tests.e2e.harness import Pipeline, dead_letters, read_all, sink_rows
+from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3, publish_and_settle
 
 pytestmark = pytest.mark.e2e
 

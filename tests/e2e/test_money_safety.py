@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -46,7 +45,16 @@ from services.simulator.app import RunningSimulator, SimulatorOptions, start_sim
 from services.sink.app import create_app as sink_app
 from services.status.app import collect
 from services.status.core import render
-from tests.e2e.harness import Pipeline, dead_letters, produce, prompt_value, read_all, small_prompt, wait_until
+from tests.e2e.harness import (
+    Pipeline,
+    accepted_keys,
+    dead_letters,
+    produce,
+    prompt_value,
+    read_all,
+    small_prompt,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -75,16 +83,6 @@ def paid(*sims: RunningSimulator) -> Counter[str]:
     for sim in sims:
         total.update(sim.stats()["keys"])
     return total
-
-
-def sink_keys(out_dir: Path) -> Counter[str]:
-    """How often each key occurs in the sink's JSONL parts."""
-    keys: Counter[str] = Counter()
-    for part in sorted(out_dir.glob("*/part-*.jsonl")):
-        for line in part.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                keys[json.loads(line)["id"]] += 1
-    return keys
 
 
 async def responses(settings: Settings) -> list[ResponseReceived]:
@@ -129,7 +127,7 @@ async def test_republishing_the_same_prompts_pays_nothing_and_writes_no_row(
     values = [prompt_value(dataset, i) for i in range(n)]
 
     async def settled() -> bool:
-        done = set(sink_keys(out_dir)) | {d.key for d in await dead_letters(settings)}
+        done = set(accepted_keys(out_dir)) | {d.key for d in await dead_letters(settings)}
         return done == keys
 
     pipeline = Pipeline()
@@ -143,7 +141,7 @@ async def test_republishing_the_same_prompts_pays_nothing_and_writes_no_row(
         await produce(settings, settings.kafka.prompts_topic(dataset), values)
         await pipeline.wait(settled, 180, "every prompt accepted or dead-lettered")
         paid_first = sum(paid(sim).values())
-        rows_first = sink_keys(out_dir)
+        rows_first = accepted_keys(out_dir)
         samples_topic = settings.kafka.topic("samples")
         samples_first = len((await read_all(settings, samples_topic))[samples_topic])
 
@@ -160,7 +158,7 @@ async def test_republishing_the_same_prompts_pays_nothing_and_writes_no_row(
     finally:
         await pipeline.stop()
         await sim.close()
-    rows_after = sink_keys(out_dir)
+    rows_after = accepted_keys(out_dir)
     on_topic = await responses(settings)
     reused = [r for r in on_topic if r.reused]
     report(
@@ -316,7 +314,7 @@ async def test_replay_after_fixing_a_wrong_profile_pays_nothing_and_accepts_all(
     keys = {f"{dataset}:{small_prompt(dataset, i).sample_id}" for i in range(n)}
 
     async def settled() -> bool:
-        done = set(sink_keys(out_dir)) | {d.key for d in await dead_letters(wrong)}
+        done = set(accepted_keys(out_dir)) | {d.key for d in await dead_letters(wrong)}
         return done == keys
 
     pipeline = Pipeline()
@@ -330,7 +328,7 @@ async def test_replay_after_fixing_a_wrong_profile_pays_nothing_and_accepts_all(
         first = await dead_letters(wrong)
         failed = {d.key for d in first}
         paid_before = sum(paid(sim).values())
-        accepted_before = set(sink_keys(out_dir))
+        accepted_before = set(accepted_keys(out_dir))
 
         # The fix: the configuration names the right profile; reconstruct and audit restart.
         for name, make in (("reconstruct", reconstruct_app), ("audit", audit_app)):
@@ -341,7 +339,7 @@ async def test_replay_after_fixing_a_wrong_profile_pays_nothing_and_accepts_all(
             await pipeline.start(name, make(fixed))
         await replay(fixed, Filters(stage="reconstruct"))
         await replay(fixed, Filters(stage="audit"), to="reconstruct")  # rebuild, not re-audit
-        await pipeline.wait(lambda: set(sink_keys(out_dir)) == keys, 120, "every prompt accepted after the replay")
+        await pipeline.wait(lambda: set(accepted_keys(out_dir)) == keys, 120, "every prompt accepted after the replay")
     finally:
         await pipeline.stop()
         await sim.close()
@@ -350,7 +348,7 @@ async def test_replay_after_fixing_a_wrong_profile_pays_nothing_and_accepts_all(
         dead_letters_before=len(failed),
         stages=dict(Counter(d.stage for d in first)),
         accepted_before=len(accepted_before),
-        accepted_after=len(sink_keys(out_dir)),
+        accepted_after=len(accepted_keys(out_dir)),
         paid_before=paid_before,
         paid_after=sum(paid(sim).values()),
     )
@@ -358,7 +356,7 @@ async def test_replay_after_fixing_a_wrong_profile_pays_nothing_and_accepts_all(
     if paid_with_fixed_profile:
         assert {d.stage for d in first} == {"reconstruct"} and {d.reason for d in first} == {"unknown_profile"}
     assert sum(paid(sim).values()) == paid_before == n  # 0 new provider requests
-    assert max(sink_keys(out_dir).values()) == 1
+    assert max(accepted_keys(out_dir).values()) == 1
 
 
 # --- pre-flight: no money for what cannot work ------------------------------------------------

@@ -41,8 +41,8 @@ from services.publish.core import NormaliseOptions, normalise
 from services.simulator.app import SimulatorOptions, start_simulator
 from services.status.app import collect
 from tests.conformance import truth as T
-from tests.e2e.harness import Pipeline, dead_letters, read_all
-from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3, sink_rows
+from tests.e2e.harness import Pipeline, dead_letters, read_all, sink_rows
+from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3
 
 pytestmark = pytest.mark.e2e
 

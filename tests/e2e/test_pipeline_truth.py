@@ -42,7 +42,7 @@ from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import SimulatorOptions, start_simulator
 from services.sink.app import create_app as sink_app
 from tests.conformance import truth as T
-from tests.e2e.harness import Pipeline, dead_letters, read_all
+from tests.e2e.harness import Pipeline, dead_letters, read_all, sink_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -78,14 +78,6 @@ def write_prompts(path: Path, n: int) -> Path:
             }
             f.write(json.dumps(row) + "\n")
     return path
-
-
-def sink_rows(out_dir: Path) -> list[dict[str, Any]]:
-    """Every row of every JSONL part the sink wrote."""
-    rows: list[dict[str, Any]] = []
-    for part in sorted(out_dir.glob("*/part-*.jsonl")):
-        rows.extend(json.loads(line) for line in part.read_text(encoding="utf-8").splitlines() if line.strip())
-    return rows
 
 
 async def publish_and_settle(pipeline: Pipeline, settings: Any, prompts_file: Path, dataset: str, n: int) -> None:

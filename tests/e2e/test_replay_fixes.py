@@ -19,7 +19,6 @@ replay, no unfixable one is.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -37,23 +36,22 @@ from services.inference.app import create_app as inference_app
 from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import SimulatorOptions, start_simulator
 from services.sink.app import create_app as sink_app
-from tests.e2e.harness import DeadLetterRecord, Pipeline, dead_letters, produce, prompt_value, read_all, small_prompt
+from tests.e2e.harness import (
+    DeadLetterRecord,
+    Pipeline,
+    accepted_keys,
+    dead_letters,
+    produce,
+    prompt_value,
+    read_all,
+    small_prompt,
+)
 
 pytestmark = pytest.mark.e2e
 
 DATASET = "fixme"
 N_PROMPTS = 100
 FIXED_CODE = "usage_matches"
-
-
-def sink_keys(out_dir: Path) -> Counter[str]:
-    """How often each key occurs in the sink's JSONL parts."""
-    keys: Counter[str] = Counter()
-    for part in sorted(out_dir.glob("*/part-*.jsonl")):
-        for line in part.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                keys[json.loads(line)["id"]] += 1
-    return keys
 
 
 async def restart(pipeline: Pipeline, name: str, service: Service) -> None:
@@ -102,7 +100,7 @@ async def test_replay_after_fix_accepts_each_sample_exactly_once(
 
     async def settled(expected_audit_letters: int | None = None) -> bool:
         letters = await dead_letters(strict)
-        done = set(sink_keys(out_dir)) | {d.key for d in letters}
+        done = set(accepted_keys(out_dir)) | {d.key for d in letters}
         if done != keys:
             return False
         return expected_audit_letters is None or len(audit_letters(letters)) >= expected_audit_letters
@@ -123,7 +121,7 @@ async def test_replay_after_fix_accepts_each_sample_exactly_once(
         first = audit_letters(await dead_letters(strict))
         fixable = {d.key for d in first if reasons_of(d) == {FIXED_CODE}}
         unfixable = {d.key for d in first} - fixable
-        accepted_before = set(sink_keys(out_dir))
+        accepted_before = set(accepted_keys(out_dir))
         # A cut answer whose usage count is off is refused before the audit (truncated_tail_lost):
         # not an audit dead letter, not replayed here, dead for good.
         refused_early = {d.key for d in await dead_letters(strict) if d.stage != "audit"}
@@ -134,7 +132,7 @@ async def test_replay_after_fix_accepts_each_sample_exactly_once(
         # Accepted: the fixable ones; failed again: one new dead letter per unfixable one.
         await pipeline.wait(lambda: settled(len(first) + len(unfixable)), 120, "the replayed samples audited")
         await pipeline.wait(
-            lambda: fixable <= set(sink_keys(out_dir)), 60, "the fixed samples written by the sink"
+            lambda: fixable <= set(accepted_keys(out_dir)), 60, "the fixed samples written by the sink"
         )
 
         second_replay = await replay(fixed, Filters(stage="audit"))
@@ -148,11 +146,11 @@ async def test_replay_after_fix_accepts_each_sample_exactly_once(
     letters = await dead_letters(strict)
     final_audit = audit_letters(letters)
     accepted_topic = strict.kafka.topic("accepted")
-    accepted_keys = Counter(
+    accepted_counts = Counter(
         f"{a.dataset}:{a.sample_id}"
         for a in (decode(r.value, SampleAudited) for r in (await read_all(strict, accepted_topic))[accepted_topic])
     )
-    rows = sink_keys(out_dir)
+    rows = accepted_keys(out_dir)
     dead_only = {d.key for d in letters} - set(rows)
     line = report(
         prompts=N_PROMPTS,
@@ -184,8 +182,8 @@ async def test_replay_after_fix_accepts_each_sample_exactly_once(
 
     # Exactly once: no duplicate key in the sink files or on the accepted topic.
     assert all(n == 1 for n in rows.values()), f"a key written twice: {[k for k, n in rows.items() if n > 1]}"
-    assert all(n == 1 for n in accepted_keys.values()), f"a key accepted twice: {line}"
-    assert set(accepted_keys) == set(rows), line
+    assert all(n == 1 for n in accepted_counts.values()), f"a key accepted twice: {line}"
+    assert set(accepted_counts) == set(rows), line
 
     # Every key ends in exactly one place.
     assert set(rows) | dead_only == keys and set(rows).isdisjoint(dead_only), line

@@ -25,8 +25,8 @@ from services.export.app import export
 from services.publish.app import publish
 from services.simulator.app import SimulatorOptions, start_simulator
 from services.status.app import collect
-from tests.e2e.harness import Pipeline, dead_letters
-from tests.e2e.test_pipeline_truth import sink_rows, write_prompts
+from tests.e2e.harness import Pipeline, dead_letters, sink_rows
+from tests.e2e.test_pipeline_truth import write_prompts
 
 pytestmark = pytest.mark.e2e
 

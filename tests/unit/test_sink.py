@@ -15,6 +15,7 @@ import pytest
 from aiokafka import ConsumerRecord
 
 from schemas import SampleAudited, decode, encode
+from services.demo.run import accepted_keys, sink_rows
 from services.sink.app import create_app
 from services.sink.core import TrainingRow, parse_line, part_number, row_line, torn_tail, training_row
 from services.sink.shards import AsyncShardWriter, ShardWriter
@@ -120,6 +121,24 @@ def test_restart_rebuilds_index_truncates_torn_tail_and_opens_a_new_part(tmp_pat
     restarted.close()
     assert (tmp_path / "math" / "part-00001.jsonl").is_file()
     assert sorted(read_ids(tmp_path)) == ["math:a", "math:b", "math:c"]
+
+
+def test_a_reader_beside_a_running_sink_takes_whole_lines_only(tmp_path: Path) -> None:
+    """A part read while the sink writes may end in half a row: that tail is left for the next read."""
+    writer = ShardWriter(tmp_path)
+    writer.scan()
+    writer.write(rows("a", "b"))
+    part0 = tmp_path / "math" / "part-00000.jsonl"
+    line = row_line(training_row(audited("c")))
+    assert len(line) > 100
+    with part0.open("ab") as f:
+        f.write(line[:100])  # what a buffered write of a long row shows a reader mid-way
+    assert [r["id"] for r in sink_rows(tmp_path)] == ["math:a", "math:b"]
+    with part0.open("ab") as f:
+        f.write(line[100:])
+    assert [r["id"] for r in sink_rows(tmp_path)] == ["math:a", "math:b", "math:c"]
+    assert accepted_keys(tmp_path) == {"math:a": 1, "math:b": 1, "math:c": 1}
+    writer.close()
 
 
 def test_datasets_get_their_own_folders(tmp_path: Path) -> None:
