@@ -6,7 +6,8 @@ two, three times the others' size, carry completion caps of 10M tokens scaled to
 so that they halt at it), answers 500-16,000 tokens log-uniform with 80-95 % reasoning
 (the simulator's ``--answer-tokens``), a tenth of the prompts 20,000-60,000 tokens long,
 ``provider.concurrency`` = 1,000, every stage (inference, reconstruct, audit, sink, budget)
-in its own process on one broker, a zero-latency simulator in its own.
+in its own process on one broker, a zero-latency simulator in its own, on a core of its own
+in both runs (real-time; the provider it stands in for does not share our cores).
 
 Per size it prints: prompts/s and completion tokens/s end to end (publish start to the
 last prompt accounted for: an accepted row, a dead letter, or held by its dataset's halt)
@@ -70,6 +71,9 @@ CONCURRENCY = 1000
 MAX_TOKENS = 17_000
 SEEDS_CAP = 10_000_000  # completion tokens, at the default size
 DEFAULT_PROMPTS = 16_000
+# The simulator (both runs) on a core of its own, real-time (bench.common.give_own_core);
+# BENCH_SCALE_SHARED_SIMULATOR=1 leaves it sharing the cores as before 2026-12-04.
+OWN_CORE = os.environ.get("BENCH_SCALE_SHARED_SIMULATOR", "0") != "1"
 _WORDS = ("the", "patch", "file", "test", "error", "function", "returns", "value", "line", "diff", "repo", "output")
 _TOOLS = (
     "SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
@@ -250,7 +254,8 @@ async def run_size(total: int, seed: int, *, kills: bool = False) -> dict[str, A
     with workdir("scale") as work, processes() as procs:
         port = free_port()
         seeds_shape = ("--answer-tokens", "500-16000", "--reasoning-share", "0.8")
-        sim = simulator_proc(work, port, latency=0.0, extra=seeds_shape)
+        sim = simulator_proc(work, port, latency=0.0, extra=seeds_shape, own_core=OWN_CORE)
+        figures["simulator_own_core"] = sim.own_core
         procs.append(sim)
         base = f"http://127.0.0.1:{port}"
         out_dir = work / "out"
@@ -361,7 +366,9 @@ async def run_size(total: int, seed: int, *, kills: bool = False) -> dict[str, A
         # a fresh simulator: it generates every answer again, as it did for the pipeline (its cache
         # would otherwise hand the script answers the pipeline paid the generation of).
         sim.stop()
-        sim = simulator_proc(work, port, latency=0.0, extra=seeds_shape, name="simulator-reference")
+        sim = simulator_proc(work, port, latency=0.0, extra=seeds_shape, name="simulator-reference",
+                             own_core=OWN_CORE)
+        figures["simulator_own_core"] &= sim.own_core  # both runs alike, or the ratio compares two set-ups
         procs.append(sim)
         await wait_simulator(base, sim)
         chosen = [r for n in rows for r in rows[n] if f"{n}:{r[0]}" in answered]
@@ -554,7 +561,8 @@ def report(all_figures: list[dict[str, Any]]) -> str:
     extra = [
         f"{f['size']:,}: cap {f['cap']:,} tokens; answered {f['answered']:,} ({f['rows']:,} accepted), "
         f"held by the caps' halts "
-        f"{f['held_by_halt']:,}, halted {', '.join(f['halted']) or 'none'}, in-flight bound {f['inflight_bound']:,}"
+        f"{f['held_by_halt']:,}, halted {', '.join(f['halted']) or 'none'}, in-flight bound {f['inflight_bound']:,}; "
+        f"simulator on a core of its own: {'yes' if f.get('simulator_own_core') else 'no'}"
         for f in all_figures
     ]
     return "\n".join(lines + [""] + extra)

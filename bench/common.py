@@ -179,6 +179,7 @@ class Proc:
 
     def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
         self.name = name
+        self.own_core = False  # set by simulator_proc(own_core=True) when the kernel allowed it
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         env = dict(os.environ)
@@ -272,12 +273,14 @@ def simulator_proc(
     content: str = "20-120",
     extra: Sequence[str] = (),
     name: str = "simulator",
+    own_core: bool = False,
 ) -> Proc:
     """The provider simulator in its own process (so it never shares a worker's event loop).
 
-    ``extra``: more ``simulate-provider`` options (e.g. a rate limit).
+    ``extra``: more ``simulate-provider`` options (e.g. a rate limit). ``own_core``: give it
+    a core of its own (:func:`give_own_core`); whether that took is ``Proc.own_core``.
     """
-    return Proc(
+    proc = Proc(
         name,
         [
             PYTHON,
@@ -300,6 +303,30 @@ def simulator_proc(
         ],
         log_dir,
     )
+    proc.own_core = own_core and give_own_core(proc.pid)
+    return proc
+
+
+def give_own_core(pid: int) -> bool:
+    """Run every thread of process ``pid`` round-robin real-time (threads it starts later inherit).
+
+    The provider a simulator stands in for runs on machines of its own. Here it shares two
+    cores with the pipeline, and the scheduler leaves it waiting on a run queue beside an
+    idle core (measured in bench/README.md): the pipeline's figure then says as much about
+    how a core is split as about the pipeline. A real-time task runs whenever it is
+    runnable, on either core, up to the kernel's real-time share (95 % by default); the
+    other core stays the pipeline's. False when not permitted (no root, no CAP_SYS_NICE)
+    or on one core: the benchmark then runs as before and says so.
+    """
+    if (os.cpu_count() or 1) < 2:
+        return False
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():  # the threads started already; later ones inherit
+            os.sched_setscheduler(int(task.name), os.SCHED_RR, os.sched_param(1))
+    except OSError as exc:
+        print(f"simulator: no core of its own ({exc}); it shares the cores with the pipeline", flush=True)
+        return False
+    return True
 
 
 async def wait_until(
