@@ -30,6 +30,7 @@ from rich.table import Table
 import schemas as s
 from services.common.config import Settings, load_settings
 from services.common.console import data_console, styled
+from services.sink.core import torn_tail
 
 DATA = Path(__file__).parent / "data"
 DATASETS = ("math", "code", "tools", "chat")
@@ -183,7 +184,8 @@ def sink_rows(out_dir: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for part in sorted(out_dir.glob("*/part-*.jsonl")):
         data = part.read_bytes()
-        rows.extend(json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip())
+        whole = data[: len(data) - torn_tail(data)]
+        rows.extend(json.loads(line) for line in whole.splitlines() if line.strip())
     return rows
 
 
