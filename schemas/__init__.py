@@ -28,6 +28,7 @@ __all__ = [
     "DEAD_LETTER_TOPIC",
     "DLQ_HEADERS",
     "GLOBAL_SCOPE",
+    "HeldAttempt",
     "LEASES_TOPIC",
     "PROMPTS_TOPIC_PREFIX",
     "PROVIDER_FACTS_TOPIC",
@@ -71,6 +72,7 @@ __all__ = [
     "decode_control",
     "decode_lease",
     "lease_key",
+    "attempt_key",
     "decode_store_index",
     "encode",
     "encode_forwarding",
@@ -222,6 +224,18 @@ class RequestStarted(Struct, kw_only=True):
     schema_version: Version = SCHEMA_VERSION
     # The budget's lease epoch the request was admitted under ("" when no lease was needed).
     lease_epoch: str = ""
+    # This attempt's own id (fresh per attempt): the budget holds its worst case until the
+    # answer naming it arrives. "" on records of older workers (the budget then keys the
+    # attempt by its number).
+    attempt_id: str = ""
+    # The id of this worker's previous attempt of the same prompt, which ended with an error
+    # the worker read (nothing billed): the budget stops holding it. "" for none.
+    supersedes: str = ""
+
+    @property
+    def attempt_key(self) -> str:
+        """``<dataset>:<sample_id>#<attempt id>`` (the attempt number when the id is missing)."""
+        return attempt_key(self.dataset, self.sample_id, self.attempt_id or str(self.attempt))
 
 
 class Usage(Struct, kw_only=True, omit_defaults=True):
@@ -281,6 +295,13 @@ class ResponseReceived(Struct, kw_only=True):
     mode: Literal["chat", "completions"] = "chat"
     text: str = ""
     sent_prompt: str = ""
+    # The id of the attempt (its RequestStarted) this answer answers; "" on older records.
+    attempt_id: str = ""
+
+    @property
+    def attempt_key(self) -> str:
+        """The :attr:`RequestStarted.attempt_key` of the attempt this answers."""
+        return attempt_key(self.dataset, self.sample_id, self.attempt_id or str(self.attempt))
 
 
 class SampleReconstructed(Struct, kw_only=True):
@@ -429,6 +450,17 @@ class LeaseReleased(Struct, kw_only=True, tag="release", tag_field="action"):
 LeaseEvent = LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased
 
 
+class HeldAttempt(Struct, kw_only=True):
+    """One attempt the budget holds at its worst case until its own answer arrives."""
+
+    max_tokens: int
+    worker: str = ""
+    started_at: float = 0.0
+    # Its worker's lease expired (the worker died) or its answer is overdue: the provider may
+    # have billed it, and no answer will come.
+    lost: bool = False
+
+
 class BudgetSnapshot(Struct, kw_only=True):
     """The budget service's totals for one scope, checkpointed on ``budget-state``.
 
@@ -470,6 +502,18 @@ class BudgetSnapshot(Struct, kw_only=True):
     # tally (another scope, or a ledger begun before tallies, which ``status`` reads whole).
     dead_letters: dict[str, dict[str, int]] | None = None
     accepted_truncated: dict[str, int] | None = None
+    # A dataset scope's attempts sent and not answered (``inflight``'s keys are their
+    # :attr:`RequestStarted.attempt_key`), with who sent them and whether they are lost.
+    attempts: dict[str, HeldAttempt] = msgspec.field(default_factory=dict)
+    # What the lost attempts hold now (their worst case, or less once reconciled with the
+    # provider's key usage), and how many of their prompts were paid again by a later attempt.
+    lost_tokens: int = 0
+    lost_usd: float | None = None
+    lost_repaid: int = 0
+    # Only on ``global``: the provider key's usage in USD when this ledger began (None: the
+    # provider reports none), and what the last reading left unexplained by the answers.
+    key_usage_base_usd: float | None = None
+    key_unexplained_usd: float | None = None
 
 
 class ReplayRecorded(Struct, kw_only=True):
@@ -820,6 +864,11 @@ def decode_store_index(data: bytes | None) -> ResponseIndexed | StoreCheckpointe
 def sample_key(dataset: str, sample_id: str) -> str:
     """The record key shared by every per-sample topic."""
     return f"{dataset}:{sample_id}"
+
+
+def attempt_key(dataset: str, sample_id: str, attempt_id: str) -> str:
+    """``<dataset>:<sample_id>#<attempt id>``: one attempt of a prompt, as the budget holds it."""
+    return f"{sample_key(dataset, sample_id)}#{attempt_id}"
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -294,9 +294,7 @@ class BudgetService:
             if counted is not None:
                 self._count_metrics(counted, response.model)
                 if self.leases is not None:
-                    self.leases.on_answer(
-                        response.dataset, response.sample_id, counted.completion_tokens, response.attempt
-                    )
+                    self.leases.on_answer(response.attempt_key, counted.completion_tokens)
             return list(halts)
         except SchemaError as exc:
             verdict = DeadLetter(exc.reason, exc.message)

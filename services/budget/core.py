@@ -24,18 +24,23 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import msgspec
+
 from schemas import (
     GLOBAL_SCOPE,
     BudgetSnapshot,
     Halt,
+    HeldAttempt,
     LogprobToken,
     RequestStarted,
     ResponseReceived,
     Resume,
     ToolCall,
     Usage,
+    attempt_key,
     sample_key,
 )
+from services.budget.reconcile import KeyUsage, lost_hold
 
 BUDGET_ACTOR = "budget"
 """The ``by`` of every halt and resume the budget service publishes itself."""
@@ -85,8 +90,11 @@ class ScopeTotals:
     requests: int = 0
     responses: int = 0
     responses_without_usage: int = 0
-    # key -> (max_tokens, started_at); only kept on dataset scopes.
-    inflight: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Attempts sent and not answered, by their attempt key; only kept on dataset scopes.
+    inflight: dict[str, HeldAttempt] = field(default_factory=dict)
+    # Lost attempts whose prompt a later attempt answered (each counted once).
+    repaid: set[str] = field(default_factory=set)
+    lost_repaid: int = 0
     # Keys of requests admitted under a lease (services.budget.leases bounds those, not a halt).
     leased: set[str] = field(default_factory=set)
     # Offsets below which this scope already counted records (from its snapshot).
@@ -211,8 +219,10 @@ class Ledger:
         self.offsets: dict[str, int] = {}
         self.control: dict[str, Halt | Resume] = {}
         self._dirty: set[str] = set()
-        self._answered: OrderedDict[str, int] = OrderedDict()
+        self._answered: OrderedDict[str, None] = OrderedDict()  # attempt keys answered (read first)
         self._resume_candidates: set[str] = set()
+        self.key_usage = KeyUsage()
+        self._overdue_before = 0.0  # attempts started before this are no longer billing
 
     # ------------------------------------------------------------------ restore
     def restore(self, snapshots: Iterable[BudgetSnapshot], now: float) -> dict[str, int]:
@@ -227,13 +237,16 @@ class Ledger:
                 requests=snap.requests,
                 responses=snap.responses,
                 responses_without_usage=snap.responses_without_usage,
-                inflight={k: (v, now) for k, v in snap.inflight.items()},
+                inflight=_restored_attempts(snap, now),
+                lost_repaid=snap.lost_repaid,
                 floor=dict(snap.offsets),
                 previous_caps=Caps(snap.cap_completion_tokens, snap.cap_usd),
                 dead_letters=_copy_tally(snap.dead_letters),
                 accepted_truncated=None if snap.accepted_truncated is None else dict(snap.accepted_truncated),
             )
             self.scopes[snap.scope] = totals
+            if snap.scope == GLOBAL_SCOPE:
+                self.key_usage.restore(snap.key_usage_base_usd, snap.key_unexplained_usd)
         seek = dict(self.scopes[GLOBAL_SCOPE].floor)
         self.offsets = dict(seek)
         return seek
@@ -302,15 +315,17 @@ class Ledger:
             self.offsets[position] = offset + 1
 
     def on_request(self, event: RequestStarted, position: str, offset: int, now: float) -> list[Halt]:
-        """Count a request sent to the provider and its worst case while it is in flight.
+        """Count an attempt sent to the provider and hold its worst case until its own answer arrives.
 
-        A withheld record takes back the announcement it repeats (that attempt was never sent).
+        A withheld record takes back the announcement it repeats (that attempt was never sent);
+        ``supersedes`` releases the same worker's previous attempt, which ended with an error.
+        A later attempt of the same prompt never releases an earlier one otherwise: that one's
+        worker may have died while the provider generated (and billed) its answer.
         """
         self._advance(position, offset)
-        key = sample_key(event.dataset, event.sample_id)
+        key = event.attempt_key
         dataset = self._scope(event.dataset)
         total = self.scopes[GLOBAL_SCOPE]
-        answered = self._answered.get(key)
         for scope in (dataset, total):
             if not scope.counts(position, offset):
                 continue
@@ -319,27 +334,42 @@ class Ledger:
                 # The announced attempt never went out: it is not a request, nor in flight.
                 scope.requests -= 1
                 announced = dataset.inflight.get(key)
-                if scope is dataset and announced is not None and announced[1] == event.started_at:
+                if scope is dataset and announced is not None and (
+                    event.attempt_id or announced.started_at == event.started_at
+                ):
                     del dataset.inflight[key]
                     dataset.leased.discard(key)
                 continue
             scope.requests += 1
-            if scope is dataset and (answered is None or event.attempt > answered):
-                started = event.started_at or now
-                dataset.inflight[key] = (event.max_tokens, started)
-                if event.lease_epoch:
-                    dataset.leased.add(key)
-                else:
-                    dataset.leased.discard(key)
+            if scope is not dataset:
+                continue
+            ended = attempt_key(event.dataset, event.sample_id, event.supersedes) if event.supersedes else ""
+            if ended in dataset.inflight and dataset.inflight[ended].worker == event.worker:
+                del dataset.inflight[ended]
+                dataset.leased.discard(ended)
+            if key in self._answered:
+                continue  # its answer was read first
+            dataset.inflight[key] = HeldAttempt(
+                max_tokens=event.max_tokens, worker=event.worker, started_at=event.started_at or now
+            )
+            if event.lease_epoch:
+                dataset.leased.add(key)
+            else:
+                dataset.leased.discard(key)
         return self._halts(now)
 
     def on_request_failed(self, dataset: str, sample_id: str, position: str, offset: int) -> None:
-        """A prompt that ended as an inference dead letter has no request in flight any more."""
+        """A prompt that ended as an inference dead letter: its worker's attempts are answered (with errors).
+
+        Attempts already lost (their worker died) stay held: the dead letter is another worker's.
+        """
         self._advance(position, offset)
         scope = self.scopes.get(dataset)
         if scope is not None and scope.counts(position, offset):
-            scope.leased.discard(sample_key(dataset, sample_id))
-            if scope.inflight.pop(sample_key(dataset, sample_id), None) is not None:
+            prefix = sample_key(dataset, sample_id) + "#"
+            for key in [k for k, held in scope.inflight.items() if k.startswith(prefix) and not held.lost]:
+                del scope.inflight[key]
+                scope.leased.discard(key)
                 self._dirty.add(scope.scope)
 
     def on_response(
@@ -347,12 +377,12 @@ class Ledger:
     ) -> tuple[Counted | None, list[Halt]]:
         """Count a response's usage (estimated when absent); a replayed record adds nothing."""
         self._advance(position, offset)
-        key = sample_key(event.dataset, event.sample_id)
+        key = event.attempt_key
         dataset = self._scope(event.dataset)
         total = self.scopes[GLOBAL_SCOPE]
         if replay:
             return None, []
-        self._answered[key] = max(event.attempt, self._answered.get(key, 0))
+        self._answered[key] = None
         self._answered.move_to_end(key)
         while len(self._answered) > _ANSWERED_MEMORY:
             self._answered.popitem(last=False)
@@ -382,23 +412,62 @@ class Ledger:
             if scope is dataset:
                 dataset.inflight.pop(key, None)
                 dataset.leased.discard(key)
+                self._count_repaid(dataset, sample_key(event.dataset, event.sample_id))
                 counted = Counted(event.dataset, prompt, completion, reasoning, cost, estimated, priced)
         return counted, self._halts(now)
 
+    @staticmethod
+    def _count_repaid(dataset: ScopeTotals, key: str) -> None:
+        """An answer of a prompt with a lost attempt: that prompt was paid again."""
+        prefix = key + "#"
+        for lost in [k for k, held in dataset.inflight.items() if held.lost and k.startswith(prefix)]:
+            if lost not in dataset.repaid:
+                dataset.repaid.add(lost)
+                dataset.lost_repaid += 1
+
+    def mark_lost(self, keys: Iterable[tuple[str, str]]) -> int:
+        """Mark attempts (dataset, attempt key) lost: their worker died unanswered. They stay held."""
+        marked = 0
+        for dataset, key in keys:
+            scope = self.scopes.get(dataset)
+            held = scope.inflight.get(key) if scope is not None else None
+            if held is not None and not held.lost:
+                held.lost = True
+                marked += 1
+                self._dirty.add(dataset)
+        return marked
+
     def expire_inflight(self, now: float) -> int:
-        """Forget in-flight requests older than the TTL; returns how many were dropped."""
-        dropped = 0
+        """Mark attempts unanswered past the TTL lost (still held); returns how many were newly marked.
+
+        Past the TTL an attempt is no longer billing: what it cost is settled, and a reading of
+        the provider's key usage (:meth:`reconcile`) may release its worst case down to that.
+        """
+        self._overdue_before = now - self.inflight_ttl_s
+        marked = 0
         for name, scope in self.scopes.items():
-            stale = [k for k, (_, t) in scope.inflight.items() if now - t > self.inflight_ttl_s]
-            for k in stale:
-                del scope.inflight[k]
-                scope.leased.discard(k)
-            if stale:
-                dropped += len(stale)
-                self._dirty.add(name)
-        if dropped:
-            self._dirty.add(GLOBAL_SCOPE)
-        return dropped
+            for held in scope.inflight.values():
+                if not held.lost and held.started_at < self._overdue_before:
+                    held.lost = True
+                    marked += 1
+                    self._dirty.add(name)
+        return marked
+
+    def reconcile(self, key_usage_usd: float) -> None:
+        """A reading of the provider key's usage (USD): what the answers do not explain bounds the lost attempts."""
+        self.key_usage.read(key_usage_usd, self.scopes[GLOBAL_SCOPE].cost_usd)
+        self._dirty.add(GLOBAL_SCOPE)
+
+    def lost_tokens(self, scope: str) -> int:
+        """What the lost attempts of ``scope`` hold: their worst case, released down to what the key was charged."""
+        names = [n for n in self.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
+        lost = [held for n in names if n in self.scopes for held in self.scopes[n].inflight.values() if held.lost]
+        return lost_hold(lost, self._overdue_before, self.key_usage.tokens(self.inflight_usd_per_token))
+
+    def lost_attempts(self, scope: str) -> list[HeldAttempt]:
+        """The lost attempts of a scope."""
+        names = [n for n in self.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
+        return [held for n in names if n in self.scopes for held in self.scopes[n].inflight.values() if held.lost]
 
     def evaluate(self, now: float) -> list[Halt | Resume]:
         """Halts for scopes over a cap, resumes for raised caps now under it."""
@@ -412,14 +481,21 @@ class Ledger:
         return self._caps_for(scope)
 
     def inflight_tokens(self, scope: str, *, unleased: bool = False) -> int:
-        """Worst case of the scope's unanswered requests (``unleased``: only those sent without a lease)."""
+        """Worst case of the scope's unanswered attempts (``unleased``: only those sent without a lease).
+
+        Lost attempts count at what they hold (:meth:`lost_tokens`), leased or not.
+        """
         names = [n for n in self.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
         total = 0
         for name in names:
             totals = self.scopes.get(name)
             if totals is not None:
-                total += sum(v for k, (v, _) in totals.inflight.items() if not (unleased and k in totals.leased))
-        return total
+                total += sum(
+                    held.max_tokens
+                    for k, held in totals.inflight.items()
+                    if not held.lost and not (unleased and k in totals.leased)
+                )
+        return total + self.lost_tokens(scope)
 
     def over_cap(self, scope: str) -> str | None:
         """Why the scope must stop now (cap reached, or would be by in-flight worst case)."""
@@ -544,6 +620,7 @@ class Ledger:
         halt = control if isinstance(control, Halt) else None
         rate_usd, rate_tokens = self.rate(scope, now)
         projected_usd, projected_tokens = self.projection(scope, remaining_prompts)
+        lost = self.lost_tokens(scope)
         return BudgetSnapshot(
             scope=scope,
             prompt_tokens=totals.prompt_tokens,
@@ -559,8 +636,17 @@ class Ledger:
             halted_by=halt.by if halt else "",
             halted_reason=halt.reason if halt else "",
             offsets=self._offsets_of(totals),
-            inflight={k: v for k, (v, _) in totals.inflight.items()},
+            inflight={k: held.max_tokens for k, held in totals.inflight.items()},
             inflight_tokens=self.inflight_tokens(scope),
+            attempts={k: msgspec.structs.replace(held) for k, held in totals.inflight.items()},
+            lost_tokens=lost,
+            lost_usd=None if self.inflight_usd_per_token is None else lost * self.inflight_usd_per_token,
+            lost_repaid=(
+                sum(t.lost_repaid for n, t in self.scopes.items() if n != GLOBAL_SCOPE)
+                if scope == GLOBAL_SCOPE else totals.lost_repaid
+            ),
+            key_usage_base_usd=self.key_usage.base_usd if scope == GLOBAL_SCOPE else None,
+            key_unexplained_usd=self.key_usage.unexplained_usd if scope == GLOBAL_SCOPE else None,
             rate_usd_per_s=rate_usd,
             rate_tokens_per_s=rate_tokens,
             remaining_prompts=remaining_prompts,
@@ -606,6 +692,13 @@ class Ledger:
     def datasets(self) -> list[str]:
         """The dataset scopes seen so far."""
         return sorted(n for n in self.scopes if n != GLOBAL_SCOPE)
+
+
+def _restored_attempts(snap: BudgetSnapshot, now: float) -> dict[str, HeldAttempt]:
+    """A snapshot's held attempts (older snapshots carry only ``inflight``: started now, by nobody known)."""
+    if snap.attempts:
+        return {k: msgspec.structs.replace(held) for k, held in snap.attempts.items()}
+    return {k: HeldAttempt(max_tokens=v, started_at=now) for k, v in snap.inflight.items()}
 
 
 def _raised(previous: Caps, current: Caps) -> bool:

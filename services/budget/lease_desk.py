@@ -103,10 +103,10 @@ class LeaseDesk:
         if self.book is not None:
             self.book.on_request(event)
 
-    def on_answer(self, dataset: str, sample_id: str, completion_tokens: int, attempt: int) -> None:
-        """An answer the ledger counted."""
+    def on_answer(self, key: str, completion_tokens: int) -> None:
+        """An answer the ledger counted (``key``: the attempt it answers)."""
         if self.book is not None:
-            self.book.on_answer(dataset, sample_id, completion_tokens, attempt)
+            self.book.on_answer(key, completion_tokens)
 
     def on_failed(self, dataset: str, sample_id: str) -> None:
         """A request that ended as a dead letter."""
@@ -143,7 +143,7 @@ class LeaseDesk:
             for lease in book.expire(now):
                 requests, tokens = book.reserved_under(lease)
                 log.warning("budget: lease of %s for %s expired: taken back%s", lease.worker, lease.dataset,
-                            f"; its {requests} unanswered request(s) stay counted at their worst case "
+                            f"; {requests} attempt(s) lost with it stay counted at their worst case "
                             f"({tokens:,} tokens): the provider may have billed them" if requests else "")
         grants, finished = book.decide(now)
         dead.extend(Outgoing(self._topic, encode(g), lease_key(g).encode()) for g in grants)

@@ -36,9 +36,11 @@ from schemas import (
     LeaseReleased,
     LeaseRequested,
     RequestStarted,
+    attempt_key,
     sample_key,
 )
 from services.budget.core import BUDGET_ACTOR, Ledger
+from services.budget.lost import lost_summary
 
 _EARLY_MEMORY = 10_000
 
@@ -130,7 +132,7 @@ class LeaseBook:
         self.leases: dict[tuple[str, str], Lease] = {}
         self._reserved: dict[str, Reservation] = {}
         self._pending: set[tuple[str, str]] = set()
-        self._early: dict[str, tuple[int, int]] = {}  # key -> (attempt, tokens) of answers read first
+        self._early: dict[str, int] = {}  # attempt key -> tokens of answers read before their request
 
     def _lease(self, worker: str, dataset: str) -> Lease:
         lease = self.leases.get((worker, dataset))
@@ -140,40 +142,55 @@ class LeaseBook:
 
     # ------------------------------------------------------------------ what workers consumed
     def on_request(self, event: RequestStarted) -> None:
-        """A request announced under this epoch's lease (or its withdrawal)."""
+        """An attempt announced under this epoch's lease (or its withdrawal).
+
+        Each attempt is a reservation of its own until its own answer arrives: a later attempt
+        of the same prompt settles an earlier one only when it names it (``supersedes``: the
+        same worker read an error for it, nothing was billed).
+        """
         if event.lease_epoch != self.epoch:
             return
-        key = sample_key(event.dataset, event.sample_id)
+        key = event.attempt_key
         if event.withheld:
             held = self._reserved.get(key)
             if held is not None and held.worker == event.worker and held.started_at == event.started_at:
                 self._unreserve(key, 0)
             return
-        self._unreserve(key, 0)  # an earlier attempt of the same prompt failed: it used nothing
+        if event.supersedes:
+            ended = attempt_key(event.dataset, event.sample_id, event.supersedes)
+            held = self._reserved.get(ended)
+            if held is not None and held.worker == event.worker:
+                self._unreserve(ended, 0)
         early = self._early.pop(key, None)
-        if early is not None and early[0] == event.attempt:
-            self._lease(event.worker, event.dataset).consumed += early[1]
+        if early is not None:
+            self._lease(event.worker, event.dataset).consumed += early
             return
         self._reserved[key] = Reservation(event.worker, event.dataset, event.max_tokens, event.started_at)
         self._lease(event.worker, event.dataset).consumed += event.max_tokens
 
-    def on_answer(self, dataset: str, sample_id: str, completion_tokens: int, attempt: int = 1) -> None:
-        """An answer landed: its request consumed what it used, not its worst case.
+    def on_answer(self, key: str, completion_tokens: int) -> None:
+        """The answer of the attempt ``key`` landed: it consumed what it used, not its worst case.
 
         An answer read before its request (another partition fetched first) is kept until
         the request comes, so the request is charged what it used, not its worst case.
         """
-        key = sample_key(dataset, sample_id)
         if key in self._reserved:
             self._unreserve(key, completion_tokens)
             return
-        self._early[key] = (attempt, completion_tokens)
+        self._early[key] = completion_tokens
         while len(self._early) > _EARLY_MEMORY:
             self._early.pop(next(iter(self._early)))
 
     def on_failed(self, dataset: str, sample_id: str) -> None:
-        """A request that ended as a dead letter used nothing."""
-        self._unreserve(sample_key(dataset, sample_id), 0)
+        """A prompt that ended as a dead letter: its attempts under live leases used nothing.
+
+        Attempts under a lease taken back (their worker died) stay held: the dead letter is another worker's.
+        """
+        prefix = sample_key(dataset, sample_id) + "#"
+        for key in [k for k in self._reserved if k.startswith(prefix)]:
+            held = self._reserved[key]
+            if self.leases[(held.worker, held.dataset)].live:
+                self._unreserve(key, 0)
 
     def _unreserve(self, key: str, used: int) -> None:
         held = self._reserved.pop(key, None)
@@ -218,6 +235,11 @@ class LeaseBook:
         gone = self.due(now)
         for lease in gone:
             self._take_back(lease)
+            self.ledger.mark_lost(
+                (held.dataset, key)
+                for key, held in self._reserved.items()
+                if (held.worker, held.dataset) == (lease.worker, lease.dataset)
+            )
         return gone
 
     # ------------------------------------------------------------------ headroom
@@ -228,36 +250,16 @@ class LeaseBook:
         caps = self.ledger.caps(scope)
         return caps.completion_tokens is None and caps.usd is None
 
-    def _lost_by_dataset(self) -> dict[str, int]:
-        """Per dataset: the worst case of requests whose lease expired and the ledger no longer counts in flight.
-
-        Their worker died before their answers were published: the provider may have billed
-        them in full, and the budget never learns how much, so their worst case stays held.
-        One pass over the reservations (none while every lease is live).
-        """
-        out: dict[str, int] = {}
-        if all(lease.live for lease in self.leases.values()):
-            return out
-        for key, held in self._reserved.items():
-            if self.leases[(held.worker, held.dataset)].live:
-                continue
-            inflight = self.ledger.scopes.get(held.dataset)
-            if inflight is None or key not in inflight.inflight:
-                out[held.dataset] = out.get(held.dataset, 0) + held.max_tokens
-        return out
-
     def _holds(self) -> Callable[[str], int]:
-        """What requests hold in a scope (in flight, and lost with their worker): fixed while one :meth:`decide` runs.
+        """What attempts hold in a scope (in flight, and lost with their worker): fixed while one :meth:`decide` runs.
 
-        Computed once per scope and pass, not once per pending lease (each sums every request in flight).
+        Computed once per scope and pass, not once per pending lease (each sums every attempt in flight).
         """
-        lost = self._lost_by_dataset()
         memo: dict[str, int] = {}
 
         def held(scope: str) -> int:
             if scope not in memo:
-                gone = sum(lost.values()) if scope == GLOBAL_SCOPE else lost.get(scope, 0)
-                memo[scope] = self.ledger.inflight_tokens(scope) + gone
+                memo[scope] = self.ledger.inflight_tokens(scope)
             return memo[scope]
 
         return held
@@ -267,26 +269,18 @@ class LeaseBook:
         held = [r.max_tokens for r in self._reserved.values() if (r.worker, r.dataset) == (lease.worker, lease.dataset)]
         return len(held), sum(held)
 
-    def _orphans(self, scope: str) -> tuple[int, int]:
-        """Requests reserved under leases taken back (their worker stopped unanswered) and their worst case."""
-        held = [r.max_tokens for r in self._reserved.values()
-                if scope in (GLOBAL_SCOPE, r.dataset) and not self.leases[(r.worker, r.dataset)].live]
-        return len(held), sum(held)
-
     def _may_land(self, scope: str) -> bool:
-        """Whether an answer of ``scope`` may still land: a request in flight not orphaned by a lease taken back.
+        """Whether an answer of ``scope`` may still land: an attempt in flight that is not lost.
 
-        A killed worker's requests stay counted at their worst case (see :meth:`_lost_by_dataset`), but their
-        answers will not come: waiting for them (the ledger forgets them only after every
-        attempt's timeout) kept a scope that cannot fit another request from finishing.
+        A lost attempt (its worker's lease was taken back, or its answer is overdue) stays held
+        but will not be answered: waiting for it would keep a scope that cannot fit another
+        request from finishing.
         """
         names = [n for n in self.ledger.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
         for name in names:
             totals = self.ledger.scopes.get(name)
-            for key in totals.inflight if totals is not None else ():
-                held = self._reserved.get(key)
-                if held is None or self.leases[(held.worker, held.dataset)].live:
-                    return True
+            if totals is not None and any(not held.lost for held in totals.inflight.values()):
+                return True
         return False
 
     def free(self, scope: str, holds: Callable[[str], int] | None = None) -> float:
@@ -376,12 +370,9 @@ class LeaseBook:
         if caps.usd is not None:
             spent_usd = totals.cost_usd if totals else 0.0
             parts.append(f"${spent_usd:.4f} of ${caps.usd:.4f} used, ${caps.usd - spent_usd:.4f} unused")
-        orphans, tokens = self._orphans(scope)
-        if orphans:
-            parts.append(
-                f"{tokens} of them held for {orphans} request(s) whose worker stopped before their answers "
-                "were published (the provider may have billed them; raise the cap by as much if it did not)"
-            )
+        lost = lost_summary(self.ledger, scope)
+        if lost:
+            parts.append(lost)
         return (
             f"{CAPPED_PREFIX} {label} finished at its cap: {'; '.join(parts)} "
             f"(no worker can fit another request's worst case of {need} tokens in it); raise the cap to send the rest"

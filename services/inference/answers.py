@@ -123,7 +123,7 @@ class Answerer:
         self, prompt: PromptPublished, dataset: DatasetSettings, max_tokens: int, paid: Paid, digest: str, key: str
     ) -> None:
         """The paid response to ``responses`` and to the store, both acknowledged."""
-        result, attempt, latency = paid
+        result, attempt, latency, attempt_id = paid
         event = response_event(
             prompt,
             result,
@@ -136,7 +136,7 @@ class Answerer:
             attempt=attempt,
             now=time.time(),
         )
-        event = msgspec.structs.replace(event, request_hash=digest)
+        event = msgspec.structs.replace(event, request_hash=digest, attempt_id=attempt_id)
         sample = key_of(prompt.dataset, prompt.sample_id).encode()
         value = encode(event)
         acks = [await self._producer.send(self._responses, value, key=sample)]

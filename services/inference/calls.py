@@ -20,6 +20,7 @@ import asyncio
 import logging
 import random
 import time
+import uuid
 
 import msgspec
 from aiokafka import AIOKafkaProducer
@@ -47,8 +48,8 @@ from services.inference.headroom import Headroom
 
 log = logging.getLogger(__name__)
 
-Paid = tuple[ProviderResult, int, float]
-"""A provider's answer, the attempt that got it, its latency in seconds."""
+Paid = tuple[ProviderResult, int, float, str]
+"""A provider's answer, the attempt that got it, its latency in seconds, the attempt's id."""
 
 
 class _Tries:
@@ -60,6 +61,9 @@ class _Tries:
         self.mark: int | None = None
         self.sent = 0  # requests sent: the attempt number of the next is one more
         self.failed = 0  # failed requests other than 429s: these are bounded by max_attempts
+        # The id of the last request sent, when it ended with an error this worker read (the
+        # provider billed nothing): the next attempt tells the budget so.
+        self.ended = ""
 
 
 class ProviderCall:
@@ -174,7 +178,7 @@ class ProviderCall:
         number = tries.sent
         seq, epoch = await self._admit(prompt, max_tokens)
         try:
-            started = await self._announce(prompt, max_tokens, number, epoch)
+            started = await self._announce(prompt, max_tokens, number, epoch, tries.ended)
         except BaseException:
             throttle.release()
             raise
@@ -193,6 +197,7 @@ class ProviderCall:
             raise
         except ProviderFailure as failure:
             failure.attempt = number
+            tries.ended = started.attempt_id
             REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
             if is_rate_limited(failure):
                 throttle.refused(seq, failure.retry_after_s, failure.upstream)
@@ -221,7 +226,7 @@ class ProviderCall:
         throttle.answered(result.upstream_provider, result.usage.completion_tokens)
         REQUESTS.labels(provider=provider.name, outcome="ok").inc()
         outage.success(outage_seq)
-        return result, number, latency
+        return result, number, latency, started.attempt_id
 
     async def _admit(self, prompt: PromptPublished, max_tokens: int) -> tuple[int, str]:
         """Pass the halt gate, room under the caps, then the throttle; the throttle sequence and lease epoch.
@@ -256,8 +261,13 @@ class ProviderCall:
         if self._headroom is not None:
             self._headroom.settle(key, None)
 
-    async def _announce(self, prompt: PromptPublished, max_tokens: int, attempt: int, epoch: str) -> RequestStarted:
+    async def _announce(
+        self, prompt: PromptPublished, max_tokens: int, attempt: int, epoch: str, ended: str
+    ) -> RequestStarted:
         """Publish the RequestStarted record the budget counts in flight (room and place already had).
+
+        The attempt gets an id of its own (the budget holds it until the answer naming that id
+        arrives); ``ended``: the id of this prompt's previous attempt here that ended with an error.
 
         A halt that arrives while the broker acknowledges is caught by ``may_send``, asked
         before the client is called: the attempt is withdrawn and goes back to the gate.
@@ -267,6 +277,8 @@ class ProviderCall:
             prompt, max_tokens=max_tokens, worker=self._worker_id, attempt=attempt, now=time.time()
         )
         started.lease_epoch = epoch
+        started.attempt_id = uuid.uuid4().hex
+        started.supersedes = ended
         try:
             await (await self._producer.send(self._requests_topic, encode(started), key=key.encode()))
         except BaseException:

@@ -208,13 +208,17 @@ def test_late_request_after_its_response_is_not_inflight() -> None:
     assert ledger.inflight_tokens("math") == 100
 
 
-def test_inflight_expires_after_ttl() -> None:
+def test_an_attempt_unanswered_past_the_ttl_is_lost_and_stays_counted() -> None:
     ledger = make_ledger(inflight_ttl_s=10)
     feed = Feeder(ledger)
-    feed.req(request("math", "a"), now=0.0)
+    held = request("math", "a")
+    feed.req(held, now=0.0)
     assert ledger.expire_inflight(5.0) == 0
     assert ledger.expire_inflight(11.0) == 1
-    assert ledger.inflight_tokens(GLOBAL_SCOPE) == 0
+    assert ledger.expire_inflight(12.0) == 0  # marked once
+    # The provider may have billed it: its worst case stays held until proven otherwise.
+    assert ledger.inflight_tokens(GLOBAL_SCOPE) == held.max_tokens
+    assert [a.lost for a in ledger.lost_attempts("math")] == [True]
 
 
 def test_replayed_response_adds_nothing() -> None:

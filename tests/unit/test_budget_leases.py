@@ -63,7 +63,7 @@ class Run:
         )
         self.offset += 1
         self.ledger.on_response(response, "responses:0", self.offset, self.now)
-        self.book.on_answer(dataset, sample_id, used)
+        self.book.on_answer(response.attempt_key, used)
 
 
 def test_grants_are_whole_requests_within_the_cap() -> None:
@@ -280,4 +280,4 @@ def test_a_scope_held_full_by_a_dead_workers_requests_finishes_once_its_lease_is
     reason = finished[0][1]
     assert reason.startswith(CAPPED_PREFIX)
     assert f"{MAX} of {3 * MAX} completion tokens used, {2 * MAX} unused" in reason
-    assert f"{2 * MAX} of them held for 2 request(s) whose worker stopped" in reason
+    assert f"{2 * MAX} of them held for 2 attempt(s) lost with worker(s) w1" in reason
