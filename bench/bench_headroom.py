@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bench.common import BOOTSTRAP, Result, delete_topics, main, result, unique_prefix
+from bench.common import Result, delete_topics, main, publish_seeds, result, seeds_settings, unique_prefix
 
 MAX_TOKENS = 32_768
 REASONING = (1_200, 11_500)
@@ -23,11 +23,9 @@ CONTENT = (500, 3_000)  # answers of 1,700-14,500 tokens
 
 async def measure(quick: bool) -> list[Result]:
     """One capped dataset, run until the budget finishes it at its cap."""
-    from schemas import Halt, Message, PromptPublished, encode, sample_key
+    from schemas import Halt
     from services.budget.app import create_app as create_budget
     from services.budget.leases import CAPPED_PREFIX
-    from services.common.config import load_settings
-    from services.common.kafka import Outgoing, ensure_topics, make_producer, publish_all
     from services.control import read_control_state
     from services.inference.app import create_app as create_worker
     from services.simulator.app import SimulatorOptions, start_simulator
@@ -35,23 +33,12 @@ async def measure(quick: bool) -> list[Result]:
     cap, workers, concurrency, prompts = (600_000, 1, 64, 120) if quick else (3_000_000, 2, 256, 700)
     prefix = unique_prefix("headroom")
     sim = await start_simulator(SimulatorOptions(latency_s=0.5, reasoning_tokens=REASONING, content_tokens=CONTENT))
-    settings = load_settings(
-        None,
-        kafka={"bootstrap_servers": BOOTSTRAP, "topic_prefix": prefix},
-        metrics={f"{s}_port": 0 for s in ("inference", "reconstruct", "audit", "budget", "sink", "simulator")},
-        provider={"kind": "simulator", "base_url": sim.url, "concurrency": concurrency, "timeout_s": 120.0},
-        datasets={"seeds": {"cap_completion_tokens": cap, "max_tokens": MAX_TOKENS}},
+    settings = seeds_settings(
+        prefix, sim.url, cap, MAX_TOKENS, provider={"concurrency": concurrency, "timeout_s": 120.0}
     )
     print(f"cap {cap:,} tokens; {workers} worker(s) x {concurrency} in flight x {MAX_TOKENS:,} max_tokens = "
           f"{workers * concurrency * MAX_TOKENS:,} worst case in flight", flush=True)
-    await ensure_topics(settings.kafka, settings.datasets)
-    producer = make_producer(settings.kafka)
-    await producer.start()
-    topic = settings.kafka.prompts_topic("seeds")
-    rows = [PromptPublished(dataset="seeds", sample_id=f"s{i}", messages=[Message(role="user", content=f"task {i}")])
-            for i in range(prompts)]
-    await publish_all(producer, [Outgoing(topic, encode(p), sample_key(p.dataset, p.sample_id).encode()) for p in rows])
-    await producer.stop()
+    await publish_seeds(settings, prompts)
 
     budget = create_budget(settings, checkpoint_interval_s=0.5)
     await budget.start()

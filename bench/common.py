@@ -428,3 +428,42 @@ async def delete_topics(prefix: str) -> None:
         print(f"(could not delete topics of {prefix}: {exc})", file=sys.stderr)
     finally:
         await admin.close()
+
+
+def seeds_settings(prefix: str, base_url: str, cap: int, max_tokens: int, **sections: dict[str, Any]) -> Any:
+    """Settings for one capped ``seeds`` dataset on the test broker, the simulator at ``base_url``.
+
+    ``sections``: more values per section (``provider`` is merged over the simulator's).
+    """
+    from services.common.config import load_settings
+
+    provider = {"kind": "simulator", "base_url": base_url, **sections.pop("provider", {})}
+    return load_settings(
+        None,
+        kafka={"bootstrap_servers": BOOTSTRAP, "topic_prefix": prefix},
+        metrics={f"{s}_port": 0 for s in ("inference", "reconstruct", "audit", "budget", "sink", "simulator")},
+        provider=provider,
+        datasets={"seeds": {"cap_completion_tokens": cap, "max_tokens": max_tokens}},
+        **sections,
+    )
+
+
+async def publish_seeds(settings: Any, prompts: int) -> None:
+    """``prompts`` small prompts on the ``seeds`` dataset's topic (created first)."""
+    from schemas import Message, PromptPublished, encode, sample_key
+    from services.common.kafka import Outgoing, ensure_topics, make_producer, publish_all
+
+    await ensure_topics(settings.kafka, settings.datasets)
+    producer = make_producer(settings.kafka)
+    await producer.start()
+    try:
+        topic = settings.kafka.prompts_topic("seeds")
+        rows = [
+            PromptPublished(dataset="seeds", sample_id=f"s{i}", messages=[Message(role="user", content=f"task {i}")])
+            for i in range(prompts)
+        ]
+        await publish_all(
+            producer, [Outgoing(topic, encode(p), sample_key(p.dataset, p.sample_id).encode()) for p in rows]
+        )
+    finally:
+        await producer.stop()

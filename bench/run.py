@@ -25,6 +25,7 @@ BENCHMARKS: tuple[tuple[str, str], ...] = (
     ("scaleout", "bench.bench_scaleout"),
     ("ratelimit", "bench.bench_ratelimit"),
     ("headroom", "bench.bench_headroom"),
+    ("lost", "bench.bench_lost"),
 )
 KEYS = ("name", "value", "reference", "ratio", "spread", "target", "met")
 RESULTS = Path(__file__).resolve().parent / "results.json"

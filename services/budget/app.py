@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import httpx
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 
@@ -41,6 +42,7 @@ from schemas import (
     encode,
     topology,
 )
+from services.budget.adapters.key_usage import REPORTING_KINDS, KeyUsageReader
 from services.budget.core import Caps, Counted, Ledger
 from services.budget.lease_desk import LeaseDesk
 from services.budget.quality import (
@@ -154,6 +156,9 @@ class BudgetService:
         self._last_checkpoint = 0.0
         self._last_prompts_refresh = 0.0
         self._unpriced_models: set[str] = set()
+        self._http: httpx.AsyncClient | None = None
+        self._key_usage: KeyUsageReader | None = None
+        self._last_key_usage = 0.0
         self.started = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -188,6 +193,10 @@ class BudgetService:
             ", ".join(f"{k}@{v}" for k, v in sorted(seek.items())) or "from the beginning",
         )
         await self._publish_control(self.ledger.startup_resumes(now))
+        if self.settings.budget.key_usage_interval_s and self.settings.provider.kind in REPORTING_KINDS:
+            self._http = httpx.AsyncClient(timeout=5.0)
+            self._key_usage = KeyUsageReader(self.settings.provider, self._http)
+            await self._read_key_usage(now)  # a fresh ledger's first reading is its base
         if self.leases is not None:
             await self.leases.start(self._producer, now)
         self.started.set()
@@ -241,6 +250,9 @@ class BudgetService:
         await self.control.close()
         if self.leases is not None:
             await self.leases.close()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -362,10 +374,18 @@ class BudgetService:
         if now - self._last_prompts_refresh >= self.prompts_refresh_s:
             self._last_prompts_refresh = now
             await self._refresh_published_prompts()
+        if self._key_usage is not None and now - self._last_key_usage >= self.settings.budget.key_usage_interval_s:
+            await self._read_key_usage(now)
         if now - self._last_checkpoint >= self.checkpoint_interval_s:
             self.ledger.expire_inflight(now)
             await self._publish_control(self.ledger.evaluate(now))
             await self._checkpoint(now)
+
+    async def _read_key_usage(self, now: float) -> None:
+        """Reconcile with the provider key's usage (what lost attempts really cost, once settled)."""
+        self._last_key_usage = now
+        if self._key_usage is not None and (usage := await self._key_usage.read()) is not None:
+            self.ledger.reconcile(usage, now)
 
     async def _refresh_published_prompts(self) -> None:
         consumer = self._consumer

@@ -219,7 +219,12 @@ def budget_command(config: ConfigOption = None) -> None:
         snapshots, control = asyncio.run(asyncio.wait_for(read(), timeout=60))
     except Exception as exc:  # noqa: BLE001 - one line, whatever aiokafka raised
         fail(f"could not read from {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
-    data_console(width=280).print(budget_table(snapshots, control, settings))  # every column on one line
+    from services.budget.lost import lost_attempt_lines
+
+    console = data_console(width=280)
+    console.print(budget_table(snapshots, control, settings))  # every column on one line
+    for line in lost_attempt_lines(snapshots.values()):
+        console.print(line, style="yellow", markup=False)
 
 
 def run_budget(config: ConfigOption = None, log_level: LogLevelOption = None) -> None:

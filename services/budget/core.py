@@ -40,7 +40,7 @@ from schemas import (
     attempt_key,
     sample_key,
 )
-from services.budget.reconcile import KeyUsage, lost_hold
+from services.budget.reconcile import KeyUsage, lost_hold, may_release
 
 BUDGET_ACTOR = "budget"
 """The ``by`` of every halt and resume the budget service publishes itself."""
@@ -222,7 +222,6 @@ class Ledger:
         self._answered: OrderedDict[str, None] = OrderedDict()  # attempt keys answered (read first)
         self._resume_candidates: set[str] = set()
         self.key_usage = KeyUsage()
-        self._overdue_before = 0.0  # attempts started before this are no longer billing
 
     # ------------------------------------------------------------------ restore
     def restore(self, snapshots: Iterable[BudgetSnapshot], now: float) -> dict[str, int]:
@@ -443,26 +442,42 @@ class Ledger:
         Past the TTL an attempt is no longer billing: what it cost is settled, and a reading of
         the provider's key usage (:meth:`reconcile`) may release its worst case down to that.
         """
-        self._overdue_before = now - self.inflight_ttl_s
+        overdue_before = now - self.inflight_ttl_s
         marked = 0
         for name, scope in self.scopes.items():
             for held in scope.inflight.values():
-                if not held.lost and held.started_at < self._overdue_before:
+                if not held.lost and held.started_at < overdue_before:
                     held.lost = True
                     marked += 1
                     self._dirty.add(name)
         return marked
 
-    def reconcile(self, key_usage_usd: float) -> None:
+    def reconcile(self, key_usage_usd: float, now: float) -> None:
         """A reading of the provider key's usage (USD): what the answers do not explain bounds the lost attempts."""
-        self.key_usage.read(key_usage_usd, self.scopes[GLOBAL_SCOPE].cost_usd)
+        self.key_usage.read(key_usage_usd, self.scopes[GLOBAL_SCOPE].cost_usd, now)
         self._dirty.add(GLOBAL_SCOPE)
 
-    def lost_tokens(self, scope: str) -> int:
-        """What the lost attempts of ``scope`` hold: their worst case, released down to what the key was charged."""
+    def may_release(self, scope: str) -> bool:
+        """Whether a later reading of the key's usage may release some of the scope's lost attempts."""
+        can_read = self.key_usage.base_usd is not None and bool(self.inflight_usd_per_token)
+        settled = self.key_usage.settled_before(self.inflight_ttl_s)
+        return may_release(self.lost_attempts(scope), settled, can_read)
+
+    def lost_tokens(self, scope: str, *, unleased: bool = False) -> int:
+        """What the lost attempts of ``scope`` hold: their worst case, released down to what the key was charged.
+
+        ``unleased``: only those sent without a lease.
+        """
         names = [n for n in self.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
-        lost = [held for n in names if n in self.scopes for held in self.scopes[n].inflight.values() if held.lost]
-        return lost_hold(lost, self._overdue_before, self.key_usage.tokens(self.inflight_usd_per_token))
+        lost = [
+            held
+            for n in names
+            if n in self.scopes
+            for k, held in self.scopes[n].inflight.items()
+            if held.lost and not (unleased and k in self.scopes[n].leased)
+        ]
+        settled = self.key_usage.settled_before(self.inflight_ttl_s)
+        return lost_hold(lost, settled, self.key_usage.tokens(self.inflight_usd_per_token))
 
     def lost_attempts(self, scope: str) -> list[HeldAttempt]:
         """The lost attempts of a scope."""
@@ -495,7 +510,7 @@ class Ledger:
                     for k, held in totals.inflight.items()
                     if not held.lost and not (unleased and k in totals.leased)
                 )
-        return total + self.lost_tokens(scope)
+        return total + self.lost_tokens(scope, unleased=unleased)
 
     def over_cap(self, scope: str) -> str | None:
         """Why the scope must stop now (cap reached, or would be by in-flight worst case)."""

@@ -344,8 +344,8 @@ class LeaseBook:
                 need = self.max_tokens_for(scope)
             if not datasets or self._uncapped(scope) or isinstance(self.ledger.control.get(scope), Halt):
                 continue
-            if self._may_land(scope):
-                continue  # answers still to land may hand headroom back
+            if self._may_land(scope) or self.ledger.may_release(scope):
+                continue  # answers still to land, or a reading of the key's usage, may hand headroom back
             leases = self._leases_of(scope)
             if not any(lease.live and lease.target > lease.granted for lease in leases):
                 continue  # no request waits for room: the scope is idle, not finished

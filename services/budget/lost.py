@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
-from schemas import BudgetSnapshot, HeldAttempt
+from schemas import GLOBAL_SCOPE, BudgetSnapshot, HeldAttempt
 
 
 class _LostView(Protocol):
@@ -71,3 +71,13 @@ def lost_summary(ledger: _LostView, scope: str) -> str:
         f"{held} of them held for {len(attempts)} attempt(s) lost with worker(s) {workers} "
         f"(worst case {worst}{released}; the provider may have billed them: raise the cap by as much if it did not)"
     )
+
+
+def lost_attempt_lines(snapshots: Iterable[BudgetSnapshot]) -> list[str]:
+    """``<dataset>: N attempts lost with worker W, ...`` for every dataset scope that has lost attempts."""
+    return [
+        f"{snap.scope}: {line}"
+        for snap in sorted(snapshots, key=lambda s: s.scope)
+        if snap.scope != GLOBAL_SCOPE
+        for line in snapshot_lost_lines(snap)
+    ]

@@ -209,6 +209,9 @@ class BudgetSettings(BaseModel):
     # A lease not renewed for this long (plus the grace) is taken back from its worker.
     lease_ttl_s: float = Field(default=10.0, gt=0)
     lease_grace_s: float = Field(default=2.0, ge=0)
+    # How often the provider key's usage is read to release lost attempts' worst case down to
+    # what the key was charged (docs/money-safety.md); 0: never (the worst case stands).
+    key_usage_interval_s: float = Field(default=5.0, ge=0)
 
 
 class ProfileSettings(BaseModel):

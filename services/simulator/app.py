@@ -46,6 +46,7 @@ from services.simulator.core import (
     GenerationParams,
     ProfileLike,
     RequestError,
+    answer_cost,
     build_completion_body,
     build_response_body,
     choose_content_faults,
@@ -203,7 +204,9 @@ class _Stats:
         self.key_faults: defaultdict[str, list[str]] = defaultdict(list)
         self.statuses: Counter[str] = Counter()
         self.open = 0  # requests received and not yet answered (or abandoned)
-        self.completion_tokens = 0  # usage.completion_tokens of every answer served whole (what was billed)
+        self.completion_tokens = 0  # usage.completion_tokens of every answer billed (served, or abandoned)
+        self.cost_usd = 0.0  # usage.cost of the same answers: what the key was charged (``GET /api/v1/key``)
+        self.abandoned_billed = 0  # answers generated and billed after their client went away
         self.peak_open = 0  # the most of those at once
         # Seconds during which more requests were open than the rate limit's max_open.
         self.over_cap = OverCap(cap=None)
@@ -241,6 +244,8 @@ class _Stats:
                 "faults": dict(self.faults),
                 "rate_limited": self.rate_limited,
                 "completion_tokens": self.completion_tokens,
+                "cost_usd": self.cost_usd,
+                "abandoned_billed": self.abandoned_billed,
                 "last_request_at": self.times[-1] if self.times else None,
             }
         return {
@@ -255,6 +260,8 @@ class _Stats:
             "seconds_over_max_open": round(self.over_cap.over_s, 6),
             "rate_limited": self.rate_limited,
             "completion_tokens": self.completion_tokens,
+            "cost_usd": self.cost_usd,
+            "abandoned_billed": self.abandoned_billed,
             "last_request_at": self.times[-1] if self.times else None,
             "last_request_times": self.times[-_RECENT:],
             "recent": list(self.recent),
@@ -285,6 +292,7 @@ class SimulatorServer:
             self.template = compile_chat_template(source, strftime_now=_strftime_now)
         spec = getattr(profile, "spec", None)  # a loaded Profile knows its BOS; a bare ProfileLike may not
         self._bos_token: str = getattr(spec, "bos_token", "") or ""
+        self._abandoned: set[asyncio.Task[None]] = set()  # generations billed after their client left
 
     def set_rate_limit(self, rps: float | None, burst: float | None = None, max_open: int | None = None) -> None:
         """Replace the rate limit while serving (tests lift or tighten it; None: unlimited)."""
@@ -302,6 +310,7 @@ class SimulatorServer:
             health=self.health,
             stats=self.stats_view,
             limiter=lambda: self.limiter,
+            usage=lambda: self.stats.cost_usd,
             truth=self.truth_view,
         )
 
@@ -470,7 +479,13 @@ class SimulatorServer:
         if transient == "timeout":
             delay += self.options.timeout_sleep_s
         if delay > 0:
-            await asyncio.sleep(delay)
+            began = time.monotonic()
+            try:
+                await asyncio.sleep(delay)
+            except asyncio.CancelledError:
+                if transient is None:  # the client went away: the provider generates, and bills, to the end
+                    self._bill_abandoned(chat, forced, prompt_text, delay - (time.monotonic() - began))
+                raise
 
         if transient == "5xx":
             status = self.rng.choice((500, 502, 503))
@@ -512,9 +527,30 @@ class SimulatorServer:
         if transient == "drop":
             return await self._drop(request, body)
         self.stats.statuses["200"] += 1
-        self.stats.completion_tokens += generation.completion_tokens
+        self._bill(generation)
         self._keep_truth(key, generation)
         return web.Response(status=200, body=body, content_type="application/json")
+
+    def _bill(self, generation: Generation) -> None:
+        """Charge the key for one generated answer (``usage.cost`` as the answer reports it)."""
+        self.stats.completion_tokens += generation.completion_tokens
+        self.stats.cost_usd += answer_cost(generation, self.params)
+
+    def _bill_abandoned(self, chat: Any, forced: list[str], prompt_text: str | None, remaining_s: float) -> None:
+        """A request whose client went away mid-generation: billed once the generation ends, as a provider does."""
+
+        async def finish() -> None:
+            await asyncio.sleep(max(0.0, remaining_s))
+            try:
+                generation = self._generation(chat, [f for f in forced if f in CONTENT_FAULTS], prompt_text)
+            except RequestError:
+                return
+            self._bill(generation)
+            self.stats.abandoned_billed += 1
+
+        task = asyncio.get_running_loop().create_task(finish())
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
 
     async def _drop(self, request: web.Request, body: bytes) -> web.StreamResponse:
         """Promise the whole body, send half of it, then cut the connection."""
@@ -540,6 +576,7 @@ def provider_app(
     health: Handler,
     stats: Handler,
     limiter: Callable[[], RequestLimiter] | None = None,
+    usage: Callable[[], float] | None = None,
     **more: Handler,
 ) -> web.Application:
     """An OpenRouter-shaped app: chat and text completions, health, ``/_sim/stats``, ``/_sim/<name>`` of ``more``."""
@@ -553,18 +590,23 @@ def provider_app(
     app.router.add_get("/_sim/stats", stats)
     for name, handler in more.items():
         app.router.add_get(f"/_sim/{name}", handler)
-    add_model_routes(app, profile_name, limiter)
+    add_model_routes(app, profile_name, limiter, usage)
     return app
 
 
 def add_model_routes(
-    app: web.Application, profile_name: str, limiter: Callable[[], RequestLimiter] | None = None
+    app: web.Application,
+    profile_name: str,
+    limiter: Callable[[], RequestLimiter] | None = None,
+    usage: Callable[[], float] | None = None,
 ) -> None:
     """The inference pre-flight and outage probes: never counted as requests.
 
     ``GET /api/v1/models`` and ``GET /v1/models``: the OpenAI-style model list (the simulator
     answers any model name; it lists its profile). ``GET /api/v1/key``: OpenRouter's key
-    check (401 without a bearer key; no credit limit; ``rate_limit`` while ``limiter`` sets a rate).
+    check (401 without a bearer key; no credit limit; ``rate_limit`` while ``limiter`` sets a rate),
+    with ``usage`` (and its daily/weekly/monthly figures) the dollars charged so far, answers
+    generated for clients that went away included.
     """
 
     async def models(request: web.Request) -> web.Response:
@@ -574,8 +616,10 @@ def add_model_routes(
     async def key(request: web.Request) -> web.Response:
         if not request.headers.get("Authorization", "").startswith("Bearer "):
             return web.json_response(error_body(401, "No auth credentials found"), status=401)
+        spent = usage() if usage is not None else 0.0
         data: dict[str, Any] = {
-            "label": "simulator", "limit": None, "usage": 0.0, "limit_remaining": None, "is_free_tier": False
+            "label": "simulator", "limit": None, "usage": spent, "usage_daily": spent, "usage_weekly": spent,
+            "usage_monthly": spent, "limit_remaining": None, "limit_reset": None, "is_free_tier": False,
         }
         rate_limit = limiter() if limiter is not None else None
         if rate_limit is not None and rate_limit.rps is not None:

@@ -1176,15 +1176,21 @@ def _envelope(
     }
 
 
-def _usage_body(generation: Generation, params: GenerationParams) -> dict[str, Any]:
+def answer_cost(generation: Generation, params: GenerationParams) -> float:
+    """What one answer costs, as its ``usage.cost`` says (and the key is charged)."""
     cost = (
         generation.completion_tokens * params.price_per_token + generation.prompt_tokens * params.prompt_price_per_token
     )
+    return round(cost, 12)
+
+
+def _usage_body(generation: Generation, params: GenerationParams) -> dict[str, Any]:
+    cost = answer_cost(generation, params)
     return {
         "prompt_tokens": generation.prompt_tokens,
         "completion_tokens": generation.completion_tokens,
         "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-        "cost": round(cost, 12),
+        "cost": cost,
         "completion_tokens_details": {"reasoning_tokens": generation.reasoning_tokens},
         "prompt_tokens_details": {"cached_tokens": 0},
     }

@@ -25,6 +25,7 @@ from rich.text import Text
 
 from schemas import BudgetSnapshot, ConversationProgressed, Halt, topology
 from services.budget.leases import capped_summary
+from services.budget.lost import lost_attempt_lines
 from services.budget.quality import yield_text
 
 # Consumer groups of the stream stages and the logical topics they read (schemas.topology).
@@ -242,6 +243,9 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         lag_table(snapshot),
         dead_letter_table(snapshot),
     ]
+    lost = lost_attempt_lines(snapshot.budgets)
+    if lost:
+        parts.append(Text("\n".join(lost), style="yellow"))
     if snapshot.accepted_truncated:
         per_dataset = ", ".join(f"{d} {n:,}" for d, n in sorted(snapshot.accepted_truncated.items()))
         total = sum(snapshot.accepted_truncated.values())

@@ -103,19 +103,23 @@ def test_records_of_older_workers_without_attempt_ids_are_matched_by_attempt_num
 def test_key_usage_releases_settled_lost_attempts_down_to_what_was_charged() -> None:
     ledger = Ledger(caps_for=lambda _: Caps(completion_tokens=10 * MAX), inflight_ttl_s=30.0,
                     inflight_usd_per_token=PRICE)
-    ledger.reconcile(7.0)  # the key had been used before this run: that is the base
+    ledger.reconcile(7.0, 0.0)  # the key had been used before this run: that is the base
     for i in range(3):
         event = RequestStarted(dataset="d", sample_id=f"s{i}", max_tokens=MAX, worker="w1",
                                started_at=100.0, attempt_id=f"a{i}")
         ledger.on_request(event, "requests:0", i, 100.0)
     ledger.mark_lost([("d", f"d:s{i}#a{i}") for i in range(3)])
-    # Lost but possibly still generating: a reading releases nothing yet.
-    ledger.reconcile(7.0 + 9_000 * PRICE)
+    # Lost but possibly still generating when the key was read: a reading releases nothing yet.
+    ledger.reconcile(7.0 + 9_000 * PRICE, 110.0)
     assert ledger.lost_tokens("d") == 3 * MAX
-    ledger.expire_inflight(200.0)  # past the TTL: they cannot be billing any more
-    ledger.reconcile(7.0 + 20_000 * PRICE)  # the provider charged 20,000 tokens for them
+    assert ledger.may_release("d")
+    ledger.reconcile(7.0 + 20_000 * PRICE, 200.0)  # past the TTL; the provider charged 20,000 tokens for them
     assert ledger.lost_tokens("d") == 20_000
     assert ledger.inflight_tokens(GLOBAL_SCOPE) == 20_000
+    assert not ledger.may_release("d")
+    # An answer billed and not read yet is unexplained too: it only holds more, never less.
+    ledger.reconcile(7.0 + 60_000 * PRICE, 210.0)
+    assert ledger.lost_tokens("d") == 3 * MAX
     # Without a price, dollars cannot be turned into tokens: the worst case stands.
     assert KeyUsage(0.0, 1.0).tokens(None) is None
 

@@ -1,0 +1,149 @@
+"""A worker SIGKILLed mid-run must not let the provider bill past a cap (real broker, simulator over HTTP).
+
+The truth is the simulator's own count of what it billed (``/_sim/stats``: answers served,
+and answers generated to the end for clients that went away, as a provider bills them),
+never the budget's. The inference worker runs as a process of its own and is SIGKILLed
+while its requests are in flight; a second one (another process, another worker id) takes
+its prompts over. Answers of 2,000-15,000 tokens, ``max_tokens`` 16,384.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.budget.app import BudgetService
+from services.budget.lost import snapshot_lost_lines
+from services.common.config import Settings
+from services.common.kafka import ensure_topics
+from services.control import read_budget_snapshots
+from tests.integration.test_budget_halt import publish_prompts
+from tests.integration.test_budget_headroom import LONG, MAX_TOKENS, capped_halt, running_budget
+from tests.kafka_fixture import wait_until
+
+pytestmark = pytest.mark.kafka
+
+REPO = Path(__file__).resolve().parents[2]
+CAP = 400_000
+PROMPTS = 90  # about 760k tokens of answers: the cap binds
+PRICE = 2e-6  # the simulator's USD per completion token, and the budget's configured price
+TIMEOUT_S = 4.0  # the in-flight TTL, past which a lost attempt no longer bills: (4 + 0.5) x 2 = 9 s
+
+
+def worker_process(settings: Settings, concurrency: int) -> Any:
+    """``draftstream run inference`` as a process of its own (a SIGKILL kills it, not the test)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "DRAFTSTREAM_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
+        "DRAFTSTREAM_KAFKA__TOPIC_PREFIX": settings.kafka.topic_prefix,
+        "DRAFTSTREAM_PROVIDER__BASE_URL": settings.provider.base_url,
+        "DRAFTSTREAM_PROVIDER__CONCURRENCY": str(concurrency),
+        "DRAFTSTREAM_PROVIDER__TIMEOUT_S": str(TIMEOUT_S),
+        "DRAFTSTREAM_PROVIDER__MAX_ATTEMPTS": "2",
+        "DRAFTSTREAM_PROVIDER__BACKOFF_MAX_S": "0.5",
+        "DRAFTSTREAM_DEFAULTS__MAX_TOKENS": str(MAX_TOKENS),
+        "DRAFTSTREAM_METRICS__INFERENCE_PORT": "0",
+    }
+    env.pop("OPENROUTER_API_KEY", None)
+    return asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "run", "inference", cwd=REPO, env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+
+
+@contextlib.asynccontextmanager
+async def long_run(
+    settings_factory: Callable[..., Settings], *, key_usage: bool
+) -> AsyncIterator[tuple[Any, Settings]]:
+    """The simulator (slow, long answers) and a capped dataset of :data:`PROMPTS` prompts."""
+    from services.simulator.app import SimulatorOptions, start_simulator
+
+    sim = await start_simulator(
+        SimulatorOptions(latency_s=1.0, latency_jitter_s=1.5, price_per_token=PRICE, **LONG)  # type: ignore[arg-type]
+    )
+    try:
+        settings = settings_factory(
+            provider={"kind": "simulator", "base_url": sim.url, "concurrency": 12, "max_attempts": 2,
+                      "timeout_s": TIMEOUT_S, "backoff_max_s": 0.5},
+            datasets={"capped": {"cap_completion_tokens": CAP, "max_tokens": MAX_TOKENS}},
+            budget={"lease_ttl_s": 2.0, "lease_grace_s": 0.5, "key_usage_interval_s": 0.5 if key_usage else 0.0,
+                    "prices": {"qwen/qwen3-8b": {"completion": PRICE * 1e6}}},
+        )
+        await ensure_topics(settings.kafka, settings.datasets)
+        await publish_prompts(settings, "capped", PROMPTS)
+        yield sim, settings
+    finally:
+        await sim.close()
+
+
+async def kill_mid_run(sim: Any, budget: BudgetService, settings: Settings, concurrency: int) -> int:
+    """Start a worker process, SIGKILL it while requests are in flight; how many were open at the kill."""
+    proc = await worker_process(settings, concurrency)
+    try:
+        await wait_until(lambda: budget.ledger.scopes.get("capped") is not None
+                         and budget.ledger.scopes["capped"].responses >= 3, 90, 0.1, message="answers before the kill")
+        await wait_until(lambda: sim.server.stats.open >= 4, 30, 0.02, message="requests open at the kill")
+        open_at_kill = int(sim.server.stats.open)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+    return open_at_kill
+
+
+async def settled_billing(sim: Any) -> dict[str, Any]:
+    """The simulator's stats once nothing is open and every abandoned generation was billed."""
+    last: list[int] = []
+
+    def quiet() -> bool:
+        stats = sim.stats()
+        billed = int(stats["completion_tokens"])
+        last.append(billed)
+        return sim.server.stats.open == 0 and len(last) > 15 and last[-15] == billed
+
+    await wait_until(quiet, 60, 0.2, message="the simulator billed everything it generated")
+    return sim.stats()
+
+
+@pytest.mark.parametrize("key_usage", [True, False], ids=["key-usage", "no-key-usage"])
+async def test_a_worker_killed_mid_run_leaves_billing_within_the_cap(
+    settings_factory: Callable[..., Settings], key_usage: bool
+) -> None:
+    async with long_run(settings_factory, key_usage=key_usage) as (sim, settings), running_budget(settings) as budget:
+        open_at_kill = await kill_mid_run(sim, budget, settings, concurrency=12)
+        second = await worker_process(settings, 12)
+        try:
+            halt = await wait_until(lambda: capped_halt(settings), 180, 0.3, message="'capped' finished at its cap")
+        finally:
+            second.send_signal(signal.SIGTERM)
+            await second.wait()
+        stats = await settled_billing(sim)
+        snap = (await read_budget_snapshots(settings))["capped"]
+        lost = budget.ledger.lost_attempts("capped")
+        billed = int(stats["completion_tokens"])
+        lines = snapshot_lost_lines(snap)
+    print(
+        f"\nkey usage {key_usage}: billed {billed} of {CAP} ({billed / CAP:.4f}); {open_at_kill} open at the kill, "
+        f"{stats['abandoned_billed']} billed after their client died; {len(lost)} lost attempts hold "
+        f"{snap.lost_tokens}, {snap.lost_repaid} re-paid; budget spent {snap.completion_tokens}\n"
+        f"halt: {halt.reason}\n" + "\n".join(lines)
+    )
+    assert billed <= CAP  # the provider's own count: zero overshoot
+    assert stats["abandoned_billed"] >= 1, "no generation outlived its client: the kill tested nothing"
+    assert lost, "the killed worker's attempts were not kept as lost"
+    assert any("attempts lost with worker" in line and "counted at" in line for line in lines)
+    assert "lost with worker(s)" in halt.reason
+    if key_usage:
+        # The key's usage released the lost attempts down to what they cost: the cap is used.
+        assert snap.lost_tokens < sum(a.max_tokens for a in lost)
+        assert billed >= CAP - 2 * MAX_TOKENS
+    else:
+        assert snap.lost_tokens == sum(a.max_tokens for a in lost)  # the worst case stands
