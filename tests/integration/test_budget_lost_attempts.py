@@ -147,3 +147,63 @@ async def test_a_worker_killed_mid_run_leaves_billing_within_the_cap(
         assert billed >= CAP - 2 * MAX_TOKENS
     else:
         assert snap.lost_tokens == sum(a.max_tokens for a in lost)  # the worst case stands
+
+
+async def test_one_of_three_workers_killed_leaves_billing_within_the_cap(
+    settings_factory: Callable[..., Settings],
+) -> None:
+    async with long_run(settings_factory, key_usage=True) as (sim, settings), running_budget(settings) as budget:
+        others = [await worker_process(settings, 4) for _ in range(2)]
+        try:
+            open_at_kill = await kill_mid_run(sim, budget, settings, concurrency=4)
+            halt = await wait_until(lambda: capped_halt(settings), 180, 0.3, message="'capped' finished at its cap")
+        finally:
+            for proc in others:
+                proc.send_signal(signal.SIGTERM)
+            for proc in others:
+                await proc.wait()
+        stats = await settled_billing(sim)
+        lost = budget.ledger.lost_attempts("capped")
+    billed = int(stats["completion_tokens"])
+    print(f"\n3 workers, one killed: billed {billed} of {CAP} ({billed / CAP:.4f}); {open_at_kill} open at the kill, "
+          f"{stats['abandoned_billed']} billed after their client died, {len(lost)} lost; halt: {halt.reason}")
+    assert billed <= CAP
+    assert lost and len({a.worker for a in lost}) == 1  # only the killed worker's attempts are lost
+
+
+async def test_a_budget_killed_and_restarted_rebuilds_the_lost_attempts(
+    settings_factory: Callable[..., Settings],
+) -> None:
+    from services.budget.app import create_app as create_budget
+
+    async with long_run(settings_factory, key_usage=False) as (sim, settings):
+        budget = create_budget(settings, checkpoint_interval_s=0.2, prompts_refresh_s=0.5)
+        await budget.start()
+        task = asyncio.create_task(budget.run())
+        second = None
+        try:
+            await kill_mid_run(sim, budget, settings, concurrency=12)
+            second = await worker_process(settings, 12)
+            # The killed worker's lease expires and its attempts are lost; then the budget dies too.
+            await wait_until(lambda: budget.ledger.lost_attempts("capped"), 30, 0.1, message="attempts lost")
+            await asyncio.sleep(0.5)  # a checkpoint or two with them
+            lost_before = {(a.worker, a.started_at) for a in budget.ledger.lost_attempts("capped")}
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await budget.abort()  # a crash: no final checkpoint
+            async with running_budget(settings) as restarted:
+                rebuilt = {(a.worker, a.started_at) for a in restarted.ledger.lost_attempts("capped")}
+                halt = await wait_until(lambda: capped_halt(settings), 180, 0.3, message="'capped' finished at its cap")
+                stats = await settled_billing(sim)
+        finally:
+            if second is not None:
+                second.send_signal(signal.SIGTERM)
+                await second.wait()
+            if not task.done():
+                task.cancel()
+    billed = int(stats["completion_tokens"])
+    print(f"\nbudget killed and restarted: billed {billed} of {CAP} ({billed / CAP:.4f}); "
+          f"{len(lost_before)} lost before the crash, {len(rebuilt)} rebuilt; halt: {halt.reason}")
+    assert billed <= CAP
+    assert lost_before and lost_before <= rebuilt  # every lost attempt survived the crash, with its worker
