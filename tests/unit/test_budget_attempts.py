@@ -150,3 +150,24 @@ def _held() -> type:
     from schemas import HeldAttempt
 
     return HeldAttempt
+
+
+def test_status_shows_the_lost_attempts_per_dataset_and_worker() -> None:
+    from rich.console import Console
+
+    from schemas import HeldAttempt
+    from services.status.core import StatusSnapshot, render
+
+    held = {f"d:s{i}#a{i}": HeldAttempt(max_tokens=MAX, worker="w1", lost=True) for i in range(3)}
+    held["d:s9#b"] = HeldAttempt(max_tokens=MAX, worker="w2")  # in flight, not lost
+    snap = StatusSnapshot(taken_at=0.0, budgets=[
+        BudgetSnapshot(scope="d", attempts=held, lost_tokens=3 * MAX, lost_usd=3 * MAX * PRICE, lost_repaid=1),
+        BudgetSnapshot(scope=GLOBAL_SCOPE, lost_tokens=3 * MAX),
+    ])
+    console = Console(record=True, width=300)
+    console.print(render(snap))
+    text = console.export_text()
+    assert (f"d: 3 attempts lost with worker w1, counted at {3 * MAX:,} tokens / ${3 * MAX * PRICE:,.2f} "
+            "(the provider may have billed them)") in text
+    assert "d: 1 prompts of lost attempts paid again by a later attempt" in text
+    assert "worker w2" not in text
