@@ -450,7 +450,7 @@ class LeaseReleased(Struct, kw_only=True, tag="release", tag_field="action"):
 LeaseEvent = LeasePolicy | LeaseRequested | LeaseGranted | LeaseReleased
 
 
-class HeldAttempt(Struct, kw_only=True):
+class HeldAttempt(Struct, kw_only=True, omit_defaults=True):
     """One attempt the budget holds at its worst case until its own answer arrives."""
 
     max_tokens: int
