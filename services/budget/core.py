@@ -220,6 +220,7 @@ class Ledger:
         self.control: dict[str, Halt | Resume] = {}
         self._dirty: set[str] = set()
         self._answered: OrderedDict[str, None] = OrderedDict()  # attempt keys answered (read first)
+        self._answered_samples: OrderedDict[str, None] = OrderedDict()  # prompts answered (lost attempts re-paid)
         self._resume_candidates: set[str] = set()
         self.key_usage = KeyUsage()
 
@@ -365,8 +366,8 @@ class Ledger:
         self._advance(position, offset)
         scope = self.scopes.get(dataset)
         if scope is not None and scope.counts(position, offset):
-            prefix = sample_key(dataset, sample_id) + "#"
-            for key in [k for k, held in scope.inflight.items() if k.startswith(prefix) and not held.lost]:
+            prompt = sample_key(dataset, sample_id)
+            for key in [k for k, held in scope.inflight.items() if _prompt_of(k) == prompt and not held.lost]:
                 del scope.inflight[key]
                 scope.leased.discard(key)
                 self._dirty.add(scope.scope)
@@ -381,10 +382,12 @@ class Ledger:
         total = self.scopes[GLOBAL_SCOPE]
         if replay:
             return None, []
-        self._answered[key] = None
-        self._answered.move_to_end(key)
-        while len(self._answered) > _ANSWERED_MEMORY:
-            self._answered.popitem(last=False)
+        prompt_key = sample_key(event.dataset, event.sample_id)
+        for memory, entry in ((self._answered, key), (self._answered_samples, prompt_key)):
+            memory[entry] = None
+            memory.move_to_end(entry)
+            while len(memory) > _ANSWERED_MEMORY:
+                memory.popitem(last=False)
         prompt, completion, reasoning = estimate_usage(event)
         usage = event.usage
         estimated = usage.completion_tokens is None or usage.prompt_tokens is None
@@ -411,18 +414,25 @@ class Ledger:
             if scope is dataset:
                 dataset.inflight.pop(key, None)
                 dataset.leased.discard(key)
-                self._count_repaid(dataset, sample_key(event.dataset, event.sample_id))
+                self._count_repaid(dataset, prompt_key)
                 counted = Counted(event.dataset, prompt, completion, reasoning, cost, estimated, priced)
         return counted, self._halts(now)
 
     @staticmethod
     def _count_repaid(dataset: ScopeTotals, key: str) -> None:
         """An answer of a prompt with a lost attempt: that prompt was paid again."""
-        prefix = key + "#"
-        for lost in [k for k, held in dataset.inflight.items() if held.lost and k.startswith(prefix)]:
+        for lost in [k for k, held in dataset.inflight.items() if held.lost and _prompt_of(k) == key]:
             if lost not in dataset.repaid:
                 dataset.repaid.add(lost)
                 dataset.lost_repaid += 1
+
+    def _lose(self, scope: ScopeTotals, key: str, held: HeldAttempt) -> None:
+        """Mark one attempt lost (still held); a prompt already answered by another attempt was paid again."""
+        held.lost = True
+        self._dirty.add(scope.scope)
+        if _prompt_of(key) in self._answered_samples and key not in scope.repaid:
+            scope.repaid.add(key)
+            scope.lost_repaid += 1
 
     def mark_lost(self, keys: Iterable[tuple[str, str]]) -> int:
         """Mark attempts (dataset, attempt key) lost: their worker died unanswered. They stay held."""
@@ -430,10 +440,9 @@ class Ledger:
         for dataset, key in keys:
             scope = self.scopes.get(dataset)
             held = scope.inflight.get(key) if scope is not None else None
-            if held is not None and not held.lost:
-                held.lost = True
+            if scope is not None and held is not None and not held.lost:
+                self._lose(scope, key, held)
                 marked += 1
-                self._dirty.add(dataset)
         return marked
 
     def expire_inflight(self, now: float) -> int:
@@ -444,12 +453,11 @@ class Ledger:
         """
         overdue_before = now - self.inflight_ttl_s
         marked = 0
-        for name, scope in self.scopes.items():
-            for held in scope.inflight.values():
+        for scope in self.scopes.values():
+            for key, held in scope.inflight.items():
                 if not held.lost and held.started_at < overdue_before:
-                    held.lost = True
+                    self._lose(scope, key, held)
                     marked += 1
-                    self._dirty.add(name)
         return marked
 
     def reconcile(self, key_usage_usd: float, now: float) -> None:
@@ -707,6 +715,11 @@ class Ledger:
     def datasets(self) -> list[str]:
         """The dataset scopes seen so far."""
         return sorted(n for n in self.scopes if n != GLOBAL_SCOPE)
+
+
+def _prompt_of(attempt: str) -> str:
+    """The ``<dataset>:<sample_id>`` of an attempt key."""
+    return attempt.rpartition("#")[0]
 
 
 def _restored_attempts(snap: BudgetSnapshot, now: float) -> dict[str, HeldAttempt]:

@@ -186,8 +186,8 @@ class LeaseBook:
 
         Attempts under a lease taken back (their worker died) stay held: the dead letter is another worker's.
         """
-        prefix = sample_key(dataset, sample_id) + "#"
-        for key in [k for k in self._reserved if k.startswith(prefix)]:
+        prompt = sample_key(dataset, sample_id)
+        for key in [k for k in self._reserved if k.rpartition("#")[0] == prompt]:
             held = self._reserved[key]
             if self.leases[(held.worker, held.dataset)].live:
                 self._unreserve(key, 0)

@@ -171,3 +171,21 @@ def test_status_shows_the_lost_attempts_per_dataset_and_worker() -> None:
             "(the provider may have billed them)") in text
     assert "d: 1 prompts of lost attempts paid again by a later attempt" in text
     assert "worker w2" not in text
+
+
+def test_a_prompt_answered_before_its_other_attempt_was_found_lost_counts_as_re_paid_once() -> None:
+    run = Run({"d": Caps(completion_tokens=4 * MAX)}, ttl_s=5.0)
+    run.ask("w1", MAX)
+    run.decide()
+    attempt(run, "w1", "s#0", "a1")  # a sample id with the separator in it
+    run.ask("w2", MAX)
+    run.decide()
+    attempt(run, "w2", "s#0", "b1")  # w1 hangs; w2 takes its partition over and is answered first
+    answer(run, "s#0", "b1", 3_000)
+    run.now += 6.5
+    run.ask("w2", MAX)
+    run.decide()  # w1's lease is taken back: its attempt is lost, its prompt was already paid again
+    assert run.ledger.scopes["d"].lost_repaid == 1
+    run.ledger.expire_inflight(run.now + 10_000)
+    assert run.ledger.scopes["d"].lost_repaid == 1
+    assert run.ledger.inflight_tokens("d") == MAX
