@@ -95,6 +95,14 @@ class ScopeTotals:
     # Lost attempts whose prompt a later attempt answered (each counted once).
     repaid: set[str] = field(default_factory=set)
     lost_repaid: int = 0
+    # Keys of the lost attempts (an index into ``inflight``; a key no longer there was answered).
+    lost: set[str] = field(default_factory=set)
+
+    def lost_items(self) -> list[tuple[str, HeldAttempt]]:
+        """The lost attempts still held, by key (the index is pruned of answered ones as it goes)."""
+        gone = [k for k in self.lost if k not in self.inflight or not self.inflight[k].lost]
+        self.lost.difference_update(gone)
+        return [(k, self.inflight[k]) for k in self.lost]
     # Keys of requests admitted under a lease (services.budget.leases bounds those, not a halt).
     leased: set[str] = field(default_factory=set)
     # Offsets below which this scope already counted records (from its snapshot).
@@ -238,6 +246,7 @@ class Ledger:
                 responses=snap.responses,
                 responses_without_usage=snap.responses_without_usage,
                 inflight=_restored_attempts(snap, now),
+                lost={k for k, held in snap.attempts.items() if held.lost},
                 lost_repaid=snap.lost_repaid,
                 floor=dict(snap.offsets),
                 previous_caps=Caps(snap.cap_completion_tokens, snap.cap_usd),
@@ -421,14 +430,15 @@ class Ledger:
     @staticmethod
     def _count_repaid(dataset: ScopeTotals, key: str) -> None:
         """An answer of a prompt with a lost attempt: that prompt was paid again."""
-        for lost in [k for k, held in dataset.inflight.items() if held.lost and _prompt_of(k) == key]:
-            if lost not in dataset.repaid:
+        for lost, _ in dataset.lost_items():
+            if _prompt_of(lost) == key and lost not in dataset.repaid:
                 dataset.repaid.add(lost)
                 dataset.lost_repaid += 1
 
     def _lose(self, scope: ScopeTotals, key: str, held: HeldAttempt) -> None:
         """Mark one attempt lost (still held); a prompt already answered by another attempt was paid again."""
         held.lost = True
+        scope.lost.add(key)
         self._dirty.add(scope.scope)
         if _prompt_of(key) in self._answered_samples and key not in scope.repaid:
             scope.repaid.add(key)
@@ -481,8 +491,8 @@ class Ledger:
             held
             for n in names
             if n in self.scopes
-            for k, held in self.scopes[n].inflight.items()
-            if held.lost and not (unleased and k in self.scopes[n].leased)
+            for k, held in self.scopes[n].lost_items()
+            if not (unleased and k in self.scopes[n].leased)
         ]
         settled = self.key_usage.settled_before(self.inflight_ttl_s)
         return lost_hold(lost, settled, self.key_usage.tokens(self.inflight_usd_per_token))
@@ -490,7 +500,7 @@ class Ledger:
     def lost_attempts(self, scope: str) -> list[HeldAttempt]:
         """The lost attempts of a scope."""
         names = [n for n in self.scopes if n != GLOBAL_SCOPE] if scope == GLOBAL_SCOPE else [scope]
-        return [held for n in names if n in self.scopes for held in self.scopes[n].inflight.values() if held.lost]
+        return [held for n in names if n in self.scopes for _, held in self.scopes[n].lost_items()]
 
     def evaluate(self, now: float) -> list[Halt | Resume]:
         """Halts for scopes over a cap, resumes for raised caps now under it."""
