@@ -14,6 +14,11 @@ the middle of a checkpoint can leave some datasets ahead of ``global``, never be
 
 Responses without usage are counted by estimated tokens (see :func:`estimate_usage`) and
 flagged, never ignored.
+
+Attempts, not samples: every ``RequestStarted`` is held at its worst case under its own
+attempt key until the answer naming that attempt arrives; an attempt whose worker died, or
+whose answer is overdue, is lost and stays held (checkpointed with its worker), see
+docs/money-safety.md.
 """
 
 from __future__ import annotations
@@ -198,8 +203,9 @@ class Ledger:
         soft_threshold: fraction of a cap past which a scope is in ``soft-limit``.
         prices: USD per million tokens by model, for responses without ``usage.cost``.
         include_inflight: halt early when spend plus in-flight ``max_tokens`` would cross a cap.
-        inflight_ttl_s: an unanswered request older than this is no longer in flight
-            (its worker failed it or died; the provider is not billing it any more).
+        inflight_ttl_s: an attempt unanswered for longer is lost (its answer will not come, and
+            the provider is not billing it any more): still held, until the key's usage says
+            what it cost (services.budget.reconcile).
         rate_window_s: the window of the moving spend rate.
         inflight_usd_per_token: worst-case dollars per in-flight token (None: dollars
             caps do not count in-flight requests).
