@@ -98,7 +98,7 @@ async def measure(quick: bool) -> list[Result]:
         if second is not None:
             second.send_signal(signal.SIGTERM)
             await second.wait()
-        while sim.server.stats.open or any(not t.done() for t in sim.server._abandoned):  # noqa: SLF001
+        while sim.server.stats.open or sim.server.stats.billing.pending:
             await asyncio.sleep(0.5)  # every generation billed, its client there or not
         stats = sim.stats()
         lost = budget.ledger.lost_attempts("seeds")

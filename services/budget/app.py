@@ -283,9 +283,9 @@ class BudgetService:
                 self.ledger.tally_dead_letter(position, record.offset, stage or "unknown", reason or "unknown")
                 if stage == "inference" and ":" in key:
                     dataset, _, sample_id = key.partition(":")
-                    self.ledger.on_request_failed(dataset, sample_id, position, record.offset)
+                    self.ledger.on_request_failed(dataset, sample_id, position, record.offset, reason=reason or "")
                     if self.leases is not None:
-                        self.leases.on_failed(dataset, sample_id)
+                        self.leases.on_failed(dataset, sample_id, reason or "")
                     return []
                 self.ledger.skip(position, record.offset)
                 return self._judge(dead_letter_verdict(stage, reason, record.value))

@@ -23,11 +23,10 @@ docs/money-safety.md.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 import msgspec
 
@@ -36,22 +35,25 @@ from schemas import (
     BudgetSnapshot,
     Halt,
     HeldAttempt,
-    LogprobToken,
     RequestStarted,
     ResponseReceived,
     Resume,
-    ToolCall,
-    Usage,
     attempt_key,
     sample_key,
 )
 from services.budget.reconcile import KeyUsage, lost_hold, may_release
 
+# What one answer counts lives in services.budget.usage; re-exported for the modules that read it here.
+from services.budget.usage import CHARS_PER_TOKEN as CHARS_PER_TOKEN
+from services.budget.usage import UNANSWERED_REASONS
+from services.budget.usage import Answer as Answer
+from services.budget.usage import completion_tokens_of as completion_tokens_of
+from services.budget.usage import estimate_usage as estimate_usage
+from services.budget.usage import price_usd as price_usd
+
 BUDGET_ACTOR = "budget"
 """The ``by`` of every halt and resume the budget service publishes itself."""
 
-CHARS_PER_TOKEN = 4
-"""Characters per token when a response reports no usage (the usual English rule of thumb)."""
 
 _ANSWERED_MEMORY = 200_000
 
@@ -124,75 +126,6 @@ class ScopeTotals:
     def counts(self, position: str, offset: int) -> bool:
         """Whether a record at ``position``/``offset`` is new to this scope."""
         return offset >= self.floor.get(position, 0)
-
-
-class Answer(Protocol):
-    """What an answer needs for its completion count: a response, or a provider's raw result."""
-
-    @property
-    def usage(self) -> Usage: ...
-    @property
-    def native_output_ids(self) -> list[int] | None: ...
-    @property
-    def logprobs(self) -> list[LogprobToken] | None: ...
-    @property
-    def reasoning(self) -> str: ...
-    @property
-    def content(self) -> str: ...
-    @property
-    def tool_calls(self) -> list[ToolCall]: ...
-
-
-def completion_tokens_of(answer: Answer) -> int:
-    """Completion tokens of an answer: reported usage, else native ids, logprob tokens, characters / 4.
-
-    The budget counts a response by it, and a worker its lease, so both agree on every answer.
-    """
-    if answer.usage.completion_tokens is not None:
-        return answer.usage.completion_tokens
-    if answer.native_output_ids is not None:
-        return len(answer.native_output_ids)
-    if answer.logprobs is not None:
-        return len(answer.logprobs)
-    chars = len(answer.reasoning) + len(answer.content)
-    chars += sum(len(c.function.name) + len(c.function.arguments) for c in answer.tool_calls)
-    return math.ceil(chars / CHARS_PER_TOKEN)
-
-
-def estimate_usage(response: ResponseReceived) -> tuple[int, int, int]:
-    """Prompt, completion and reasoning tokens of a response, estimating what usage lacks.
-
-    Reported numbers win. Missing completion tokens come from the native output ids,
-    else the logprob tokens, else ``ceil(characters / 4)`` of reasoning, content and tool
-    calls; missing prompt tokens from ``ceil(characters / 4)`` of the prompt's messages.
-    """
-    usage = response.usage
-    completion = completion_tokens_of(response)
-    reasoning = usage.reasoning_tokens
-    if reasoning is None:
-        reasoning = min(completion, math.ceil(len(response.reasoning) / CHARS_PER_TOKEN))
-    prompt = usage.prompt_tokens
-    if prompt is None:
-        chars = 0
-        for message in response.prompt.messages:
-            chars += len(message.content) + len(message.reasoning_content or "")
-            chars += sum(len(c.function.name) + len(c.function.arguments) for c in message.tool_calls or ())
-        prompt = math.ceil(chars / CHARS_PER_TOKEN)
-    return prompt, completion, reasoning
-
-
-def price_usd(
-    prices: Mapping[str, Mapping[str, float]], model: str, prompt_tokens: int, completion_tokens: int
-) -> float | None:
-    """Dollars from a per-model price table in USD per million tokens; None when unpriced.
-
-    Reasoning tokens are part of ``completion_tokens`` (OpenAI convention), so they are
-    not priced twice.
-    """
-    table = prices.get(model)
-    if table is None:
-        return None
-    return (prompt_tokens * table.get("prompt", 0.0) + completion_tokens * table.get("completion", 0.0)) / 1e6
 
 
 class Ledger:
@@ -373,14 +306,17 @@ class Ledger:
                 dataset.leased.discard(key)
         return self._halts(now)
 
-    def on_request_failed(self, dataset: str, sample_id: str, position: str, offset: int) -> None:
+    def on_request_failed(
+        self, dataset: str, sample_id: str, position: str, offset: int, *, reason: str = ""
+    ) -> None:
         """A prompt that ended as an inference dead letter: its worker's attempts are answered (with errors).
 
         Attempts already lost (their worker died) stay held: the dead letter is another worker's.
+        A last failure that may have been billed (``reason`` in ``UNANSWERED_REASONS``) releases nothing.
         """
         self._advance(position, offset)
         scope = self.scopes.get(dataset)
-        if scope is not None and scope.counts(position, offset):
+        if scope is not None and scope.counts(position, offset) and reason not in UNANSWERED_REASONS:
             prompt = sample_key(dataset, sample_id)
             for key in [k for k, held in scope.inflight.items() if _prompt_of(k) == prompt and not held.lost]:
                 del scope.inflight[key]

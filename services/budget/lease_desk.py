@@ -108,10 +108,10 @@ class LeaseDesk:
         if self.book is not None:
             self.book.on_answer(key, completion_tokens)
 
-    def on_failed(self, dataset: str, sample_id: str) -> None:
-        """A request that ended as a dead letter."""
+    def on_failed(self, dataset: str, sample_id: str, reason: str) -> None:
+        """A prompt that ended as a dead letter (``reason``: its last failure)."""
         if self.book is not None:
-            self.book.on_failed(dataset, sample_id)
+            self.book.on_failed(dataset, sample_id, reason)
 
     async def tick(self, now: float) -> list[Halt]:
         """Read new lease requests, publish the grants; the halts of scopes finished at their cap."""

@@ -41,6 +41,7 @@ from schemas import (
 )
 from services.budget.core import BUDGET_ACTOR, Ledger
 from services.budget.lost import lost_summary
+from services.budget.usage import UNANSWERED_REASONS
 
 _EARLY_MEMORY = 10_000
 
@@ -181,11 +182,14 @@ class LeaseBook:
         while len(self._early) > _EARLY_MEMORY:
             self._early.pop(next(iter(self._early)))
 
-    def on_failed(self, dataset: str, sample_id: str) -> None:
+    def on_failed(self, dataset: str, sample_id: str, reason: str = "") -> None:
         """A prompt that ended as a dead letter: its attempts under live leases used nothing.
 
         Attempts under a lease taken back (their worker died) stay held: the dead letter is another worker's.
+        So do all when the last failure may have been billed (``reason`` in ``UNANSWERED_REASONS``).
         """
+        if reason in UNANSWERED_REASONS:
+            return
         prompt = sample_key(dataset, sample_id)
         for key in [k for k in self._reserved if k.rpartition("#")[0] == prompt]:
             held = self._reserved[key]

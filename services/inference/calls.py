@@ -26,7 +26,7 @@ import msgspec
 from aiokafka import AIOKafkaProducer
 
 from schemas import REQUESTS_TOPIC, PromptPublished, RequestStarted, encode, sample_key
-from services.budget.core import completion_tokens_of
+from services.budget.usage import completion_tokens_of
 from services.common.config import DatasetSettings, Settings
 from services.common.halts import HaltFollower, Stopped
 from services.common.metrics import INFLIGHT, REQUEST_LATENCY, REQUESTS, RETRIES
@@ -40,6 +40,7 @@ from services.inference.core import (
     dead_letter_for,
     is_outage_failure,
     is_rate_limited,
+    may_be_billed,
     prompt_chars,
     request_started,
 )
@@ -187,6 +188,7 @@ class ProviderCall:
         t0 = time.monotonic()
         outage_seq = outage.begin()
         sent = True
+        kept = False  # an attempt that may have been billed stays held at its worst case
         result: ProviderResult | None = None
         try:
             result = await provider.complete(prompt, dataset, max_tokens=max_tokens, may_send=may_send)
@@ -197,7 +199,8 @@ class ProviderCall:
             raise
         except ProviderFailure as failure:
             failure.attempt = number
-            tries.ended = started.attempt_id
+            kept = may_be_billed(failure)
+            tries.ended = "" if kept else started.attempt_id  # the next attempt releases it when nothing was billed
             REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
             if is_rate_limited(failure):
                 throttle.refused(seq, failure.retry_after_s, failure.upstream)
@@ -218,7 +221,10 @@ class ProviderCall:
             throttle.release()  # cancelled: the request's place goes to the next
             raise
         finally:
-            self._settle(started, result)
+            if kept:
+                self._keep(started)
+            else:
+                self._settle(started, result)
             latency = time.monotonic() - t0
             inflight.dec()
             if sent:
@@ -291,6 +297,11 @@ class ProviderCall:
         if self._headroom is not None:
             used = None if result is None else completion_tokens_of(result)
             self._headroom.settle(sample_key(started.dataset, started.sample_id), used)
+
+    def _keep(self, started: RequestStarted) -> None:
+        """Keep an attempt that may have been billed in the lease's consumption for good, as the budget does."""
+        if self._headroom is not None:
+            self._headroom.keep(sample_key(started.dataset, started.sample_id), started.attempt_id)
 
     async def _withdraw(self, started: RequestStarted) -> None:
         """Tell the budget (and any reader of ``requests``) that an announced request was never sent."""

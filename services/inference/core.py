@@ -26,6 +26,7 @@ from schemas import (
     sample_key,
     topology,
 )
+from services.budget.usage import UNANSWERED_REASONS
 from services.common.records import DeadLetter
 
 STAGE = "inference"
@@ -328,6 +329,11 @@ def wants_repay(headers: Iterable[tuple[str, bytes | None]] | None) -> bool:
 def is_rate_limited(failure: ProviderFailure) -> bool:
     """A rate-limit refusal (HTTP 429): the run was too fast, never the prompt's fault."""
     return failure.http_status == 429
+
+
+def may_be_billed(failure: ProviderFailure) -> bool:
+    """Whether a failed attempt may still have cost money: sent, and no status read back."""
+    return failure.http_status is None and failure.reason in UNANSWERED_REASONS
 
 
 def is_outage_failure(failure: ProviderFailure) -> bool:

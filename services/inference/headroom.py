@@ -109,6 +109,7 @@ class Headroom:
         self._grants: dict[str, _Grant] = {}
         self.consumed: dict[str, int] = {}
         self._reserved: dict[str, _Reserved] = {}
+        self._kept: dict[str, _Reserved] = {}  # attempts that may have been billed unanswered (this epoch)
         self._waiting: dict[str, deque[_Waiter]] = {}  # dataset -> its waiting requests, oldest first
         self._waiting_tokens: dict[str, int] = {}  # dataset -> the sum of their worst cases
         self._askers: dict[str, asyncio.Task[None]] = {}  # dataset -> its repeated ask while requests wait
@@ -225,6 +226,15 @@ class Headroom:
         self._active.add(dataset)
         self.consumed[dataset] = self.consumed.get(dataset, 0) + max_tokens
         return epoch
+
+    def keep(self, key: str, attempt_id: str) -> None:
+        """The request of ``key`` may have been billed unanswered (a timeout): its worst case stays consumed.
+
+        It is kept under its attempt id, so the prompt's next attempt reserves room of its own.
+        """
+        held = self._reserved.pop(key, None)
+        if held is not None:
+            self._kept[f"{key}#{attempt_id}"] = held
 
     def settle(self, key: str, used: int | None) -> None:
         """The request of ``key`` was answered (``used`` tokens) or never billed (None): room comes back."""
@@ -354,6 +364,7 @@ class Headroom:
                 log.info("lease epoch %s (%s)", event.epoch, "in force" if event.in_force else "not in force")
                 self._grants.clear()
                 self.consumed.clear()
+                self._kept.clear()
                 self._asked.clear()
                 self._released.clear()
             self.policy = event

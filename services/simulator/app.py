@@ -37,6 +37,7 @@ from aiohttp import web
 
 from services.common.config import Settings
 from services.common.metrics import SIMULATOR_CONTENT_FAULTS, SIMULATOR_REQUESTS
+from services.simulator.billing import Billing
 from services.simulator.core import (
     CONTENT_FAULTS,
     PARSERS,
@@ -204,9 +205,7 @@ class _Stats:
         self.key_faults: defaultdict[str, list[str]] = defaultdict(list)
         self.statuses: Counter[str] = Counter()
         self.open = 0  # requests received and not yet answered (or abandoned)
-        self.completion_tokens = 0  # usage.completion_tokens of every answer billed (served, or abandoned)
-        self.cost_usd = 0.0  # usage.cost of the same answers: what the key was charged (``GET /api/v1/key``)
-        self.abandoned_billed = 0  # answers generated and billed after their client went away
+        self.billing = Billing()  # what the key was charged (answers served, or abandoned mid-generation)
         self.peak_open = 0  # the most of those at once
         # Seconds during which more requests were open than the rate limit's max_open.
         self.over_cap = OverCap(cap=None)
@@ -243,9 +242,7 @@ class _Stats:
                 "statuses": dict(self.statuses),
                 "faults": dict(self.faults),
                 "rate_limited": self.rate_limited,
-                "completion_tokens": self.completion_tokens,
-                "cost_usd": self.cost_usd,
-                "abandoned_billed": self.abandoned_billed,
+                **self.billing.figures(),
                 "last_request_at": self.times[-1] if self.times else None,
             }
         return {
@@ -259,9 +256,7 @@ class _Stats:
             "max_open_requests": self.over_cap.cap,
             "seconds_over_max_open": round(self.over_cap.over_s, 6),
             "rate_limited": self.rate_limited,
-            "completion_tokens": self.completion_tokens,
-            "cost_usd": self.cost_usd,
-            "abandoned_billed": self.abandoned_billed,
+            **self.billing.figures(),
             "last_request_at": self.times[-1] if self.times else None,
             "last_request_times": self.times[-_RECENT:],
             "recent": list(self.recent),
@@ -292,7 +287,6 @@ class SimulatorServer:
             self.template = compile_chat_template(source, strftime_now=_strftime_now)
         spec = getattr(profile, "spec", None)  # a loaded Profile knows its BOS; a bare ProfileLike may not
         self._bos_token: str = getattr(spec, "bos_token", "") or ""
-        self._abandoned: set[asyncio.Task[None]] = set()  # generations billed after their client left
 
     def set_rate_limit(self, rps: float | None, burst: float | None = None, max_open: int | None = None) -> None:
         """Replace the rate limit while serving (tests lift or tighten it; None: unlimited)."""
@@ -310,7 +304,7 @@ class SimulatorServer:
             health=self.health,
             stats=self.stats_view,
             limiter=lambda: self.limiter,
-            usage=lambda: self.stats.cost_usd,
+            usage=lambda: self.stats.billing.cost_usd,
             truth=self.truth_view,
         )
 
@@ -484,7 +478,10 @@ class SimulatorServer:
                 await asyncio.sleep(delay)
             except asyncio.CancelledError:
                 if transient is None:  # the client went away: the provider generates, and bills, to the end
-                    self._bill_abandoned(chat, forced, prompt_text, delay - (time.monotonic() - began))
+                    faults = [f for f in forced if f in CONTENT_FAULTS]
+                    self.stats.billing.bill_when_done(
+                        delay - (time.monotonic() - began), lambda: self._charge(chat, faults, prompt_text)
+                    )
                 raise
 
         if transient == "5xx":
@@ -527,30 +524,17 @@ class SimulatorServer:
         if transient == "drop":
             return await self._drop(request, body)
         self.stats.statuses["200"] += 1
-        self._bill(generation)
+        self.stats.billing.bill(generation.completion_tokens, answer_cost(generation, self.params))
         self._keep_truth(key, generation)
         return web.Response(status=200, body=body, content_type="application/json")
 
-    def _bill(self, generation: Generation) -> None:
-        """Charge the key for one generated answer (``usage.cost`` as the answer reports it)."""
-        self.stats.completion_tokens += generation.completion_tokens
-        self.stats.cost_usd += answer_cost(generation, self.params)
-
-    def _bill_abandoned(self, chat: Any, forced: list[str], prompt_text: str | None, remaining_s: float) -> None:
-        """A request whose client went away mid-generation: billed once the generation ends, as a provider does."""
-
-        async def finish() -> None:
-            await asyncio.sleep(max(0.0, remaining_s))
-            try:
-                generation = self._generation(chat, [f for f in forced if f in CONTENT_FAULTS], prompt_text)
-            except RequestError:
-                return
-            self._bill(generation)
-            self.stats.abandoned_billed += 1
-
-        task = asyncio.get_running_loop().create_task(finish())
-        self._abandoned.add(task)
-        task.add_done_callback(self._abandoned.discard)
+    def _charge(self, chat: ChatRequest, faults: list[str], prompt_text: str | None) -> tuple[int, float] | None:
+        """What an answer is charged (tokens, dollars); None when it could not be generated."""
+        try:
+            generation = self._generation(chat, faults, prompt_text)
+        except RequestError:
+            return None
+        return generation.completion_tokens, answer_cost(generation, self.params)
 
     async def _drop(self, request: web.Request, body: bytes) -> web.StreamResponse:
         """Promise the whole body, send half of it, then cut the connection."""

@@ -189,3 +189,29 @@ def test_a_prompt_answered_before_its_other_attempt_was_found_lost_counts_as_re_
     run.ledger.expire_inflight(run.now + 10_000)
     assert run.ledger.scopes["d"].lost_repaid == 1
     assert run.ledger.inflight_tokens("d") == MAX
+
+
+def test_a_timed_out_attempt_may_have_been_billed_and_stays_held() -> None:
+    from services.inference.core import ProviderFailure, may_be_billed
+
+    timeout = ProviderFailure(reason="provider_timeout", message="read timeout", retryable=True)
+    refused = ProviderFailure(reason="provider_connection_refused", message="refused", retryable=True)
+    status = ProviderFailure(reason="provider_http_500", message="upstream", retryable=True, http_status=500)
+    assert may_be_billed(timeout)
+    assert not may_be_billed(refused) and not may_be_billed(status)
+
+    run = Run({"d": Caps(completion_tokens=4 * MAX)})
+    run.ask("w1", 2 * MAX)
+    run.decide()
+    attempt(run, "w1", "s0", "a1")  # times out: not named by the next attempt
+    attempt(run, "w1", "s0", "a2")  # times out too, the last attempt: a dead letter follows
+    run.ledger.on_request_failed("d", "s0", "dead-letter:0", 0, reason="provider_timeout")
+    run.book.on_failed("d", "s0", "provider_timeout")
+    assert run.ledger.inflight_tokens("d") == 2 * MAX
+    assert run.book.leases[("w1", "d")].consumed == 2 * MAX
+    # A dead letter whose last failure was read (nothing billed) releases the worker's attempts.
+    attempt(run, "w1", "s1", "b1")
+    run.ledger.on_request_failed("d", "s1", "dead-letter:0", 1, reason="provider_http_400")
+    run.book.on_failed("d", "s1", "provider_http_400")
+    assert run.ledger.inflight_tokens("d") == 2 * MAX
+    assert run.book.leases[("w1", "d")].consumed == 2 * MAX
