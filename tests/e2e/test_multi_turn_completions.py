@@ -6,7 +6,9 @@ mode (the prompt rendered by the profile's template and sent as text, the raw an
 profile's own format) and, as the comparison, in chat mode. The simulator calls every offered tool
 once, in order, so a trajectory that ends on tool results runs to its end; one that has a final
 answer ends early when the model calls tools again, in both modes alike. 5xx answers (one attempt
-only) dead-letter turns at every depth; they are replayed until none is left.
+only) dead-letter turns at every depth; they are replayed until none is left. The ShareGPT
+conversations are then published again (``--force``): every turn flows again, answered by the
+response store, and not one request reaches the provider.
 
 The truth is built here, apart from the code under test: each turn's answer is the simulator's
 true output ids (``GET /_sim/truth``) decoded by the truth tokenizer and read with Qwen3's output
@@ -19,7 +21,8 @@ Asserts, for the completions datasets: every regenerated turn a row, no key twic
 conversation finished or ended early with a reason; every row's prompt ids equal the official
 render of its regenerated history, carry the model's earlier answers and none of the dataset's;
 0 rows whose output ids differ from the simulator's truth; the row's prefix fact equal to the ids'
-own; and as many conversations finished as in chat mode.
+own; as many conversations finished as in chat mode; a replayed later turn continued to the end; no
+turn paid twice. The same checks run for Qwen3-2507, DeepSeek-R1 and V3.1 against their templates.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +40,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from schemas import ConversationProgressed
+from schemas import ConversationProgressed, ResponseReceived, decode
 from services.common.kafka import ensure_topics
 from services.continuation.core import END_REASONS
 from services.dlq.app import replay
@@ -45,7 +49,7 @@ from services.publish.app import publish
 from services.publish.core import NormaliseOptions, normalise
 from services.simulator.app import SimulatorOptions, start_simulator
 from tests.conformance import truth as T
-from tests.e2e.harness import Pipeline, dead_letters, sink_rows
+from tests.e2e.harness import Pipeline, dead_letters, read_all, sink_rows
 from tests.e2e.test_multi_turn import TOOLBOX, conversation_states, sharegpt_rows, write_jsonl
 from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3
 
@@ -145,11 +149,16 @@ class Run:
     truths: dict[str, list[int]] = field(default_factory=dict)
     replays: int = 0
     replayed: Counter[str] = field(default_factory=Counter)  # dead-lettered turns replayed, by key
+    reused: set[str] = field(default_factory=set)  # turns answered again from the response store
+    requests_again: int = -1  # provider requests while the re-published conversations flowed again
 
 
-async def run_conversations(settings: Any, sim: Any, files: dict[str, Path], checked: tuple[str, ...]) -> Run:
+async def run_conversations(
+    settings: Any, sim: Any, files: dict[str, Path], checked: tuple[str, ...], *, again: tuple[str, ...] = ()
+) -> Run:
     """Publish ``files`` (dataset -> file) as ``turns = "all"``, replay inference dead letters until every
-    conversation has ended, and collect states, rows and the truth."""
+    conversation has ended, and collect states, rows and the truth. The datasets in ``again`` are then
+    published a second time and every turn flows again, answered from the response store."""
     run = Run()
     for dataset, path in files.items():
         for line in path.read_text(encoding="utf-8").splitlines():
@@ -191,6 +200,21 @@ async def run_conversations(settings: Any, sim: Any, files: dict[str, Path], che
             run.replays += len(done.replayed)
             replayed.update(p.record.key_text for p in done.replayed)
         run.states = await conversation_states(settings)
+        if again:
+            responses_topic, t0 = settings.kafka.topic("responses"), time.time()
+            turns = {f"{cid}:{t}" for cid in run.every if cid.split(":", 1)[0] in again
+                     for t in range(run.states[cid].turns_done)}  # fmt: skip
+            for dataset in again:  # force: the keys are on the topic already
+                await publish(settings, [files[dataset]], dataset=dataset, force=True)
+
+            async def flowed_again() -> bool:
+                got = (await read_all(settings, responses_topic))[responses_topic]
+                run.reused = {f"{r.dataset}:{r.sample_id}" for r in (decode(x.value, ResponseReceived) for x in got)
+                              if r.reused}  # fmt: skip
+                return turns <= run.reused
+
+            await pipeline.wait(flowed_again, 120, "every turn of the re-published conversations answered again")
+            run.requests_again = sim.requests_after(t0)
     finally:
         await pipeline.stop()
         run.truths = sim.truth()
@@ -295,7 +319,7 @@ async def test_whole_conversations_in_completions_mode_match_the_official_templa
         datasets=datasets,
     )
     files = {CHAT_C: chat_file, CHAT_M: chat_file, TOOLS_C: tools_file, TOOLS_M: tools_file}
-    run = await run_conversations(settings, sim, files, COMPLETIONS)
+    run = await run_conversations(settings, sim, files, COMPLETIONS, again=(CHAT_C,))
     found = check_rows(run, "qwen3")
 
     def finished(names: tuple[str, ...]) -> int:
@@ -308,11 +332,14 @@ async def test_whole_conversations_in_completions_mode_match_the_official_templa
         turns_regenerated=sum(s.turns_done for s in ours), finished_completions=finished(COMPLETIONS),
         finished_chat=finished(CHAT_MODE), ended_early=dict(ended), parallel_call_turns=found.parallel_call_turns,
         replayed=run.replays, wrong_prompt_ids=len(found.wrong_prompt), wrong_output_ids=len(found.wrong_output),
-        extends_previous=dict(found.extends), missing=len(found.missing),
+        extends_previous=dict(found.extends), missing=len(found.missing), reused_turns=len(run.reused),
+        requests_while_reused=run.requests_again,
     )  # fmt: skip
     assert_every_turn_true(run, found, line)
     for cid, original in run.originals.items():
         assert (run.states[cid].state, run.states[cid].reason) == expected_end(cid, original), run.states[cid]
+    # the re-published conversations flowed again through the response store: no turn paid twice
+    assert run.requests_again == 0 and len(run.reused) >= N_CHAT * 2, line
     assert found.parallel_call_turns >= 10 and max(s.turns_done for s in ours) >= 4, line
     assert finished(COMPLETIONS) == finished(CHAT_MODE), line
     # a completions-mode turn dead-lettered after turn 0 and replayed: its conversation went on to its end
