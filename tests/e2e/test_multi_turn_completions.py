@@ -50,7 +50,7 @@ from services.publish.core import NormaliseOptions, normalise
 from services.simulator.app import SimulatorOptions, start_simulator
 from tests.conformance import truth as T
 from tests.e2e.harness import Pipeline, dead_letters, read_all, sink_rows
-from tests.e2e.test_multi_turn import TOOLBOX, conversation_states, sharegpt_rows, write_jsonl
+from tests.e2e.test_multi_turn import TOOLBOX, conversation_states, regenerated_history, sharegpt_rows, write_jsonl
 from tests.e2e.test_pipeline_truth import OFFICIAL_QWEN3
 
 pytestmark = pytest.mark.e2e
@@ -98,7 +98,8 @@ CALL = re.compile(r'<tool_call>\n\{"name": "(?P<name>[^"]+)", "arguments": (?P<a
 
 
 def true_answer(ids: list[int], model: str = "qwen3") -> dict[str, Any]:
-    """The model's answer as a history turn, read from its true ids with its family's output format."""
+    """The model's answer, read from its true ids with its family's output format, in a row turn's shape
+    (``tool_calls`` as JSON text) for :func:`tests.e2e.test_multi_turn.regenerated_history`."""
     tok = T.truth_tokenizer(model)
     eot = tok.token_id(T._SPECS[model].eos if model.startswith("deepseek") else "<|im_end|>")
     text = tok.decode([i for i in ids if i != eot])
@@ -106,26 +107,7 @@ def true_answer(ids: list[int], model: str = "qwen3") -> dict[str, Any]:
     assert m is not None, text
     calls = [{"id": f"c{k}", "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
              for k, c in enumerate(CALL.finditer(m["calls"] or ""))]  # fmt: skip
-    return {"role": "assistant", "content": m["c"], "reasoning_content": m["r"], "tool_calls": calls}
-
-
-def true_history(original: list[dict[str, Any]], answers: list[dict[str, Any]], upto: int) -> list[dict[str, Any]]:
-    """Turn ``upto``'s history: the dataset's messages, earlier answers replaced, tool results re-paired."""
-    points = [i for i, m in enumerate(original) if m["role"] == "assistant"]
-    if original[-1]["role"] != "assistant":
-        points.append(len(original))
-    out: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
-    for index, message in enumerate(original[: points[upto]]):
-        if message["role"] == "assistant":
-            answer = answers[points.index(index)]
-            calls = list(answer["tool_calls"])
-            out.append({k: v for k, v in answer.items() if v})
-        elif message["role"] == "tool":
-            out.append({"role": "tool", "content": message["content"], "tool_call_id": calls.pop(0)["id"]})
-        else:
-            out.append({"role": message["role"], "content": message["content"]})
-    return out
+    return {"role": "assistant", "content": m["c"], "reasoning_content": m["r"], "tool_calls": json.dumps(calls)}
 
 
 def official_ids(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, model: str = "qwen3") -> list[int]:
@@ -257,7 +239,8 @@ def check_rows(run: Run, model: str) -> Findings:
                 break
             if row["output_ids"] != run.truths[key]:
                 found.wrong_output.append(key)
-            if row["prompt_ids"] != official_ids(true_history(original, answers, turn), run.tools_of[cid], model):
+            history = regenerated_history(original, answers, turn)
+            if row["prompt_ids"] != official_ids(history, run.tools_of[cid], model):
                 found.wrong_prompt.append(key)
             seen = tok.decode(row["prompt_ids"])
             if "(old" in seen:
@@ -270,7 +253,7 @@ def check_rows(run: Run, model: str) -> Findings:
             if row["metadata"]["extends_previous_turn"] is not fact:
                 found.wrong_prefix_fact.append(key)
             answers.append(true_answer(run.truths[key], model))
-            found.parallel_call_turns += len(answers[-1]["tool_calls"]) > 1
+            found.parallel_call_turns += len(json.loads(answers[-1]["tool_calls"])) > 1
             previous = row
     return found
 
