@@ -180,6 +180,10 @@ class ConversationTurn(Struct, kw_only=True, omit_defaults=True):
     conversation_id: Name
     turn: Annotated[int, Meta(ge=0, le=100_000)]
     original: list[Message]
+    # The previous turn's full sequence (prompt + output ids): its length and schemas.prefix.ids_digest.
+    # Set from turn 1 on; the row says whether its prompt ids extend it.
+    previous_length: NonNegInt = 0
+    previous_digest: str = ""
 
 
 class PromptPublished(Struct, kw_only=True):

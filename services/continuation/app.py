@@ -6,7 +6,9 @@ turn's prompt keyed ``<dataset>:<conversation_id>:<turn>`` and the conversation'
 ``<dataset>:<conversation_id>``, and only then commit. A crash before the commit replays the
 batch: the same prompt under the same key, which inference answers from its response store
 (the request is the same) and the sink writes once. A sample of a single-turn prompt is passed
-over; a record that does not decode, or a turn its conversation lacks, is a dead letter.
+over; a record that does not decode, or a turn its conversation lacks, is a dead letter. A
+completions-mode turn is split by its profile's output format (the profile's declarations only:
+no tokenizer is loaded here).
 
 The next turn goes through ``prompts.<dataset>`` and the inference gate like any prompt, so a
 halt holds it and the budget counts it.
@@ -24,6 +26,8 @@ from services.common.config import Settings
 from services.common.kafka import DeadLetter, Outgoing
 from services.common.stage import Result, RunnerService, StageRunner
 from services.continuation.core import Continued, ConversationError, continue_conversation
+from services.profiles import ProfileError, profile_spec
+from services.profiles.split import OutputFormat
 
 STAGE = "continuation"
 
@@ -39,6 +43,14 @@ class ContinuationService(RunnerService):
         self.clock = clock
         self.conversations_topic = settings.kafka.topic(CONVERSATIONS_TOPIC)
         self.runner = StageRunner.of_stage(settings, STAGE, self.handle, producer=producer)
+        self._formats: dict[str, OutputFormat] = {}
+
+    def output_format(self, profile: str) -> OutputFormat:
+        """The output format of a profile, from its declarations (cached; raises ProfileError)."""
+        fmt = self._formats.get(profile)
+        if fmt is None:
+            fmt = self._formats[profile] = OutputFormat.of(profile_spec(profile, self.settings))
+        return fmt
 
     async def handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Result]:
         """The next prompt and the conversation's state per accepted turn; dead letters for bad records."""
@@ -52,8 +64,11 @@ class ContinuationService(RunnerService):
         if not audited.passed:
             return []  # the sink dead-letters it; nothing to continue
         try:
-            verdict = continue_conversation(audited, at=self.clock())
-        except ConversationError as exc:
+            response = audited.sample.response
+            raw = response.mode == "completions" and response.prompt.conversation is not None
+            fmt = self.output_format(audited.sample.profile) if raw else None
+            verdict = continue_conversation(audited, at=self.clock(), output_format=fmt)
+        except (ConversationError, ProfileError) as exc:
             return DeadLetter(exc.reason, exc.message)
         if verdict is None:
             return []

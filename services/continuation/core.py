@@ -10,6 +10,16 @@ it, Qwen3-2507 drops it before the last user query, Kimi-K2-Thinking keeps it af
 assistant turn without tool calls): the request carries it (:func:`schemas.wire_messages`), and the prompt ids
 are the template's render of exactly that.
 
+A completions-mode turn comes back as the model's raw text: it is split into the same message
+(reasoning, content, tool calls with their arguments' exact text) by the profile's own output
+format (:mod:`services.profiles.split`, the inverse of what the template renders), never by a
+server's parser; the next prompt is then rendered from that history like any other. A raw text
+that is no history turn of its format (a think block that never closes, a malformed tool block,
+a call to a function the prompt did not offer) ends the conversation with the split's reason.
+
+Each next prompt carries the length and digest of the turn's full sequence (prompt + output ids),
+so its row can say whether its prompt ids extend it (:mod:`schemas.prefix`).
+
 Tool results are paired semi-on-policy (vLLM speculators PR #750): tools are not executed;
 the i-th regenerated call of a turn gets the i-th tool result the dataset cached after the
 original turn, under the regenerated call's id. The conversation ends early, with a reason
@@ -37,6 +47,15 @@ from schemas import (
     SampleAudited,
     ToolCall,
 )
+from schemas.prefix import ids_digest
+from services.profiles.split import (
+    SPLIT_REASONS,
+    OutputFormat,
+    SplitError,
+    offered_tool_names,
+    prompt_state,
+    split_output,
+)
 
 # Reasons a conversation ends before its last turn (label values of a metric: keep the set bounded).
 FINISHED: Final = "finished"
@@ -46,7 +65,6 @@ UNEXPECTED_TOOL_CALL: Final = "unexpected_tool_call"
 TOOL_CALL_COUNT: Final = "tool_call_count"
 TOOL_RESULT_COUNT: Final = "tool_result_count"
 NO_NEXT_QUERY: Final = "no_next_query"
-COMPLETIONS_MODE: Final = "completions_mode_unsupported"
 END_REASONS: Final = (
     TOOL_NAME_MISMATCH,
     TOOL_CALL_MISSING,
@@ -54,7 +72,7 @@ END_REASONS: Final = (
     TOOL_CALL_COUNT,
     TOOL_RESULT_COUNT,
     NO_NEXT_QUERY,
-    COMPLETIONS_MODE,
+    *SPLIT_REASONS,
 )
 
 # Dead-letter reasons: the accepted record cannot be continued at all (bad input).
@@ -102,6 +120,22 @@ def regenerated_message(response: ResponseReceived) -> Message:
         content=response.content,
         reasoning_content=response.reasoning or None,
         tool_calls=list(response.tool_calls) or None,
+    )
+
+
+def completions_message(response: ResponseReceived, fmt: OutputFormat) -> Message:
+    """A completions-mode answer as a history turn: its raw text split by the profile's output format.
+
+    Raises :class:`services.profiles.split.SplitError` when the text is no history turn of that format.
+    """
+    offered = offered_tool_names(response.prompt.tools) if response.tools_sent else frozenset()
+    state = prompt_state(fmt, response.sent_prompt)
+    split = split_output(response.text, fmt, state=state, offered=offered, call_id=f"call_{response.sample_id}")
+    return Message(
+        role="assistant",
+        content=split.content,
+        reasoning_content=split.reasoning or None,
+        tool_calls=list(split.tool_calls) or None,
     )
 
 
@@ -160,11 +194,15 @@ def _pair_tool_results(
     ]
 
 
-def continue_conversation(audited: SampleAudited, *, at: float = 0.0) -> Verdict | None:
+def continue_conversation(
+    audited: SampleAudited, *, at: float = 0.0, output_format: OutputFormat | None = None
+) -> Verdict | None:
     """What follows an accepted turn: the next turn's prompt, or the conversation's end.
 
-    None for a sample of a single-turn prompt (no ``conversation``): nothing to continue.
-    Raises :class:`ConversationError` for a turn the conversation does not have.
+    ``output_format`` is the sample's profile's (needed for a completions-mode turn: its raw
+    text is split by it). None for a sample of a single-turn prompt (no ``conversation``):
+    nothing to continue. Raises :class:`ConversationError` for a turn the conversation does not
+    have, or a completions-mode turn without an output format.
     """
     response = audited.sample.response
     prompt = response.prompt
@@ -179,28 +217,43 @@ def continue_conversation(audited: SampleAudited, *, at: float = 0.0) -> Verdict
         )
     if k + 1 == len(points):
         return _ended(prompt, conv, FINISHED, f"all {len(points)} turn(s) regenerated", at)
-    if response.mode == "completions":
-        return _ended(prompt, conv, COMPLETIONS_MODE, "completions mode returns raw text, not parsed turns", at)
+    if response.mode != "completions":
+        answer = regenerated_message(response)
+    elif output_format is None:
+        raise ConversationError(CONVERSATION_INVALID, "a completions-mode turn needs its profile's output format")
+    else:
+        try:
+            answer = completions_message(response, output_format)
+        except SplitError as exc:
+            return _ended(prompt, conv, exc.reason, exc.message, at)
     original_turn = conv.original[points[k]]
     between = conv.original[points[k] + 1 : points[k + 1]]
     results = [m for m in between if m.role == "tool"]
     rest = between[len(results) :]
     if any(m.role == "tool" for m in rest):
         return _ended(prompt, conv, TOOL_RESULT_COUNT, "tool results after a user turn: no turn to pair them with", at)
-    paired = _pair_tool_results(original_turn.tool_calls or (), response.tool_calls, results)
+    paired = _pair_tool_results(original_turn.tool_calls or (), answer.tool_calls or (), results)
     if isinstance(paired, tuple):
         return _ended(prompt, conv, paired[0], paired[1], at)
     following = [*paired, *rest]
     if not following:
         return _ended(prompt, conv, NO_NEXT_QUERY, "two assistant turns in a row: no user or tool turn between", at)
     nxt = k + 1
-    messages = [*prompt.messages, regenerated_message(response), *following]
+    messages = [*prompt.messages, answer, *following]
+    sample = audited.sample
+    sequence = [*sample.prompt_ids, *sample.output_ids]
     next_prompt = msgspec.structs.replace(
         prompt,
         sample_id=turn_sample_id(conv.conversation_id, nxt),
         messages=messages,
         published_at=at,
-        conversation=ConversationTurn(conversation_id=conv.conversation_id, turn=nxt, original=conv.original),
+        conversation=ConversationTurn(
+            conversation_id=conv.conversation_id,
+            turn=nxt,
+            original=conv.original,
+            previous_length=len(sequence),
+            previous_digest=ids_digest(sequence),
+        ),
     )
     progress = ConversationProgressed(
         dataset=prompt.dataset,
@@ -214,7 +267,6 @@ def continue_conversation(audited: SampleAudited, *, at: float = 0.0) -> Verdict
 
 
 __all__ = [
-    "COMPLETIONS_MODE",
     "CONVERSATION_INVALID",
     "END_REASONS",
     "FINISHED",
@@ -228,6 +280,7 @@ __all__ = [
     "ConversationError",
     "Ended",
     "Verdict",
+    "completions_message",
     "continue_conversation",
     "first_turn",
     "regenerated_message",

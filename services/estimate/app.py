@@ -2,7 +2,8 @@
 
 Each prompt is rendered as the server renders it (the dataset's profile: its chat template
 and template kwargs, with ``tools`` only when the dataset sends them) and its ids are
-counted; responses already observed come from the budget service's checkpoints on the
+counted; a ``turns = "all"`` conversation counts one request per turn it regenerates;
+responses already observed come from the budget service's checkpoints on the
 ``budget-state`` topic when a broker answers.
 """
 
@@ -12,11 +13,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from aiokafka.errors import KafkaConnectionError
 
 from schemas import GLOBAL_SCOPE, BudgetSnapshot, PromptPublished
 from services.common.config import DatasetSettings, Settings
 from services.common.errors import CommandError
+from services.continuation.core import turn_points
 from services.estimate.core import Caps, DatasetEstimate, EstimateReport, Observed, build_report
 from services.inference.adapters.providers import sends_tools
 from services.inference.core import request_max_tokens
@@ -24,6 +27,20 @@ from services.publish.app import PublishError, Rejection, check_arguments, iter_
 from services.publish.core import NormaliseOptions
 
 _BATCH = 64  # prompts tokenized per call
+
+
+def turn_requests(prompt: PromptPublished) -> list[PromptPublished]:
+    """Every request a prompt makes: one, or one per turn of a ``turns = "all"`` conversation.
+
+    Turn k's history is the dataset's conversation up to its k-th answer: the dataset's own answers
+    stand in for the model's, which the estimate cannot know (their length is the regenerated one's
+    best guess before a run).
+    """
+    conv = prompt.conversation
+    if conv is None:
+        return [prompt]
+    later = turn_points(conv.original)[1:]
+    return [prompt, *(msgspec.structs.replace(prompt, messages=list(conv.original[:point])) for point in later)]
 
 
 class Estimator:
@@ -49,11 +66,11 @@ class Estimator:
         return self.profile.render_prompt(prompt.messages, tools, reasoning=prompt.conversation is not None)
 
     def add(self, prompt: PromptPublished) -> None:
-        """Count one prompt (tokenized in batches)."""
-        self._texts.append(self.render(prompt))
-        self._limits.append(
-            (request_max_tokens(prompt, self.dataset_settings.max_tokens), sends_tools(prompt, self.dataset_settings))
-        )
+        """Count one prompt's requests, every turn of a conversation (tokenized in batches)."""
+        for request in turn_requests(prompt):
+            self._texts.append(self.render(request))
+            limit = request_max_tokens(request, self.dataset_settings.max_tokens)
+            self._limits.append((limit, sends_tools(request, self.dataset_settings)))
         if len(self._texts) >= _BATCH:
             self.flush()
 
@@ -141,4 +158,12 @@ def report_for(
     )
 
 
-__all__ = ["DatasetFiles", "Estimator", "estimate_files", "observed_from", "read_observed", "report_for"]
+__all__ = [
+    "DatasetFiles",
+    "Estimator",
+    "estimate_files",
+    "observed_from",
+    "read_observed",
+    "report_for",
+    "turn_requests",
+]

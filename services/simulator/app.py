@@ -138,6 +138,7 @@ class SimulatorOptions:
     max_open: int | None = None
     answer_tokens: tuple[int, int] | None = None  # log-uniform answer length (see GenerationParams)
     reasoning_share: tuple[float, float] = (0.80, 0.95)
+    parallel_tool_calls: bool = False  # every offered tool called once, in order (see GenerationParams)
 
     def __post_init__(self) -> None:
         if self.parser not in PARSERS:
@@ -178,6 +179,7 @@ class SimulatorOptions:
             parser=self.parser,
             answer_tokens=self.answer_tokens,
             reasoning_share=self.reasoning_share,
+            parallel_tool_calls=self.parallel_tool_calls,
         )
 
 

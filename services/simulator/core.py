@@ -184,6 +184,9 @@ class GenerationParams:
     # ``answer_tokens`` and a share in ``reasoning_share`` of it is reasoning (overrides the two ranges).
     answer_tokens: tuple[int, int] | None = None
     reasoning_share: tuple[float, float] = (0.80, 0.95)
+    # The model calls every offered tool once, in the order offered (a parallel-call answer whose
+    # calls a trajectory can predict), instead of one tool drawn at random.
+    parallel_tool_calls: bool = False
 
 
 @dataclass
@@ -780,25 +783,28 @@ def noncanonical_same_length(profile: ProfileLike, ids: list[int], rng: random.R
 _NEWLINE_THINK: Final = frozenset({"qwen", "deepseek-r1", "none"})
 
 
-def _native_tool_call(tool_format: str, name: str, arguments: str) -> str | None:
-    """The text one tool call is in the model's own syntax (None: no native syntax here)."""
+def _native_tool_calls(tool_format: str, calls: Sequence[tuple[str, str]]) -> str | None:
+    """The text tool calls (name, arguments text) are in the model's own syntax (None: no native syntax here).
+
+    Several calls are one block, joined as each template joins them: Qwen's ``<tool_call>`` blocks and
+    R1's calls by ``"\n"``, V3.1's and Kimi's adjacent (Kimi's ids counting from 0).
+    """
     if tool_format == "qwen":
-        return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+        return "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>' for n, a in calls)
     if tool_format == "deepseek-r1":
-        return (
-            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
-            f"{name}\n```json\n{arguments}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+        body = "\n".join(
+            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{a}\n```<｜tool▁call▁end｜>" for n, a in calls
         )
+        return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
     if tool_format == "deepseek-v3.1":
-        return (
-            f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{arguments}"
-            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
-        )
+        body = "".join(f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{a}<｜tool▁call▁end｜>" for n, a in calls)
+        return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
     if tool_format == "kimi":
-        return (
-            f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>"
-            f"{arguments}<|tool_call_end|><|tool_calls_section_end|>"
+        body = "".join(
+            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{a}<|tool_call_end|>"
+            for i, (n, a) in enumerate(calls)
         )
+        return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
     return None
 
 
@@ -808,11 +814,11 @@ def write_raw_output(
     think_block: ThinkBlock,
     reasoning: str,
     content: str,
-    tool_call: tuple[str, dict[str, Any]] | None = None,
+    tool_calls: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> str:
     """The full text the model generates after the prompt, end-of-turn included.
 
-    ``tool_call`` is (name, arguments object); the arguments are written as the model
+    ``tool_calls`` are (name, arguments object) pairs; the arguments are written as the model
     writes JSON, ``json.dumps(arguments, ensure_ascii=False)``.
     """
     fmt = profile.tool_format
@@ -825,9 +831,8 @@ def write_raw_output(
             opening = profile.think_start if think_block == "model" else ""
             text = f"{opening}{reasoning}{profile.think_end}"
     text += content
-    if tool_call is not None:
-        name, arguments = tool_call
-        native = _native_tool_call(fmt, name, json.dumps(arguments, ensure_ascii=False))
+    if tool_calls:
+        native = _native_tool_calls(fmt, [(n, json.dumps(a, ensure_ascii=False)) for n, a in tool_calls])
         if native is not None:
             text += ("\n" if fmt == "qwen" and content else "") + native
     return text + profile.end_of_turn
@@ -1019,11 +1024,16 @@ def generate(
         reasoning = _sized_text(profile, rng, reasoning_range or params.reasoning_tokens, True)
     elif "empty_reasoning" in faults and not thinking:
         fallbacks.append("empty_reasoning")  # no think block to leave empty
-    tools = _offered_tools(request) if _native_tool_call(profile.tool_format, "f", "{}") is not None else []
-    call = _tool_call_args(rng, tools) if tools else None
-    content_range = (3, 15) if call else content_range
+    tools = _offered_tools(request) if _native_tool_calls(profile.tool_format, [("f", "{}")]) is not None else []
+    if params.parallel_tool_calls and len(tools) > 1:
+        calls = [_tool_call_args(rng, [tool]) for tool in tools]
+    else:
+        calls = [_tool_call_args(rng, tools)] if tools else []
+    content_range = (3, 15) if calls else content_range
     content_text = _sized_text(profile, rng, content_range, False)
-    raw = write_raw_output(profile, think_block=think_block, reasoning=reasoning, content=content_text, tool_call=call)
+    raw = write_raw_output(
+        profile, think_block=think_block, reasoning=reasoning, content=content_text, tool_calls=calls
+    )
     canonical = profile.encode(raw)
     true_ids = list(canonical)
 

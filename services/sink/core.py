@@ -25,6 +25,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from schemas import Message, SampleAudited, ToolCall, sample_key
+from schemas.prefix import extends
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -87,6 +88,10 @@ class RowMetadata(msgspec.Struct, kw_only=True):
     # row is; "" and -1 for a single-turn prompt (defaults: rows of older sinks still decode).
     conversation_id: str = ""
     turn: int = NOT_REPORTED
+    # True when prompt_ids begin with the previous turn's row's input_ids (an append-only template):
+    # a trainer may pack the two rows into one sequence. False at turn 0 and where the template
+    # rewrote the history (reasoning dropped): schemas.prefix.
+    extends_previous_turn: bool = False
 
 
 class TrainingRow(msgspec.Struct, kw_only=True):
@@ -177,6 +182,8 @@ def training_row(audited: SampleAudited) -> TrainingRow:
             ),
             conversation_id=conv.conversation_id if conv is not None else "",
             turn=conv.turn if conv is not None else NOT_REPORTED,
+            extends_previous_turn=conv is not None
+            and extends(s.prompt_ids, conv.previous_length, conv.previous_digest),
         ),
     )
 

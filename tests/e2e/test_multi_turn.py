@@ -274,11 +274,12 @@ def _messages(original: list[dict[str, Any]]) -> list[Message]:
     return [msgspec.convert(m, Message) for m in original]
 
 
+@pytest.mark.parametrize("mode", ["chat", "completions"])
 async def test_a_halt_holds_the_next_turns_and_the_budget_counts_every_turn(
-    settings_factory: Callable[..., Any], report: Callable[..., str], tmp_path: Path
+    mode: str, settings_factory: Callable[..., Any], report: Callable[..., str], tmp_path: Path
 ) -> None:
-    """Continuations are prompts like any other: a dataset halt holds them at inference; after the
-    resume every conversation runs to its end, and the budget has counted each turn once."""
+    """Continuations are prompts like any other, in either mode: a dataset halt holds them at inference;
+    after the resume every conversation runs to its end, and the budget has counted each turn once."""
     from schemas import Halt, Resume
     from services.control import publish_control
 
@@ -288,7 +289,7 @@ async def test_a_halt_holds_the_next_turns_and_the_budget_counts_every_turn(
     sim = await start_simulator(SimulatorOptions(seed=7, reasoning_tokens=(8, 16), content_tokens=(8, 16),
                                                  latency_s=0.05, chat_template_file=str(OFFICIAL_QWEN3)))
     settings = settings_factory(provider={"base_url": sim.url, "concurrency": 8},
-                                datasets={CHAT: {"turns": "all", "audit": {"usage_offset": 0}}})
+                                datasets={CHAT: {"turns": "all", "mode": mode, "audit": {"usage_offset": 0}}})
     out_dir = Path(settings.sink.out_dir)
     await ensure_topics(settings.kafka, [CHAT])
     prompts_topic, responses_topic = settings.kafka.prompts_topic(CHAT), settings.kafka.topic("responses")

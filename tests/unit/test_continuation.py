@@ -183,10 +183,11 @@ def test_a_call_where_the_dataset_answered_ends_early() -> None:
     assert isinstance(verdict, C.Ended) and verdict.progress.reason == C.UNEXPECTED_TOOL_CALL
 
 
-def test_completions_mode_and_single_turn_prompts_and_bad_turns() -> None:
+def test_completions_mode_without_an_output_format_and_single_turn_prompts_and_bad_turns() -> None:
     p0 = all_turns(SHAREGPT)
-    verdict = C.continue_conversation(accepted(p0, content="2", mode="completions"))
-    assert isinstance(verdict, C.Ended) and verdict.progress.reason == C.COMPLETIONS_MODE
+    with pytest.raises(C.ConversationError) as no_format:
+        C.continue_conversation(accepted(p0, content="2", mode="completions"))
+    assert no_format.value.reason == C.CONVERSATION_INVALID
     single = normalise(SHAREGPT, NormaliseOptions(dataset="chat"))
     assert C.continue_conversation(accepted(single, content="x")) is None
     assert p0.conversation is not None

@@ -164,3 +164,32 @@ def test_estimate_command_on_the_demo_datasets(tmp_path: Path) -> None:
     assert "reached at the bound (no responses observed yet)" in result.stdout  # 204,800 > 100,000
     assert "broker not reachable" in result.stdout
     assert report_for(settings, [], None).checks == []
+
+
+def test_a_multi_turn_dataset_counts_every_turn(tmp_path: Path) -> None:
+    """``turns = "all"``: one request per assistant turn, each on the history up to that turn (the
+    dataset's answers standing in), counted by the official template and the real tokenizer."""
+    import json
+
+    from schemas import Message
+
+    pairs = [("Name a prime.", "7"), ("And another?", "11"), ("Their sum?", "18")]
+    record = {"id": "c1", "conversations": [{"from": "system", "value": "Be brief."}] + [
+        turn for q, a in pairs for turn in ({"from": "human", "value": q}, {"from": "gpt", "value": a})]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    settings = Settings(datasets={"chat": DatasetSettings(turns="all", max_tokens=100)})
+    estimate = estimate_files(settings, DatasetFiles("chat", [path]))
+    histories = []
+    for k in range(len(pairs)):
+        messages = [Message(role="system", content="Be brief.")]
+        for q, a in pairs[:k]:
+            messages += [Message(role="user", content=q), Message(role="assistant", content=a)]
+        histories.append(messages + [Message(role="user", content=pairs[k][0])])
+    dataset = settings.dataset("chat")
+    expected = sum(server_count(PromptPublished(dataset="chat", sample_id=f"t{k}", messages=m), dataset)
+                   for k, m in enumerate(histories))  # fmt: skip
+    assert (estimate.prompts, estimate.completion_bound) == (3, 300)
+    assert estimate.prompt_tokens == expected
+    last = estimate_files(Settings(datasets={"chat": DatasetSettings(max_tokens=100)}), DatasetFiles("chat", [path]))
+    assert last.prompts == 1  # turns = "last": the final question only

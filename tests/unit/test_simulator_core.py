@@ -251,6 +251,19 @@ def test_structured_tool_calls_when_tools_are_sent() -> None:
     assert call.function.arguments == json.dumps(args, ensure_ascii=False)
 
 
+def test_parallel_tool_calls_call_every_offered_tool_in_order() -> None:
+    time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    params = replace(PARAMS, parallel_tool_calls=True)
+    g = generate(PROFILE, chat("weather and time?", tools=[WEATHER_TOOL, time_tool]), params)
+    assert [c.function.name for c in g.tool_calls] == ["get_weather", "get_time"]
+    m = QWEN3_RAW.fullmatch(g.raw_text)
+    assert m is not None and m["tool"] == "\n" + "\n".join(
+        qwen_call_text(c.function.name, c.function.arguments) for c in g.tool_calls)  # "\n"-joined, as the template
+    assert g.true_ids.count(TOOL_CALL) == 2
+    one = generate(PROFILE, chat("weather and time?", tools=[WEATHER_TOOL, time_tool]), PARAMS)
+    assert len(one.tool_calls) == 1  # by default one tool, drawn at random
+
+
 def test_native_tool_call_text_in_content_without_tools_param() -> None:
     system = "You can call functions:\n" + json.dumps([WEATHER_TOOL["function"]])
     request = ChatRequest(
