@@ -87,6 +87,20 @@ class RowMetadata(msgspec.Struct, kw_only=True):
     # row is; "" and -1 for a single-turn prompt (defaults: rows of older sinks still decode).
     conversation_id: str = ""
     turn: int = NOT_REPORTED
+    # How the row was made (services/profiles/provenance.py): sha256 of the profile's tokenizer
+    # file and of the chat template it rendered with, and the draftstream that wrote the row.
+    # "" in rows written before they were recorded.
+    tokenizer_sha256: str = ""
+    chat_template_sha256: str = ""
+    draftstream_version: str = ""
+
+
+class RowProvenance(msgspec.Struct, frozen=True, kw_only=True):
+    """The provenance fields of every row of one profile (the sink computes them once per profile)."""
+
+    tokenizer_sha256: str = ""
+    chat_template_sha256: str = ""
+    draftstream_version: str = ""
 
 
 class TrainingRow(msgspec.Struct, kw_only=True):
@@ -137,8 +151,8 @@ def _reported(value: int | None) -> int:
     return NOT_REPORTED if value is None else value
 
 
-def training_row(audited: SampleAudited) -> TrainingRow:
-    """The training row of one accepted sample."""
+def training_row(audited: SampleAudited, provenance: RowProvenance | None = None) -> TrainingRow:
+    """The training row of one accepted sample, with the provenance of its profile when given."""
     s = audited.sample
     r = s.response
     conv = r.prompt.conversation
@@ -177,6 +191,7 @@ def training_row(audited: SampleAudited) -> TrainingRow:
             ),
             conversation_id=conv.conversation_id if conv is not None else "",
             turn=conv.turn if conv is not None else NOT_REPORTED,
+            **msgspec.structs.asdict(provenance or RowProvenance()),
         ),
     )
 
@@ -255,6 +270,7 @@ __all__ = [
     "AuditRow",
     "CheckRow",
     "RowMetadata",
+    "RowProvenance",
     "TrainingRow",
     "TurnRow",
     "UsageRow",
