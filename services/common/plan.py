@@ -1,0 +1,45 @@
+"""What a run will do with each dataset, one line each: said before the first paid request.
+
+The inference worker logs these lines at start and ``draftstream estimate`` prints them, so a
+profile or a ``max_tokens`` the user did not mean (a dataset section that did not inherit
+what they expected) is visible before money moves. Each value names its origin
+(services/common/layering.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.common.config import Settings
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def plan_line(settings: Settings, dataset: str) -> str:
+    """``dataset D: profile P [origin], mode M [origin], max_tokens N [origin], caps ..., min_yield Y``."""
+    shown = settings.dataset_origins(dataset)
+
+    def item(key: str, label: str | None = None) -> str:
+        value, origin = shown[key]
+        return f"{label or key} {_value(value)} [{origin}]"
+
+    return (
+        f"dataset {dataset}: {item('profile')}, {item('mode')}, {item('max_tokens')}, "
+        f"{item('cap_completion_tokens')}, {item('cap_usd')}, min_yield {settings.budget.min_yield:g} [budget]"
+    )
+
+
+def plan_lines(settings: Settings, datasets: list[str] | None = None) -> list[str]:
+    """One :func:`plan_line` per dataset (default: every configured dataset, sorted)."""
+    return [plan_line(settings, name) for name in (datasets if datasets is not None else sorted(settings.datasets))]
+
+
+__all__ = ["plan_line", "plan_lines"]
