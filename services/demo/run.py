@@ -40,7 +40,7 @@ MULTI_TURN = ("chat",)
 SERVICES = ("budget", "inference", "reconstruct", "audit", "sink", "continuation")
 REPO = Path(__file__).resolve().parents[2]
 # The columns of the two tables the demo ends with (the README's demo excerpt shows them).
-SUMMARY_COLUMNS = ("dataset", "published", "accepted", "dead-lettered", "accounted")
+SUMMARY_COLUMNS = ("dataset", "published", "accepted", "dead-lettered", "accounted")  # topology: not a topic
 CONVERSATION_COLUMNS = ("dataset", "conversations", "rows", "how they ended")
 
 console = data_console()
@@ -336,7 +336,7 @@ def summary(
     view = asyncio.run(read_dead_letters(settings))
     dead_only = view.keys() - set(accepted)
     table = Table(title="draftstream demo: where every prompt ended")
-    for col in SUMMARY_COLUMNS:  # topology: not a topic
+    for col in SUMMARY_COLUMNS:
         table.add_column(col, justify="right" if col != "dataset" else "left")
     for name, n in published.items():
         acc = sum(1 for k in accepted if k.startswith(f"{name}:"))
