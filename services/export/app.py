@@ -237,12 +237,14 @@ def export(
     merge: bool = False,
     settings: Settings | None = None,
     progress: Callable[[int], None] | None = None,
+    dead_letters: Counter[tuple[str, str, str]] | None = None,
 ) -> ExportReport:
     """Export every row of ``sink_dir`` to ``out_dir`` for ``target``; see the module docstring.
 
     ``merge`` (always for SpecForge, which takes one file) writes every row into one
     ``OUT/<target>.jsonl`` instead of one part per input part. ``progress(n)`` is called
-    after every part with the rows it held.
+    after every part with the rows it held. ``dead_letters`` ((dataset, stage, reason) -> count,
+    read by the caller from the dead-letter topic) go into the card for the sink folder's datasets.
     """
     if target not in TARGETS:
         raise CommandError(f"--to {target!r}: choose one of {', '.join(TARGETS)}")
@@ -255,6 +257,9 @@ def export(
     parts = sink_parts(sink_dir)
     _check_out_dir(out_dir, sink_dir)
     report = ExportReport(target=target, out_dir=out_dir, merged=merge or target == "specforge")
+    if dead_letters is not None:
+        folders = {p.parent.name for p in parts}
+        report.card.dead_letters = Counter({k: n for k, n in dead_letters.items() if k[0] in folders})
     tokenizers = SpecforgeTokenizers(settings)
     merged = _PartWriter(out_dir / merged_name(target), fmt) if report.merged else None
     for part in parts:

@@ -92,6 +92,8 @@ class CardStats:
     cost_usd: float = 0.0
     cost_rows: int = 0
     truncated: int = 0
+    # (dataset, stage, reason) -> dead letters, when the export read the dead-letter topic; else None.
+    dead_letters: Counter[tuple[str, str, str]] | None = None
 
     def add(self, row: TrainingRow) -> None:
         """Count one written row."""
@@ -138,6 +140,10 @@ class CardStats:
             "cost_rows": self.cost_rows,
             "cost_usd_per_row": round(self.cost_usd / self.cost_rows, 6) if self.cost_rows else None,
             "truncated": self.truncated,
+            "dead_letters": None if self.dead_letters is None else [
+                {"dataset": d, "stage": stage, "reason": r, "count": n}
+                for (d, stage, r), n in sorted(self.dead_letters.items())
+            ],
         }
 
 
@@ -224,13 +230,24 @@ def card_body(figures: dict[str, Any]) -> str:
         )
     else:
         out.append("Spent on these rows: no row's provider reported a cost.")
-    out += [
-        f"Truncated rows (accepted at max_tokens, `metadata.truncated`): {figures['truncated']}.",
-        "",
-        "Answers paid for but dead-lettered are not in the sink folder: `draftstream dlq list` counts them by stage "
-        "and reason, `draftstream budget` the money spent on every answer.",
-        "",
-    ]
+    out += [f"Truncated rows (accepted at max_tokens, `metadata.truncated`): {figures['truncated']}.", ""]
+    dead = figures["dead_letters"]
+    if dead is None:
+        out.append(
+            "Dead letters were not read for this card (`draftstream export --dead-letters` counts them from the "
+            "dead-letter topic; `draftstream dlq list` lists them); `draftstream budget` shows the money spent on "
+            "every answer, accepted or not."
+        )
+    else:
+        out += [
+            f"Dead letters of these datasets on the dead-letter topic when this export was made: "
+            f"{sum(r['count'] for r in dead)} (a letter replayed and then accepted still counts).",
+            "",
+            "| dataset | stage | reason | dead letters |",
+            "|---|---|---|---|",
+            *(f"| {r['dataset']} | {r['stage']} | {r['reason']} | {r['count']} |" for r in dead),
+        ]
+    out.append("")
     return "\n".join(out)
 
 

@@ -58,7 +58,7 @@ def card(folder: Path) -> tuple[dict[str, Any], str]:
     return yaml.safe_load(header), body
 
 
-def recount(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def recount(rows: list[dict[str, Any]], dead: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The card's figures, counted here from exported rows (plain JSON, not our row type)."""
     per: dict[tuple[str, int], int] = {}
     checks: dict[str, dict[str, int]] = {}
@@ -97,6 +97,7 @@ def recount(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "cost_rows": len(costs),
         "cost_usd_per_row": round(sum(costs) / len(costs), 6) if costs else None,
         "truncated": sum(1 for r in rows if r["metadata"]["truncated"]),
+        "dead_letters": dead,
     }
 
 
@@ -140,6 +141,25 @@ def test_the_other_targets_cards_count_the_rows_they_wrote(tmp_path: Path, targe
     assert header["draftstream"] == recount(source)
     assert header["dataset_info"]["splits"][0]["num_examples"] == len(written_ids) == len(rows)
     assert header["configs"][0]["data_files"][0]["path"] == pattern
+
+
+def test_dead_letters_read_by_the_caller_are_counted_for_the_folders_datasets(tmp_path: Path) -> None:
+    from collections import Counter
+
+    sink, out = tmp_path / "sink", tmp_path / "out"
+    varied_sink(sink)
+    letters = Counter({("chat", "audit", "usage_matches"): 3, ("math", "inference", "provider_http_5xx"): 1,
+                       ("other", "audit", "finish_stop"): 7})  # fmt: skip  # "other" has no folder here
+    export("hf", sink, out, dead_letters=letters)
+    header, body = card(out)
+    dead = [{"dataset": "chat", "stage": "audit", "reason": "usage_matches", "count": 3},
+            {"dataset": "math", "stage": "inference", "reason": "provider_http_5xx", "count": 1}]  # fmt: skip
+    assert header["draftstream"] == recount(read_jsonl(out), dead)
+    assert "| chat | audit | usage_matches | 3 |" in body and "finish_stop" not in body
+    assert "when this export was made: 4 " in body
+    export("hf", sink, tmp_path / "unread")
+    assert card(tmp_path / "unread")[0]["draftstream"]["dead_letters"] is None
+    assert "Dead letters were not read for this card" in card(tmp_path / "unread")[1]
 
 
 def test_grep_finds_no_figure_of_an_earlier_run_in_a_generated_readme(tmp_path: Path) -> None:
