@@ -312,8 +312,7 @@ def specforge_route(*, speculators_file: str, specforge_file: str, template: str
         + prompts_path_yaml(speculators_file)
         + "\n2. Preformatted text: the one file `draftstream export --to specforge` writes, with the chat "
         "template that locates the supervised spans. Without `train_only_last_turn: true` the masks of rows "
-        "whose prompts hold earlier assistant turns differ (when this export was made with `--to specforge`, "
-        "its table below counts them).\n\n"
+        "whose prompts hold earlier assistant turns differ (the table below counts them in this export).\n\n"
         f"```yaml\ndata:\n  train_data_path: {specforge_file}\n  is_preformatted: true\n"
         f"  chat_template: {template}\n  train_only_last_turn: true\n```\n\n"
         "What does not work there: the offline `scripts/prepare_hidden_states.py --is-preformatted` "

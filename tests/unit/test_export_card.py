@@ -143,6 +143,24 @@ def test_the_other_targets_cards_count_the_rows_they_wrote(tmp_path: Path, targe
     assert header["configs"][0]["data_files"][0]["path"] == pattern
 
 
+def test_the_specforge_mask_table_equals_a_recount_of_the_exported_text(tmp_path: Path) -> None:
+    from services.export.core import SPECFORGE_TEMPLATES, specforge_loss_mask
+    from services.profiles import load_profile
+
+    sink, out = tmp_path / "sink", tmp_path / "out"
+    rows = {r.id: r for r in varied_sink(sink)}
+    export("specforge", sink, out)
+    encode = load_profile("qwen3").encode_prompt
+    written = read_jsonl(out, "specforge.jsonl")
+    every, last = (
+        sum(specforge_loss_mask(r["text"], encode, SPECFORGE_TEMPLATES["qwen3"], last_turn_only=only)
+            == rows[r["id"]].loss_mask for r in written)
+        for only in (False, True)
+    )  # fmt: skip
+    _, body = card(out)
+    assert f"| qwen3 | qwen3-thinking | {every}/{len(written)} | {last}/{len(written)} |" in body
+
+
 def test_dead_letters_read_by_the_caller_are_counted_for_the_folders_datasets(tmp_path: Path) -> None:
     from collections import Counter
 
