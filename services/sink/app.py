@@ -121,13 +121,13 @@ def profile_row_provenance(name: str, settings: Settings) -> RowProvenance:
     A profile that cannot be loaded here (its tokenizer is not on the sink's machine) gives
     empty digests, logged: the row is still exact, the audit passed it, and it is written.
     """
-    from services.profiles import ProfileError, load_profile
+    from services.profiles import load_profile
     from services.profiles.provenance import draftstream_version, profile_provenance
 
     try:
         found = profile_provenance(load_profile(name, settings))
-    except ProfileError as exc:
-        log.warning("sink: profile %s cannot be loaded for its digests (%s): rows carry none", name, exc.message)
+    except Exception as exc:  # noqa: BLE001 - any failure: the rows are written, without digests, and it is logged
+        log.warning("sink: profile %s cannot be loaded for its digests (%s): rows carry none", name, exc)
         return RowProvenance(draftstream_version=draftstream_version())
     return RowProvenance(
         tokenizer_sha256=found.tokenizer_sha256,

@@ -243,3 +243,12 @@ def test_a_tokenizer_without_a_file_is_digested_by_its_vocabulary(monkeypatch: p
     assert found.tokenizer_sha256 != with_file.tokenizer_sha256
     monkeypatch.setattr(profile.backend, "source", Path("/nonexistent"))
     assert profile_provenance(profile) == found
+
+
+def test_a_profile_the_sink_cannot_load_gives_rows_without_digests_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="services.sink.app"):
+        found = profile_row_provenance("no-such-profile", Settings())
+    assert found == RowProvenance(draftstream_version=version("draftstream"))
+    assert any("no-such-profile cannot be loaded" in r.getMessage() for r in caplog.records)
