@@ -23,23 +23,32 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def plan_line(settings: Settings, dataset: str) -> str:
-    """``dataset D: profile P [origin], mode M [origin], max_tokens N [origin], caps ..., min_yield Y``."""
+def _items(settings: Settings, dataset: str) -> str:
     shown = settings.dataset_origins(dataset)
 
-    def item(key: str, label: str | None = None) -> str:
+    def item(key: str) -> str:
         value, origin = shown[key]
-        return f"{label or key} {_value(value)} [{origin}]"
+        return f"{key} {_value(value)} [{origin}]"
 
     return (
-        f"dataset {dataset}: {item('profile')}, {item('mode')}, {item('max_tokens')}, "
-        f"{item('cap_completion_tokens')}, {item('cap_usd')}, min_yield {settings.budget.min_yield:g} [budget]"
+        f"{item('profile')}, {item('mode')}, {item('max_tokens')}, {item('cap_completion_tokens')}, "
+        f"{item('cap_usd')}, min_yield {settings.budget.min_yield:g} [budget]"
     )
 
 
-def plan_lines(settings: Settings, datasets: list[str] | None = None) -> list[str]:
-    """One :func:`plan_line` per dataset (default: every configured dataset, sorted)."""
-    return [plan_line(settings, name) for name in (datasets if datasets is not None else sorted(settings.datasets))]
+def plan_line(settings: Settings, dataset: str) -> str:
+    """``dataset D: profile P [origin], mode M [origin], max_tokens N [origin], caps ..., min_yield Y``."""
+    return f"dataset {dataset}: {_items(settings, dataset)}"
 
 
-__all__ = ["plan_line", "plan_lines"]
+OTHERS = "every dataset not in [datasets]"
+
+
+def plan_lines(settings: Settings) -> list[str]:
+    """One :func:`plan_line` per configured dataset (sorted), then the line of any other dataset ([defaults])."""
+    lines = [plan_line(settings, name) for name in sorted(settings.datasets)]
+    # A worker follows every prompts topic: a dataset without a section runs on [defaults].
+    return [*lines, f"{OTHERS}: {_items(settings, '')}"]
+
+
+__all__ = ["OTHERS", "plan_line", "plan_lines"]

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from services.cli import app
 from services.common.config import load_settings
-from services.common.plan import plan_line
+from services.common.plan import OTHERS, plan_line
 from services.inference.adapters.providers import make_http_client, make_provider
 from services.inference.guard import ProviderGuard
 from services.simulator.app import SimulatorOptions, start_simulator
@@ -74,6 +74,8 @@ async def test_the_worker_logs_the_plan_of_every_dataset_before_it_checks_anythi
     lines = [r.getMessage() for r in caplog.records if r.name == "services.inference.guard"]
     plans = [line for line in lines if line.startswith("pre-flight: dataset ")]
     assert plans == [f"pre-flight: {plan_line(settings, name)}" for name in ("code", "mt")]
+    others = f"pre-flight: {OTHERS}: profile qwen3 [built-in], mode chat [provider], max_tokens 64 [defaults], "
+    assert any(line.startswith(others) for line in lines), lines
     assert lines.index(plans[-1]) < next(i for i, line in enumerate(lines) if "pre-flight: provider" in line)
 
 
