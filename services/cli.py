@@ -324,9 +324,28 @@ def schemas_export(
 
 
 @config_app.command("show")
-def config_show(config: ConfigOption = None) -> None:
-    """Print the effective configuration with secrets masked."""
-    print(json.dumps(settings_from(config).redacted(), indent=2))
+def config_show(
+    config: ConfigOption = None,
+    dataset: Annotated[
+        str | None, typer.Option("--dataset", "-d", help="One dataset's effective settings, each with its origin")
+    ] = None,
+) -> None:
+    """Print the effective configuration (JSON, secrets masked) with where each dataset setting came from.
+
+    Every dataset inherits from [defaults] the keys its own section does not set; "origins"
+    says, per dataset and key: dataset, defaults, env, provider ([provider] mode) or built-in.
+    """
+    settings = settings_from(config)
+    if dataset is not None:
+        from services.common.config import check_dataset_name
+
+        check_dataset_name(dataset)
+        named = "" if dataset in settings.datasets else "  # not in [datasets]: [defaults] and built-ins"
+        print(f"[datasets.{dataset}]{named}")
+        for key, (value, origin) in settings.dataset_origins(dataset).items():
+            print(f"{key} = {json.dumps(value)}  # {origin}")
+        return
+    print(json.dumps({**settings.redacted(), "origins": settings.origins()}, indent=2))
 
 
 _CONTRIBUTORS = (

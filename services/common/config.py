@@ -3,8 +3,10 @@
 Precedence, highest first: constructor arguments, environment variables
 (``DRAFTSTREAM_<SECTION>__<FIELD>``, plus the conventional ``KAFKA_BOOTSTRAP_SERVERS``
 and ``OPENROUTER_API_KEY``), the TOML file (``--config``, else ``draftstream.toml`` when
-present), then the defaults below. Secrets are ``SecretStr``: they print as ``**********``
-and can only come from the environment (a secret in the TOML file is refused).
+present), then the defaults below. A ``[datasets.NAME]`` section inherits every key it does
+not set from ``[defaults]``, table by table (services/common/layering.py). Secrets are
+``SecretStr``: they print as ``**********`` and can only come from the environment (a
+secret in the TOML file is refused).
 """
 
 from __future__ import annotations
@@ -13,15 +15,27 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
 
 from schemas import GLOBAL_SCOPE, topology
+from services.common.layering import Origin, inherit, leaf_keys, origin_of
 
 DEFAULT_CONFIG_FILE = "draftstream.toml"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -321,6 +335,8 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     # Where deploy/tokenizers/fetch.sh puts the tokenizers no package serves (R1/V3).
     tokenizers_dir: str = str(Path(__file__).resolve().parents[2] / ".run" / "tokenizers")
+    # The raw layers this object was built from (by load_settings), for :meth:`dataset_origins`.
+    _layers: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @classmethod
     def settings_customise_sources(
@@ -343,6 +359,20 @@ class Settings(BaseSettings):
     def _log_level(cls, value: str) -> str:
         return check_log_level(value)
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _datasets_inherit_defaults(cls, data: Any, handler: ModelWrapValidatorHandler[Settings]) -> Settings:
+        """Each ``[datasets.NAME]`` section over ``[defaults]``, key by key (``[...audit]`` too)."""
+        merged = data
+        if isinstance(data, dict) and isinstance(data.get("datasets"), dict):
+            base = data.get("defaults") or {}
+            datasets = {name: inherit(base, section, DatasetSettings) for name, section in data["datasets"].items()}
+            merged = {**data, "datasets": datasets}
+        settings = handler(merged)
+        if isinstance(data, dict):  # built in code: what it was given (load_settings records its layers)
+            settings._layers = {"override": data}
+        return settings
+
     @field_validator("datasets")
     @classmethod
     def _dataset_names(cls, value: dict[str, DatasetSettings]) -> dict[str, DatasetSettings]:
@@ -351,8 +381,27 @@ class Settings(BaseSettings):
         return value
 
     def dataset(self, name: str) -> DatasetSettings:
-        """The settings of one dataset: its own section, else ``[defaults]``."""
+        """The effective settings of one dataset: its own section over ``[defaults]``, else ``[defaults]``."""
         return self.datasets.get(name, self.defaults)
+
+    def dataset_origins(self, name: str) -> dict[str, tuple[Any, Origin]]:
+        """Every effective setting of dataset ``name`` (dotted key) with where it came from.
+
+        Origins: ``dataset`` / ``defaults`` (that section of the file), ``env`` (a
+        ``DRAFTSTREAM_...`` variable), ``override`` (given in code), ``provider`` (``mode``
+        left to ``[provider] mode``), ``built-in``.
+        """
+        effective = self.dataset(name).model_dump(mode="json")
+        shown: dict[str, tuple[Any, Origin]] = {}
+        for path in leaf_keys(DatasetSettings):
+            value: Any = effective
+            for part in path:
+                value = value[part]
+            origin = origin_of(name, path, self._layers)
+            if path == ("mode",) and value is None:
+                value, origin = self.provider.mode, "provider"
+            shown[".".join(path)] = (value, origin)
+        return shown
 
     def mode_of(self, dataset: DatasetSettings) -> Literal["chat", "completions"]:
         """How a dataset's requests are sent: its own ``mode``, else ``[provider] mode``."""
@@ -361,6 +410,13 @@ class Settings(BaseSettings):
     def redacted(self) -> dict[str, Any]:
         """The settings as plain data with every secret masked (for printing)."""
         return self.model_dump(mode="json")
+
+    def origins(self) -> dict[str, dict[str, Origin]]:
+        """Per configured dataset, where each of its effective settings came from (dotted keys)."""
+        return {
+            name: {key: origin for key, (_, origin) in self.dataset_origins(name).items()}
+            for name in sorted(self.datasets)
+        }
 
 
 _CURRENT_TOML: list[Path | None] = [None]
@@ -416,6 +472,19 @@ def _port(text: str, name: str) -> int:
     return port
 
 
+def _error_lines(exc: ValidationError) -> str:
+    """One line per problem; an unknown key names itself and its section (``[datasets.mt.audit]``)."""
+    lines = []
+    for error in exc.errors():
+        loc = [str(part) for part in error["loc"]]
+        if error["type"] == "extra_forbidden":
+            section = f"[{'.'.join(loc[:-1])}]" if len(loc) > 1 else "the top level"
+            lines.append(f"{section} {loc[-1]}: unknown key (not a setting of {section})")
+        else:
+            lines.append(f"{'.'.join(loc)}: {error['msg']} (got {error.get('input')!r})")
+    return "\n".join(lines)
+
+
 def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
     """Build the frozen settings from the TOML file, the environment and ``overrides``.
 
@@ -461,8 +530,16 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
 
     _CURRENT_TOML[0] = path
     try:
-        return Settings(**overrides)
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid configuration{f' in {path}' if path else ''}:\n{_error_lines(exc)}") from None
     except ValueError as exc:
         raise ConfigError(f"invalid configuration{f' in {path}' if path else ''}:\n{exc}") from None
     finally:
         _CURRENT_TOML[0] = None
+    settings._layers = {
+        "override": overrides,
+        "env": EnvSettingsSource(Settings)(),
+        "file": tomllib.loads(path.read_text(encoding="utf-8")) if path is not None else {},
+    }
+    return settings

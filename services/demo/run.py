@@ -39,6 +39,9 @@ MULTI_TURN = ("chat",)
 # The budget first: it announces the lease policy the workers wait for (docs/operations.md, "Leases").
 SERVICES = ("budget", "inference", "reconstruct", "audit", "sink", "continuation")
 REPO = Path(__file__).resolve().parents[2]
+# The columns of the two tables the demo ends with (the README's demo excerpt shows them).
+SUMMARY_COLUMNS = ("dataset", "published", "accepted", "dead-lettered", "accounted")  # topology: not a topic
+CONVERSATION_COLUMNS = ("dataset", "conversations", "rows", "how they ended")
 
 console = data_console()
 
@@ -139,6 +142,14 @@ class Processes:
                 proc.wait()
         for log in self.logs:
             log.close()
+
+
+def shown(path: Path) -> str:
+    """A path as the demo prints it: relative to the working directory when under it (no machine paths)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def cli(*args: str) -> list[str]:
@@ -301,7 +312,7 @@ def conversation_summary(settings: Settings, out_dir: Path, conversations: dict[
     accepted = accepted_keys(out_dir)
     ends = concluded(settings, set(accepted), dead, conversations)
     table = Table(title="multi-turn conversations: one row per regenerated turn")
-    for col in ("dataset", "conversations", "rows", "how they ended"):
+    for col in CONVERSATION_COLUMNS:
         table.add_column(col, justify="left" if col in ("dataset", "how they ended") else "right")
     for name in MULTI_TURN:
         outcomes = Counter(v for k, v in ends.items() if k.startswith(f"{name}:"))
@@ -325,7 +336,7 @@ def summary(
     view = asyncio.run(read_dead_letters(settings))
     dead_only = view.keys() - set(accepted)
     table = Table(title="draftstream demo: where every prompt ended")
-    for col in ("dataset", "published", "accepted", "dead-lettered", "accounted"):  # topology: not a topic
+    for col in SUMMARY_COLUMNS:
         table.add_column(col, justify="right" if col != "dataset" else "left")
     for name, n in published.items():
         acc = sum(1 for k in accepted if k.startswith(f"{name}:"))
@@ -347,7 +358,7 @@ def summary(
     console.print(rt)
     duplicates = sum(1 for n in accepted.values() if n > 1)
     console.print(f"duplicate keys in the training files: {duplicates}")
-    console.print(f"training files: {out_dir}/<dataset>/part-*.jsonl")
+    console.print(f"training files: {shown(out_dir)}/<dataset>/part-*.jsonl")
     return accepted, view
 
 
@@ -381,7 +392,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     published = count_prompts(files)
     conversations = conversation_ids(files)
     try:
-        console.print(styled("config", "bold", f" {config}"))
+        console.print(styled("config", "bold", f" {shown(config)}"))
         run_cli(
             cli("topics", "create", "--config", str(config), *sum((["-d", d] for d in DATASETS), [])), env, "topics"
         )
@@ -409,7 +420,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
         wait_http(f"http://127.0.0.1:{sim_port}/health", 60)
         for name in SERVICES:
             procs.start(name, cli("run", name, "--config", str(config)), env)
-        started_what = f" simulator on :{sim_port} and {', '.join(SERVICES)} (logs in {procs.log_dir})"
+        started_what = f" simulator on :{sim_port} and {', '.join(SERVICES)} (logs in {shown(procs.log_dir)})"
         console.print(styled("started", "bold", started_what))
         for name, path in files.items():
             out = run_cli(cli("publish", str(path), "--dataset", name, "--config", str(config)), env, f"publish {name}")

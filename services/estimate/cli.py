@@ -61,6 +61,10 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
             _int(total.completion_expected), _usd(total.usd_bound), _usd(total.usd_expected),
         )  # fmt: skip
     console.print(table)
+    from services.common.plan import plan_line
+
+    for est in report.datasets:  # what the workers' pre-flight will log, value by value with its origin
+        console.print(f"plan: {plan_line(settings, est.dataset)}", soft_wrap=True, markup=False, highlight=False)
     if report.checks:
         caps = Table(title="caps: spent so far + this estimate")
         for name in ("scope", "cap", "spent", "+ expected", "+ bound", "verdict"):

@@ -4,7 +4,8 @@ Reads every ``<dataset>/part-NNNNN.{jsonl,parquet}`` of a sink folder (the curre
 schema, or the sink's earlier layout, upgraded), converts each row with
 :mod:`services.export.core` and writes ``OUT/<dataset>/part-NNNNN.<ext>``, one output
 part per input part (SpecForge, and speculators with ``merge``: one ``OUT/<target>.jsonl``),
-plus a ``README.md`` saying how to load it, and into SpecForge the measured way. A row that
+plus a ``README.md``: the Hugging Face dataset card computed from the rows written
+(services/export/card.py) and how to load them, into SpecForge too. A row that
 cannot be exported (unreadable, ids and mask disagreeing, or for SpecForge a text that
 does not re-encode to its ids) is never written: it is listed in the report, and the
 command exits non-zero.
@@ -23,6 +24,7 @@ import msgspec
 
 from services.common.config import Settings
 from services.common.errors import CommandError
+from services.export.card import TARGET_FEATURES, CardStats, card_body, card_header, row_features
 from services.export.core import (
     SPECFORGE_TEMPLATES,
     TARGETS,
@@ -58,6 +60,7 @@ class ExportReport:
     profiles: set[str] = field(default_factory=set)
     files: list[Path] = field(default_factory=list)
     merged: bool = False  # every row in one OUT/<target>.jsonl (merged_name)
+    card: CardStats = field(default_factory=CardStats)  # the figures of the rows written
 
 
 def merged_name(target: str) -> str:
@@ -216,6 +219,7 @@ def _specforge_convert(
                 continue
             report.rows_written += 1
             report.per_dataset[row.dataset] += 1
+            report.card.add(row)
             if template is None:
                 continue
             report.mask_rows[name] += 1
@@ -233,12 +237,14 @@ def export(
     merge: bool = False,
     settings: Settings | None = None,
     progress: Callable[[int], None] | None = None,
+    dead_letters: Counter[tuple[str, str, str]] | None = None,
 ) -> ExportReport:
     """Export every row of ``sink_dir`` to ``out_dir`` for ``target``; see the module docstring.
 
     ``merge`` (always for SpecForge, which takes one file) writes every row into one
     ``OUT/<target>.jsonl`` instead of one part per input part. ``progress(n)`` is called
-    after every part with the rows it held.
+    after every part with the rows it held. ``dead_letters`` ((dataset, stage, reason) -> count,
+    read by the caller from the dead-letter topic) go into the card for the sink folder's datasets.
     """
     if target not in TARGETS:
         raise CommandError(f"--to {target!r}: choose one of {', '.join(TARGETS)}")
@@ -251,6 +257,9 @@ def export(
     parts = sink_parts(sink_dir)
     _check_out_dir(out_dir, sink_dir)
     report = ExportReport(target=target, out_dir=out_dir, merged=merge or target == "specforge")
+    if dead_letters is not None:
+        folders = {p.parent.name for p in parts}
+        report.card.dead_letters = Counter({k: n for k, n in dead_letters.items() if k[0] in folders})
     tokenizers = SpecforgeTokenizers(settings)
     merged = _PartWriter(out_dir / merged_name(target), fmt) if report.merged else None
     for part in parts:
@@ -271,6 +280,7 @@ def export(
                     continue
                 report.rows_written += 1
                 report.per_dataset[row.dataset] += 1
+                report.card.add(row)
         if merged is None and writer.close():
             report.files.append(writer.path)
         if progress is not None:
@@ -283,7 +293,7 @@ def export(
 
 
 SPECFORGE_CHECKED = "sgl-project/SpecForge @ a6b6b02"
-"""The SpecForge code the training route below was read in and run against."""
+"""The SpecForge code the training route below was read in and run against (docs/audit.md)."""
 
 
 def prompts_path_yaml(speculators_file: str) -> str:
@@ -292,17 +302,17 @@ def prompts_path_yaml(speculators_file: str) -> str:
 
 
 def specforge_route(*, speculators_file: str, specforge_file: str, template: str) -> str:
-    """The two ways into SpecForge that were measured to train on exactly our ids, with their YAML."""
+    """The two ways into SpecForge that train on exactly our ids, with their YAML."""
     return (
-        f"Measured against {SPECFORGE_CHECKED}: both routes below trained on 243/243 rows with exactly the "
-        "exported ids and loss masks. Give them to `specforge train --config train.yaml`; the rest of the "
-        "config (model, output, hyper-parameters) is as in SpecForge's examples.\n\n"
+        f"Both routes below were read in and run against {SPECFORGE_CHECKED} (draftstream's docs/audit.md, "
+        "\"Into SpecForge\", has the dated measurement). Give them to `specforge train --config train.yaml`; "
+        "the rest of the config (model, output, hyper-parameters) is as in SpecForge's examples.\n\n"
         "1. Pre-tokenized, independent of any chat template: the one file of "
         "`draftstream export --to speculators --merge` as `data.prompts_path`.\n\n"
         + prompts_path_yaml(speculators_file)
         + "\n2. Preformatted text: the one file `draftstream export --to specforge` writes, with the chat "
         "template that locates the supervised spans. Without `train_only_last_turn: true` the masks of rows "
-        "whose prompts hold earlier assistant turns differ (198/243 in the measured run).\n\n"
+        "whose prompts hold earlier assistant turns differ (the table below counts them in this export).\n\n"
         f"```yaml\ndata:\n  train_data_path: {specforge_file}\n  is_preformatted: true\n"
         f"  chat_template: {template}\n  train_only_last_turn: true\n```\n\n"
         "What does not work there: the offline `scripts/prepare_hidden_states.py --is-preformatted` "
@@ -319,16 +329,20 @@ _SPECULATORS_HEAD = (
 
 
 def readme(report: ExportReport, fmt: str) -> str:
-    """The README.md written beside the exported files: what they are and how to load them."""
-    out = report.out_dir.resolve()
+    """The README.md written beside the exported files: the dataset card and how to load the rows."""
     pattern = merged_name(report.target) if report.merged else f"*/part-*.{fmt}"
-    head = (
-        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
-        f'    path: "{pattern}"\n---\n\n'
-    )
+    fields = row_features() if report.target == "hf" else TARGET_FEATURES[report.target]
+    figures = report.card.figures()
+    size = sum(p.stat().st_size for p in report.files)
+    head = card_header(fields, figures, data_files=pattern, num_bytes=size) + "\n"
+    return head + _how_to_load(report, fmt, pattern) + "\n" + card_body(figures)
+
+
+def _how_to_load(report: ExportReport, fmt: str, pattern: str) -> str:
+    out = report.out_dir.resolve()
     if report.target == "hf":
         builder = "parquet" if fmt == "parquet" else "json"
-        return head + (
+        return (
             "# draftstream training rows\n\nEvery part has the same row schema (see draftstream's docs/audit.md, "
             f"\"The sink\").\n\n```python\nimport datasets\nOUT = \"{out}\"  # this folder\n"
             "ds = datasets.load_dataset(OUT, split=\"train\")  # by the configs above\n"
@@ -337,8 +351,8 @@ def readme(report: ExportReport, fmt: str) -> str:
     if report.target == "speculators":
         if report.merged:
             where = f"`{out / pattern}` holds every row; for SpecForge (`specforge train --config`):\n\n"
-            return head + _SPECULATORS_HEAD + where + prompts_path_yaml(str(out / pattern))
-        return head + _SPECULATORS_HEAD + (
+            return _SPECULATORS_HEAD + where + prompts_path_yaml(str(out / pattern))
+        return _SPECULATORS_HEAD + (
             "Give this folder as vLLM speculators' training data path (its directory input loads every "
             "`*.jsonl` under it). SpecForge takes one file: export with `--merge`.\n"
         )
@@ -369,4 +383,4 @@ def readme(report: ExportReport, fmt: str) -> str:
             "end: register one whose `assistant_header` is the end of the generation prompt, or the loss mask will "
             "differ from `loss_mask`."
         )
-    return head + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"

@@ -21,6 +21,9 @@ def export_command(
         bool, typer.Option("--merge", help="--to speculators: every row in one OUT_DIR/speculators.jsonl (SpecForge)")
     ] = False,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (user profiles)")] = None,
+    dead_letters: Annotated[
+        bool, typer.Option("--dead-letters", help="Count the datasets' dead letters (configured Kafka) into the card")
+    ] = False,
 ) -> None:
     """Write SINK_DIR's rows as OUT_DIR/<dataset>/part-NNNNN.* for a trainer; exit 1 when a row is refused.
 
@@ -33,6 +36,13 @@ def export_command(
 
     settings = settings_from(config)
     console = data_console(stderr=True)
+    letters = None
+    if dead_letters:
+        import asyncio
+
+        from services.export.dead_letters import dead_letter_counts
+
+        letters = asyncio.run(dead_letter_counts(settings))
     total = sum(count_rows(p) for p in sink_parts(source))
     with Progress(
         TextColumn(f"export --to {to}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
@@ -42,7 +52,7 @@ def export_command(
         report = export(
             to,  # type: ignore[arg-type]  # checked by export()
             source, out_dir, fmt=fmt, merge=merge, settings=settings,
-            progress=lambda n: progress.advance(task, n),
+            progress=lambda n: progress.advance(task, n), dead_letters=letters,
         )  # fmt: skip
     for line in report.refused[:_MAX_LISTED]:
         console.print(styled("refused", "red", f" {line}"), soft_wrap=True)

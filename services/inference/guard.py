@@ -27,6 +27,7 @@ from schemas import GLOBAL_SCOPE, Halt, Message, PromptPublished, Resume
 from services.common.config import DatasetSettings, Settings
 from services.common.halts import HaltFollower
 from services.common.metrics import PROVIDER_OUTAGES
+from services.common.plan import plan_lines
 from services.common.service import release
 from services.inference.adapters.providers import Provider
 from services.inference.core import (
@@ -77,7 +78,9 @@ class ProviderGuard:
     # --- pre-flight ---------------------------------------------------------------------
 
     async def check_all(self) -> None:
-        """Every configured dataset's profile, then the provider itself (reachable, key, model)."""
+        """Say what each dataset will do; check its profile, then the provider itself (reachable, key, model)."""
+        for line in plan_lines(self._settings):
+            log.info("pre-flight: %s", line)
         for name in sorted(self._settings.datasets):
             await self.check_dataset(name)
         check = await self._provider.check()

@@ -143,7 +143,9 @@ class Prober:
         await asyncio.gather(*(answerer.answer(r) for r in records))
         responses = [r for r in [await self._stored(record) for record in records] if r is not None]
         answers = await asyncio.to_thread(judge, self.settings, responses)
-        profile = ProfileCache(self.settings).get(self.settings.dataset(dataset).profile)
+        dataset_settings = self.settings.dataset(dataset)
+        profile = ProfileCache(self.settings).get(dataset_settings.profile)
+        prompt_offset = dataset_settings.audit.prompt_usage_offset or 0  # as the audit's prompt_matches
 
         def findings_of(group: Sequence[ProbeAnswer]) -> Findings:
             return summarize(
@@ -153,6 +155,7 @@ class Prober:
                 end_of_turn=profile.end_of_turn if isinstance(profile, Profile) else "",
                 end_of_turn_id=profile.end_of_turn_id if isinstance(profile, Profile) else -1,
                 logprobs_asked=self.settings.provider.request_logprobs,
+                prompt_offset=prompt_offset,
             )
 
         findings = findings_of(answers)
@@ -163,6 +166,8 @@ class Prober:
             upstreams=upstreams,
             forecast=forecast(findings, total),
             requests_sent=answerer.responded - paid_before,
+            profile=dataset_settings.profile,
+            prompt_offset=prompt_offset,
         )
 
     async def _stored(self, record: Record) -> ResponseReceived | None:
@@ -216,7 +221,11 @@ async def probe_first(
         top = ", ".join(f"{code} {n}" for code, n in found.reasons.most_common(3)) or "-"
         log.info("probe %s: %d of %d answers accepted (%d paid); reasons of the rest: %s",
                  name, found.accepted, found.answers, report.requests_sent, top)
-        if report.below(settings.budget.min_yield):
+        mismatch = report.tokenizer_mismatch
+        if mismatch is not None:
+            log.error("probe %s: %s", name, mismatch)
+            await halts.publish(Halt(scope=name, reason=mismatch, by=PROBE_ACTOR, at=time.time()))
+        elif report.below(settings.budget.min_yield):
             reason = (
                 f"probe: {found.accepted} of {found.answers} answers accepted ({found.share:.0%}), below min_yield "
                 f"{settings.budget.min_yield:.0%}; top reasons: {top}"

@@ -35,6 +35,9 @@ def probe_command(
         fail(str(exc))
     min_yield = settings.budget.min_yield
     Console(width=260).print(render(run, min_yield))
+    for report in run.reports:
+        if report.tokenizer_mismatch:
+            print(f"{report.dataset}: {report.tokenizer_mismatch}")
     if run.failed(min_yield):
         print(f"forecast below min_yield {min_yield:.0%} (or a dataset not probed): fix before the spend")
         raise typer.Exit(1)

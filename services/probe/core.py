@@ -78,6 +78,8 @@ class Findings:
     usage_wrong: int = 0
     prompt_agrees: int = 0
     prompt_compared: int = 0
+    # usage.prompt_tokens minus the rendered prompt ids, over the answers off the configured offset.
+    prompt_gaps: Counter[int] = field(default_factory=Counter)
 
     @property
     def share(self) -> float:
@@ -161,8 +163,12 @@ def summarize(
     end_of_turn: str,
     end_of_turn_id: int,
     logprobs_asked: bool,
+    prompt_offset: int = 0,
 ) -> Findings:
-    """The findings of a set of answers (a dataset's, or one upstream's)."""
+    """The findings of a set of answers (a dataset's, or one upstream's).
+
+    ``prompt_offset``: the dataset's configured ``usage.prompt_tokens`` minus prompt ids.
+    """
     found = Findings(answers=len(answers))
     edges: dict[str, list[str]] = {}
     counts: list[str] = []
@@ -186,7 +192,10 @@ def summarize(
             counts.append(counted)
         if answer.sample is not None and usage.prompt_tokens is not None:
             found.prompt_compared += 1
-            found.prompt_agrees += int(usage.prompt_tokens == len(answer.sample.prompt_ids))
+            gap = usage.prompt_tokens - len(answer.sample.prompt_ids)
+            found.prompt_agrees += int(gap == prompt_offset)
+            if gap != prompt_offset:
+                found.prompt_gaps[gap] += 1
     found.logprobs = _verdict(logprobs) if logprobs_asked else "not asked"
     found.whitespace = {edge: _verdict(edges.get(edge, ())) for edge in EDGES}
     found.usage_wrong = counts.count("wrong")
@@ -223,10 +232,33 @@ class DatasetReport:
     upstreams: dict[str, Findings]
     forecast: Forecast
     requests_sent: int
+    profile: str = ""
+    prompt_offset: int = 0
 
     def below(self, min_yield: float) -> bool:
         """Whether the forecast yield is under the floor (the probe exits 1)."""
         return self.findings.answers > 0 and self.findings.share < min_yield
+
+    @property
+    def tokenizer_mismatch(self) -> str | None:
+        """Why the profile's tokenizer is not the provider's, when most answers say so; else None.
+
+        The provider counts ``usage.prompt_tokens`` with the model's own tokenizer and template;
+        when the prompt rendered and encoded with the dataset's profile is off that count by other
+        than the configured offset on most answers, the profile is not the model's (a Gemma model
+        under the ``qwen3`` profile): every answer would be rebuilt with the wrong vocabulary.
+        """
+        f = self.findings
+        off = f.prompt_compared - f.prompt_agrees
+        if f.prompt_compared == 0 or off * 2 <= f.prompt_compared:
+            return None
+        gaps = ", ".join(f"{gap:+d} on {n}" for gap, n in f.prompt_gaps.most_common(3))
+        return (
+            f"probe: profile {self.profile!r} does not match the provider's prompt-token count: {off} of "
+            f"{f.prompt_compared} answers off by other than the configured offset {self.prompt_offset} "
+            f"(usage.prompt_tokens minus the ids rendered with {self.profile}: {gaps}); set [datasets.{self.dataset}] "
+            "profile to the model's own"
+        )
 
 
 @dataclass
@@ -237,8 +269,8 @@ class ProbeRun:
     skipped: dict[str, str] = field(default_factory=dict)  # dataset -> why
 
     def failed(self, min_yield: float) -> bool:
-        """Exit 1: a forecast below ``min_yield``, or a dataset that could not be probed."""
-        return bool(self.skipped) or any(r.below(min_yield) for r in self.reports)
+        """Exit 1: a forecast below ``min_yield``, a profile the provider's counts refute, or a dataset not probed."""
+        return bool(self.skipped) or any(r.below(min_yield) or r.tokenizer_mismatch for r in self.reports)
 
 
 def _money(value: float | None) -> str:

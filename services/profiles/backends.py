@@ -107,6 +107,8 @@ class TokenizersBackend:
     """A Hugging Face ``tokenizers`` tokenizer (tokenizer.json), byte-level BPE aware."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        # The file the vocabulary was read from, when there is one (services/profiles/provenance.py).
+        self.source: Path | None = None
         self._prompt_tok = tokenizer
         self._tok = _without_unicode_normaliser(tokenizer)
         self.chat_template = chat_template
@@ -139,7 +141,9 @@ class TokenizersBackend:
         """Load a tokenizer.json file."""
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_file(str(path)), chat_template)
+        backend = cls(Tokenizer.from_file(str(path)), chat_template)
+        backend.source = Path(path)
+        return backend
 
     def encode(self, text: str) -> list[int]:
         """Token ids of model text (added tokens parsed, no BOS, no Unicode normalising)."""
@@ -267,6 +271,8 @@ class TiktokenBackend:
         chat_template: str | None = None,
         control_ids: frozenset[int] | None = None,
     ) -> None:
+        # The ranks file the vocabulary was read from, when there is one.
+        self.source: Path | None = None
         self._enc = encoding
         self._nfc = nfc
         self.chat_template = chat_template
@@ -300,7 +306,9 @@ class TiktokenBackend:
             mergeable_ranks=load_tiktoken_ranks(ranks_path),
             special_tokens=special_tokens,
         )
-        return cls(enc, nfc=nfc, chat_template=chat_template, control_ids=control_ids)
+        backend = cls(enc, nfc=nfc, chat_template=chat_template, control_ids=control_ids)
+        backend.source = Path(ranks_path)
+        return backend
 
     def _norm(self, text: str) -> str:
         # Like HF's added-token handling: special tokens are split out first and only the
@@ -443,10 +451,14 @@ def from_hf_folder(folder: Path, *, trust_remote_code: bool) -> TokenizerBackend
     template = getattr(hf, "chat_template", None) or read_chat_template(folder)
     backend_tok = getattr(hf, "backend_tokenizer", None)
     if backend_tok is not None:
-        return TokenizersBackend(backend_tok, template)
+        fast = TokenizersBackend(backend_tok, template)
+        fast.source = folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else None
+        return fast
     encoding = getattr(hf, "model", None)
     if encoding is not None and hasattr(encoding, "encode_single_token"):
         flags = read_added_tokens(folder)
         control = frozenset(i for i, special in flags.values() if special) if flags else None
-        return TiktokenBackend(encoding, chat_template=template, control_ids=control)
+        ranks = TiktokenBackend(encoding, chat_template=template, control_ids=control)
+        ranks.source = folder / "tiktoken.model" if (folder / "tiktoken.model").is_file() else None
+        return ranks
     raise TypeError(f"unsupported tokenizer class {type(hf).__name__} in {folder}")

