@@ -417,9 +417,19 @@ class Ledger:
         self.key_usage.read(key_usage_usd, self.scopes[GLOBAL_SCOPE].cost_usd, now)
         self._dirty.add(GLOBAL_SCOPE)
 
-    def may_release(self, scope: str) -> bool:
-        """Whether a later reading of the key's usage may release some of the scope's lost attempts."""
-        can_read = self.key_usage.base_usd is not None and bool(self.inflight_usd_per_token)
+    def may_release(self, scope: str, now: float) -> bool:
+        """Whether a later reading of the key's usage may release some of the scope's lost attempts.
+
+        Only while the key is being read (a reading within the in-flight TTL): a provider that
+        stopped answering ``/key`` must not keep a scope from finishing at its cap.
+        """
+        read_at = self.key_usage.read_at
+        can_read = (
+            self.key_usage.base_usd is not None
+            and bool(self.inflight_usd_per_token)
+            and read_at is not None
+            and now - read_at <= self.inflight_ttl_s
+        )
         settled = self.key_usage.settled_before(self.inflight_ttl_s)
         return may_release(self.lost_attempts(scope), settled, can_read)
 

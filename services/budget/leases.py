@@ -348,7 +348,7 @@ class LeaseBook:
                 need = self.max_tokens_for(scope)
             if not datasets or self._uncapped(scope) or isinstance(self.ledger.control.get(scope), Halt):
                 continue
-            if self._may_land(scope) or self.ledger.may_release(scope):
+            if self._may_land(scope) or self.ledger.may_release(scope, now):
                 continue  # answers still to land, or a reading of the key's usage, may hand headroom back
             leases = self._leases_of(scope)
             if not any(lease.live and lease.target > lease.granted for lease in leases):

@@ -130,10 +130,12 @@ async def test_a_worker_killed_mid_run_leaves_billing_within_the_cap(
         lost = budget.ledger.lost_attempts("capped")
         billed = int(stats["completion_tokens"])
         lines = snapshot_lost_lines(snap)
+        paid_twice = sum(1 for n in sim.stats()["keys"].values() if n > 1)  # prompts the provider was asked twice
     print(
         f"\nkey usage {key_usage}: billed {billed} of {CAP} ({billed / CAP:.4f}); {open_at_kill} open at the kill, "
         f"{stats['abandoned_billed']} billed after their client died; {len(lost)} lost attempts hold "
-        f"{snap.lost_tokens}, {snap.lost_repaid} re-paid; budget spent {snap.completion_tokens}\n"
+        f"{snap.lost_tokens}, {snap.lost_repaid} re-paid ({paid_twice} prompts asked twice at the provider); "
+        f"budget spent {snap.completion_tokens}\n"
         f"halt: {halt.reason}\n" + "\n".join(lines)
     )
     assert billed <= CAP  # the provider's own count: zero overshoot
@@ -141,6 +143,7 @@ async def test_a_worker_killed_mid_run_leaves_billing_within_the_cap(
     assert lost, "the killed worker's attempts were not kept as lost"
     assert any("attempts lost with worker" in line and "counted at" in line for line in lines)
     assert "lost with worker(s)" in halt.reason
+    assert snap.lost_repaid <= paid_twice  # never more re-paid than the provider was asked twice
     if key_usage:
         # The key's usage released the lost attempts down to what they cost: the cap is used.
         assert snap.lost_tokens < sum(a.max_tokens for a in lost)

@@ -27,6 +27,7 @@ import pytest
 from schemas import Message
 from services.profiles import load_profile
 from services.simulator.app import KEY_HEADER, RunningSimulator, SimulatorOptions, start_simulator
+from tests.kafka_fixture import wait_until
 
 PROFILE = load_profile("qwen3")
 THINK_START, THINK_END, EOT = 151667, 151668, 151645  # Qwen3's ids (TOKENS.md)
@@ -509,3 +510,26 @@ async def test_cli_serves_until_sigint(tmp_path: Any) -> None:
             code = await asyncio.wait_for(proc.wait(), 30)
     assert code == 0, log_path.read_text()
     assert "simulator stopped" in log_path.read_text()
+
+
+async def test_an_answer_whose_client_went_away_is_billed_and_the_key_reports_what_was_charged(
+    sim_factory: SimFactory,
+) -> None:
+    """As a provider bills a non-streaming answer generated for nobody; ``GET /api/v1/key`` in OpenRouter's shape."""
+    sim = await sim_factory(latency_s=0.6)
+    auth = {"Authorization": "Bearer sk-test"}
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        whole = await post(client, sim, body("first"))
+        cost = whole.json()["usage"]["cost"]
+        key = (await client.get(f"{sim.url}/key", headers=auth)).json()["data"]
+        assert key["usage"] == pytest.approx(cost) and cost > 0
+        assert {"limit", "limit_remaining", "usage_daily", "is_free_tier"} <= set(key)
+        with pytest.raises(httpx.TimeoutException):  # the client gives up while the answer is generated
+            await client.post(f"{sim.url}/chat/completions", json=body("second"), timeout=0.2)
+        await wait_until(lambda: sim.stats()["abandoned_billed"] == 1, 10, 0.05, message="abandoned answer billed")
+        stats = sim.stats()
+        key = (await client.get(f"{sim.url}/key", headers=auth)).json()["data"]
+        assert stats["statuses"].get("200") == 1  # served once, billed twice
+        assert key["usage"] == pytest.approx(stats["cost_usd"]) and key["usage"] > cost
+        assert stats["completion_tokens"] > whole.json()["usage"]["completion_tokens"]
+        assert (await client.get(f"{sim.url}/key")).status_code == 401

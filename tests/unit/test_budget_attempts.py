@@ -112,11 +112,12 @@ def test_key_usage_releases_settled_lost_attempts_down_to_what_was_charged() -> 
     # Lost but possibly still generating when the key was read: a reading releases nothing yet.
     ledger.reconcile(7.0 + 9_000 * PRICE, 110.0)
     assert ledger.lost_tokens("d") == 3 * MAX
-    assert ledger.may_release("d")
+    assert ledger.may_release("d", 110.0)
+    assert not ledger.may_release("d", 110.0 + 31.0)  # the key has not been read for a TTL: nothing to wait for
     ledger.reconcile(7.0 + 20_000 * PRICE, 200.0)  # past the TTL; the provider charged 20,000 tokens for them
     assert ledger.lost_tokens("d") == 20_000
     assert ledger.inflight_tokens(GLOBAL_SCOPE) == 20_000
-    assert not ledger.may_release("d")
+    assert not ledger.may_release("d", 200.0)
     # An answer billed and not read yet is unexplained too: it only holds more, never less.
     ledger.reconcile(7.0 + 60_000 * PRICE, 210.0)
     assert ledger.lost_tokens("d") == 3 * MAX
