@@ -195,7 +195,7 @@ class ProviderCall:
             failure.attempt = number
             REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
             if is_rate_limited(failure):
-                throttle.refused(seq, failure.retry_after_s, failure.upstream)
+                throttle.refused(seq, failure.retry_after_s, failure.upstream, failure.stated_rps)
                 if throttle.stalled():
                     await self._guard.halt_rate_limit()
             else:

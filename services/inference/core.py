@@ -93,6 +93,8 @@ class ProviderFailure(Exception):  # noqa: N818 - reads better as a verdict than
     attempt: int = 1
     # The OpenRouter upstream a refusal names (``error.metadata.provider_name``), if any.
     upstream: str | None = None
+    # The request rate (per second) a 429's rate-limit headers state, if they state one.
+    stated_rps: float | None = None
     # The sequence number (OutageDetector.begin) of this prompt's first outage-class failed
     # request (set by the shell): no later request answered means nobody got through.
     answered_mark: int | None = None
@@ -416,3 +418,4 @@ class ProviderCheck:
     outage: bool = False
     detail: str = ""
     unknown: bool = False
+    rate_limit_rps: float | None = None  # the key's request rate as the provider states it
