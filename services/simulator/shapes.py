@@ -43,12 +43,9 @@ class WindowLimiter(RequestLimiter):
 
     def admit(self, now: float) -> Refusal | None:
         """Take one request now: None when admitted, else the refusal until the next window."""
-        if self.max_open is not None and self.open >= self.max_open:
-            return Refusal(
-                reason=f"{self.max_open} request(s) open at once",
-                retry_after_s=self.open_retry_after_s,
-                limit=str(self.max_open),
-            )
+        refusal = self.open_refusal()
+        if refusal is not None:
+            return refusal
         window = math.floor(now / self.window_s)
         if window != self.window:
             self.window, self.used = window, 0
