@@ -195,7 +195,9 @@ class ProviderCall:
             failure.attempt = number
             REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
             if is_rate_limited(failure):
-                throttle.refused(seq, failure.retry_after_s, failure.upstream, failure.stated_rps)
+                throttle.refused(
+                    seq, failure.retry_after_s, failure.upstream, failure.stated_rps, failure.stated_count
+                )
                 if throttle.stalled():
                     await self._guard.halt_rate_limit()
             else:

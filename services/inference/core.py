@@ -95,6 +95,8 @@ class ProviderFailure(Exception):  # noqa: N818 - reads better as a verdict than
     upstream: str | None = None
     # The request rate (per second) a 429's rate-limit headers state, if they state one.
     stated_rps: float | None = None
+    # A bare count a 429's ``X-RateLimit-Limit`` states with no period (requests open at once, say).
+    stated_count: int | None = None
     # The sequence number (OutageDetector.begin) of this prompt's first outage-class failed
     # request (set by the shell): no later request answered means nobody got through.
     answered_mark: int | None = None

@@ -50,6 +50,7 @@ class AimdWindow:
     answers: int = 0  # since the last cut
     refusals: int = 0  # since the last cut
     plateau: float = float("inf")  # the level of the last refusal, less one
+    hard_cap: int | None = None  # requests open at once the provider stated it admits
 
     def __post_init__(self) -> None:
         if self.size <= 0:
@@ -67,7 +68,8 @@ class AimdWindow:
             step = 1.0 if self.slow_start else 1.0 / self.size
             if self.size >= self.plateau:
                 step /= PLATEAU_SLOWDOWN
-            self.size = min(float(self.ceiling), self.size + step)
+            top = self.ceiling if self.hard_cap is None else min(self.ceiling, self.hard_cap)
+            self.size = min(float(top), self.size + step)
 
     def refused(self, seq: int, last_seq: int, in_flight: int | None = None) -> bool:
         """A refusal of request ``seq`` (``last_seq``: the newest sent; ``in_flight``: with it, open
@@ -86,9 +88,19 @@ class AimdWindow:
         self.answers = self.refusals = 0
         return True
 
+    def cap_at(self, count: int, seq: int, last_seq: int) -> None:
+        """The provider stated it admits ``count`` open at once: the window keeps to it (until a restart)."""
+        self.refusals += 1
+        self.hard_cap = max(self.floor, count)
+        self.size = min(self.size, float(self.hard_cap))
+        if seq > self.cut_after:
+            self.cut_after = last_seq
+        self.slow_start = False
+
     def restart(self) -> None:
         """Grow fast again (after a stall was lifted: where the limit now lies is not known)."""
         self.slow_start = True
+        self.hard_cap = None
 
 
 @dataclass
@@ -229,19 +241,27 @@ class ProviderLimits:
         retry_after_s: float | None,
         upstream: str | None = None,
         stated_rps: float | None = None,
+        stated_count: int | None = None,
     ) -> float:
         """Request ``seq`` got a 429: shrink the window and the pace it names, pause new requests.
 
-        ``stated_rps``: the rate the refusal's headers state. Returns the seconds added to the pause.
+        ``stated_rps``: the rate the refusal's headers state; ``stated_count``: a bare count they
+        state instead. Returns the seconds added to the pause.
         """
         open_with_it = self.in_flight
         self.release()
         self.refusals += 1
-        # A refusal stating no rate where one was stated is about another limit (requests open
-        # at once): the window is cut from what was open.
-        other = stated_rps is None and self.pacer.stated_fresh(upstream, now)
-        self.window(upstream).refused(seq, self.sent, open_with_it if other else None)
-        self.pacer.refused(seq, self.sent, now, upstream, stated_rps)
+        window = self.window(upstream)
+        if stated_rps is None and stated_count is not None and open_with_it > stated_count:
+            # More were open than the count the refusal states: a cap on requests open at once,
+            # the window's to keep (the pace is not cut).
+            window.cap_at(stated_count, seq, self.sent)
+        else:
+            # A refusal stating no rate where one was stated is about another limit (requests
+            # open at once): the window is cut from what was open.
+            other = stated_rps is None and self.pacer.stated_fresh(upstream, now)
+            window.refused(seq, self.sent, open_with_it if other else None)
+            self.pacer.refused(seq, self.sent, now, upstream, stated_rps)
         self.stall.refused(now)
         added = self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
         self.pacer.resume_at(max(now, self.pause.until))

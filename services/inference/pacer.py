@@ -38,15 +38,15 @@ from dataclasses import dataclass, field
 
 BACKOFF = 0.85
 """A refusal cuts the estimate to this share of itself."""
-STEP_SHARE = 0.05
+STEP_SHARE = 0.1
 """While nothing is refused, the estimate grows by this share of itself a second..."""
 MIN_STEP_RPS = 0.5
 """...and by at least this many requests a second per second."""
 MIN_RATE_RPS = 0.2
 """The estimate never goes below one request in five seconds (the stall halt deals with zero)."""
-STATED_HOLD_S = 15.0
+STATED_HOLD_S = 5.0
 """How long a limit the provider stated caps the estimate (a limit that is raised is found after it)."""
-RAMP_START = 16
+RAMP_START = 4
 RAMP_DOUBLING_S = 0.25
 RAMP_END = 1 << 20
 MEASURE_S = 1.0
@@ -342,6 +342,18 @@ def stated_rate(headers: Mapping[str, str]) -> float | None:
     return None
 
 
+def stated_count(headers: Mapping[str, str]) -> int | None:
+    """A bare count ``X-RateLimit-Limit`` / ``RateLimit-Limit`` states with no period (None: a rate, or nothing)."""
+    if stated_rate(headers) is not None:
+        return None
+    lower = {k.lower(): v for k, v in headers.items()}
+    for name in ("x-ratelimit-limit", "ratelimit-limit"):
+        value = lower.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
 def key_rate(data: Mapping[str, object]) -> float | None:
     """The request rate OpenRouter's ``GET /key`` states (``rate_limit: {requests, interval}``), per second."""
     limit = data.get("rate_limit")
@@ -354,4 +366,4 @@ def key_rate(data: Mapping[str, object]) -> float | None:
     return float(requests) / seconds
 
 
-__all__ = ["Pacer", "Ramp", "RateEstimate", "TokenBucket", "interval_s", "key_rate", "stated_rate"]
+__all__ = ["Pacer", "Ramp", "RateEstimate", "TokenBucket", "interval_s", "key_rate", "stated_count", "stated_rate"]

@@ -134,10 +134,15 @@ class ProviderThrottle:
         self._changed()
 
     def refused(
-        self, seq: int, retry_after_s: float | None, upstream: str | None, stated_rps: float | None = None
+        self,
+        seq: int,
+        retry_after_s: float | None,
+        upstream: str | None,
+        stated_rps: float | None = None,
+        stated_count: int | None = None,
     ) -> None:
         """Request ``seq`` got a 429: shrink the window and the pace, pause new requests for its Retry-After."""
-        added = self.limits.refused(seq, self._clock(), retry_after_s, upstream, stated_rps)
+        added = self.limits.refused(seq, self._clock(), retry_after_s, upstream, stated_rps, stated_count)
         RATE_LIMITED.labels(provider=self.provider, upstream=upstream or KEY_SCOPE).inc()
         if added > 0:
             RATE_LIMIT_PAUSED.labels(provider=self.provider).inc(added)

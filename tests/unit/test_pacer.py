@@ -4,6 +4,7 @@ the headers that state a limit, and a paced worker against the simulator's own t
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -18,6 +19,7 @@ from services.inference.pacer import (
     RateEstimate,
     TokenBucket,
     key_rate,
+    stated_count,
     stated_rate,
 )
 from services.simulator.limits import RequestLimiter
@@ -48,7 +50,7 @@ def test_a_refusal_cuts_the_rate_once_per_round_and_answers_add_a_step_a_second(
     assert estimate.rate == pytest.approx(17.0)
     for _ in range(17):  # one second of answers at 17/s
         estimate.answered(1.0)
-    assert estimate.rate == pytest.approx(17.85, abs=0.01)  # max(0.5, 5 % of 17) = 0.85 a second
+    assert estimate.rate == pytest.approx(18.7, abs=0.01)  # max(0.5, 10 % of 17) = 1.7 a second
     assert estimate.refused(seq=31, last_seq=40, now=1.1, sent_rate=10.0) is True
     assert estimate.rate == pytest.approx(10.0 * BACKOFF)  # cut from what was actually sent
 
@@ -60,7 +62,7 @@ def test_slow_start_doubles_until_the_first_cut_and_restart_brings_it_back() -> 
     assert estimate.rate == 8.0
     estimate.refused(seq=1, last_seq=1, now=0.0, sent_rate=8.0)
     estimate.answered(0.0)
-    assert estimate.rate == pytest.approx(8.0 * BACKOFF + 0.5 / (8.0 * BACKOFF))
+    assert estimate.rate == pytest.approx(8.0 * BACKOFF + max(0.5, 0.1 * 8.0 * BACKOFF) / (8.0 * BACKOFF))
     estimate.restart()
     before = estimate.rate
     estimate.answered(0.0)
@@ -94,7 +96,8 @@ def test_the_bucket_spreads_requests_evenly_and_never_catches_up_in_a_burst() ->
 def test_the_ramp_doubles_what_may_be_in_flight_until_it_is_over() -> None:
     ramp = Ramp()
     assert ramp.cap(10.0) == RAMP_START
-    assert ramp.wait_s(10.0, RAMP_START) == pytest.approx(RAMP_DOUBLING_S * 0.0893, abs=0.002)  # log2(17/16)
+    # One more than the start may go when the cap has grown by a factor (start + 1) / start.
+    assert ramp.wait_s(10.0, RAMP_START) == pytest.approx(RAMP_DOUBLING_S * math.log2((RAMP_START + 1) / RAMP_START))
     assert ramp.cap(10.0 + RAMP_DOUBLING_S) == 2 * RAMP_START
     assert ramp.cap(10.0 + 100 * RAMP_DOUBLING_S) is None and ramp.over
     pacer = Pacer()
@@ -149,8 +152,8 @@ def _run(limiter: RequestLimiter, prompts: int, *, latency: tuple[float, float],
                 waiting -= 1
             else:
                 refused += 1
-                stated = stated_rate({"X-RateLimit-Limit": refusal.limit})
-                limits.refused(seq, now, refusal.retry_after_s, None, stated)
+                headers = {"X-RateLimit-Limit": refusal.limit}
+                limits.refused(seq, now, refusal.retry_after_s, None, stated_rate(headers), stated_count(headers))
         ends.sort()
         nxt = [limits.next_s(now) + now if waiting else float("inf")]
         if ends:
@@ -171,3 +174,30 @@ def test_a_paced_run_against_a_bucket_of_small_burst_refuses_little_and_keeps_ne
     assert refused <= 0.1 * prompts, refused
     # The limit allows prompts / rps seconds (and one latency for the last answers).
     assert elapsed <= (prompts / rps + 1.0) / 0.9, elapsed
+
+
+def test_a_refusal_by_a_stated_open_cap_holds_the_window_to_it_and_leaves_the_pace() -> None:
+    limits = ProviderLimits(ceiling=256, stall_s=60.0)
+    limits.pacer.stated(20.0, now=0.0)
+    seqs = [limits.start() for _ in range(17)]
+    limits.refused(seqs[-1], now=0.1, retry_after_s=1.0, stated_count=16)  # 17 open, the key says 16
+    assert limits.limit == 16 and limits.pacer.rate == 20.0
+    for _ in range(200):
+        limits.start()
+        limits.answered(None, now=0.2)
+    assert limits.limit == 16  # answers do not grow it past what the provider stated
+    assert stated_count({"X-RateLimit-Limit": "16"}) == 16 and stated_count({"X-RateLimit-Limit": "20/s"}) is None
+
+
+@pytest.mark.parametrize(
+    ("limiter", "allowed_rps"),
+    [
+        (RequestLimiter(rps=20.0, burst=5.0, max_open=16, open_retry_after_s=1.0), 20.0),  # issue 41's key
+        (RequestLimiter(max_open=16, open_retry_after_s=1.0), 16 / 0.75),  # an open cap: 16 over the mean latency
+    ],
+)
+def test_a_stated_open_cap_is_kept_by_the_window_not_bounced_off(limiter: RequestLimiter, allowed_rps: float) -> None:
+    prompts = 300
+    elapsed, refused = _run(limiter, prompts, latency=(0.5, 1.0))
+    assert refused <= 0.1 * prompts, refused
+    assert elapsed <= (prompts / allowed_rps + 1.0) / 0.9, elapsed

@@ -40,7 +40,7 @@ from services.inference.core import (
     ProviderResult,
     classify_status,
 )
-from services.inference.pacer import key_rate, stated_rate
+from services.inference.pacer import key_rate, stated_count, stated_rate
 
 log = logging.getLogger(__name__)
 
@@ -619,6 +619,7 @@ class _HttpProvider:
             failure.upstream = upstream
             if response.status_code == 429:
                 failure.stated_rps = stated_rate(response.headers)
+                failure.stated_count = stated_count(response.headers)
             raise failure
         return decode_json_body(response.content)
 
