@@ -97,6 +97,8 @@ class ProviderFailure(Exception):  # noqa: N818 - reads better as a verdict than
     stated_rps: float | None = None
     # A bare count a 429's ``X-RateLimit-Limit`` states with no period (requests open at once, say).
     stated_count: int | None = None
+    # Seconds this prompt waits before its next request (set by the shell: a refusal by an open cap).
+    hold_s: float = 0.0
     # The sequence number (OutageDetector.begin) of this prompt's first outage-class failed
     # request (set by the shell): no later request answered means nobody got through.
     answered_mark: int | None = None

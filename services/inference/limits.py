@@ -252,20 +252,27 @@ class ProviderLimits:
         self.release()
         self.refusals += 1
         window = self.window(upstream)
-        if stated_rps is None and stated_count is not None and open_with_it > stated_count:
-            # More were open than the count the refusal states: a cap on requests open at once,
-            # the window's to keep (the pace is not cut).
-            window.cap_at(stated_count, seq, self.sent)
-        else:
-            # A refusal stating no rate where one was stated is about another limit (requests
-            # open at once): the window is cut from what was open.
-            other = stated_rps is None and self.pacer.stated_fresh(upstream, now)
-            window.refused(seq, self.sent, open_with_it if other else None)
-            self.pacer.refused(seq, self.sent, now, upstream, stated_rps)
+        if self.open_cap(stated_rps, stated_count, open_with_it):
+            # A cap on requests open at once: the window keeps to it from now on, the pace is not
+            # cut and new requests are not paused (the refused one waits its Retry-After).
+            window.cap_at(stated_count or 0, seq, self.sent)
+            self.pacer.ramp.over = True  # a limit was found: the window bounds what is in flight
+            self.stall.refused(now)
+            return 0.0
+        # A refusal stating no rate where one was stated is about another limit (requests open
+        # at once): the window is cut from what was open.
+        other = stated_rps is None and self.pacer.stated_fresh(upstream, now)
+        window.refused(seq, self.sent, open_with_it if other else None)
+        self.pacer.refused(seq, self.sent, now, upstream, stated_rps)
         self.stall.refused(now)
         added = self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
         self.pacer.resume_at(max(now, self.pause.until))
         return added
+
+    def open_cap(self, stated_rps: float | None, stated_count: int | None, open_with_it: int | None = None) -> bool:
+        """Whether a refusal stating ``stated_count`` (and no rate) refused more open requests than that."""
+        open_now = self.in_flight if open_with_it is None else open_with_it
+        return stated_rps is None and stated_count is not None and open_now > stated_count
 
     def stalled(self, now: float) -> bool:
         """Nothing but 429s for ``stall_s``."""

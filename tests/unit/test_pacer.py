@@ -180,8 +180,12 @@ def test_a_refusal_by_a_stated_open_cap_holds_the_window_to_it_and_leaves_the_pa
     limits = ProviderLimits(ceiling=256, stall_s=60.0)
     limits.pacer.stated(20.0, now=0.0)
     seqs = [limits.start() for _ in range(17)]
-    limits.refused(seqs[-1], now=0.1, retry_after_s=1.0, stated_count=16)  # 17 open, the key says 16
-    assert limits.limit == 16 and limits.pacer.rate == 20.0
+    assert limits.open_cap(None, 16)  # 17 open, the key says 16
+    assert limits.refused(seqs[-1], now=0.1, retry_after_s=1.0, stated_count=16) == 0.0  # no pause...
+    assert limits.limit == 16 and limits.pacer.rate == 20.0  # ...the window keeps to 16, the pace stands
+    assert not limits.may_start(0.1)  # 16 open: full
+    limits.answered(None, now=0.1)
+    assert limits.may_start(0.1)  # one answered: the next may go at once, no pause
     for _ in range(200):
         limits.start()
         limits.answered(None, now=0.2)
