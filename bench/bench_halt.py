@@ -238,8 +238,10 @@ async def measure(quick: bool) -> list[Result]:
             "ms",
         ),
         result("halt overshoot vs in-flight bound", float(worst), float(bound), worst / bound, "<= 1.0", "tokens"),
-        result("requests after a halt was in force", float(after_in_force), 0.0, float(after_in_force), "<= 0.0",
-               "requests"),
+        result(
+            "requests after a halt was in force", float(after_in_force), 0.0, float(after_in_force), "<= 0.0",
+            "requests",  # topology: not a topic
+        ),
         result(f"worker cycle collections >= {SLOW_GC_MS:.0f} ms", float(len(pauses)), 0.0, float(len(pauses)),
                "<= 0.0", "collections"),
     ]

@@ -359,7 +359,7 @@ def key_rate(data: Mapping[str, object]) -> float | None:
     limit = data.get("rate_limit")
     if not isinstance(limit, Mapping):
         return None
-    requests, interval = limit.get("requests"), limit.get("interval")
+    requests, interval = limit.get("requests"), limit.get("interval")  # topology: not a topic
     seconds = interval_s(interval) if isinstance(interval, str) else None
     if not isinstance(requests, int | float) or requests <= 0 or not seconds:
         return None
