@@ -11,7 +11,8 @@ and records, per trial, the time from just before the send to the last request t
 the simulator afterwards (0 when none did) **and** when the halt was in force in the worker
 (the worker logs it); the stop time is the larger of the two, no request may reach the
 simulator after the halt was in force, and a trial in which the worker was not sending at
-the moment of the halt (no request at the simulator in the ``SENDING_S`` before it) is not
+the moment of the halt (no request stamped by the simulator from ``SENDING_S`` before it on,
+asked once the halt has settled: the simulator's loop stamps late at 10,000 in flight) is not
 counted: a frozen worker sends nothing, which the simulator alone would read as a fast stop.
 The worker's cycle collections of 50 ms or more over the whole run are counted by generation. The
 responses that landed after the halt are summed in completion tokens and compared
@@ -53,8 +54,8 @@ from bench.common import (
 MAX_TOKENS = 512
 QUIET_S = 1.5
 TARGET_MS = 100.0
-SENDING_S = 0.1
-"""The worker counts as sending at the halt when the simulator saw a request this shortly before it."""
+SENDING_S = 0.5
+"""The worker counts as sending at the halt when the simulator stamped a request from this long before it on."""
 SLOW_GC_MS = 50.0
 
 
@@ -159,7 +160,6 @@ async def measure(quick: bool) -> list[Result]:
                 # Halt at a random moment of the steady state (completions and refills ongoing).
                 await asyncio.sleep(rng.uniform(latency, latency + jitter))
                 n_inflight = await inflight(client, base)
-                before = float((await sim_stats(client, base))["last_request_at"] or 0.0)
                 t_halt = time.time()
                 # What publish_control sends, on a producer already connected: the clock
                 # starts at the send, not at a client's connection setup.
@@ -177,6 +177,7 @@ async def measure(quick: bool) -> list[Result]:
                         break
                 delay = max(0.0, last - t_halt)
                 at_halt.append(n_inflight)
+                sending = int((await sim_stats(client, base, after=t_halt - SENDING_S))["requests_after"]) > 0
                 if trial + 1 < trials:
                     await publish_backlog(config, work, per_trial, tag=f"t{trial + 1}-")
                 t_resume = time.time()
@@ -184,7 +185,6 @@ async def measure(quick: bool) -> list[Result]:
                 await publish_control(settings, Resume(scope=DATASET, reason="bench", by="bench"))
                 in_force = _in_force_ms(worker.log_path)
                 force_ms = float(in_force[-1]) if len(in_force) > trial else None
-                sending = t_halt - before <= SENDING_S
                 late = force_ms is not None and last > t_halt + force_ms / 1000
                 after_in_force += int(late)
                 counted = sending and force_ms is not None
