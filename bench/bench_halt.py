@@ -7,8 +7,14 @@ never stop). Each trial waits until the requests in flight at the simulator reac
 bound (or stop growing: in flight = rate x latency, the latency is long enough at 10,000
 for the worker's rate to hold them), lets a random part of a latency pass, publishes a halt for the dataset (the record
 ``services.control.publish_control`` writes, sent on an already connected producer)
-and records the time from just before the send to the last request that reached the
-simulator afterwards (0 when none did). The
+and records, per trial, the time from just before the send to the last request that reached
+the simulator afterwards (0 when none did) **and** when the halt was in force in the worker
+(the worker logs it); the stop time is the larger of the two, no request may reach the
+simulator after the halt was in force, and a trial in which the worker was not sending at
+the moment of the halt (no request stamped by the simulator from ``SENDING_S`` before it on,
+asked once the halt has settled: the simulator's loop stamps late at 10,000 in flight) is not
+counted: a frozen worker sends nothing, which the simulator alone would read as a fast stop.
+The worker's cycle collections of 50 ms or more over the whole run are counted by generation. The
 responses that landed after the halt are summed in completion tokens and compared
 with the in-flight bound (concurrency x max_tokens): a worker that stops sending can
 never exceed it. A resume starts the next trial; each trial's prompts are published
@@ -48,6 +54,9 @@ from bench.common import (
 MAX_TOKENS = 512
 QUIET_S = 1.5
 TARGET_MS = 100.0
+SENDING_S = 0.5
+"""The worker counts as sending at the halt when the simulator stamped a request from this long before it on."""
+SLOW_GC_MS = 50.0
 
 
 async def responses_after(config: Path, marks: list[tuple[float, float]]) -> list[tuple[int, int]]:
@@ -98,14 +107,16 @@ async def measure(quick: bool) -> list[Result]:
     from services.common.kafka import make_producer
     from services.control import publish_control
 
-    concurrency, latency, jitter, trials = (100, 0.4, 0.4, 3) if quick else (10_000, 10.0, 4.0, 8)
+    concurrency, latency, jitter, trials = (100, 0.4, 0.4, 3) if quick else (10_000, 10.0, 4.0, 10)
     raise_fd_limit(concurrency + 4096)
     rng = random.Random(4)  # noqa: S311 - when to halt, not crypto
     ramp_s = 15.0 if quick else max(20.0, concurrency / 200)
     # Per trial: the ramp, one to two latencies of refills, the halt; published before each trial.
     per_trial = concurrency * 4
     prefix = unique_prefix("halt")
-    delays: list[float] = []
+    delays: list[float] = []  # counted trials: the larger of the simulator's and the worker's figure
+    after_in_force = 0  # requests the simulator saw after a halt was in force in the worker
+    skipped = 0
     at_halt: list[int] = []
     marks: list[tuple[float, float]] = []
     with workdir("halt") as work, processes() as procs:
@@ -138,9 +149,9 @@ async def measure(quick: bool) -> list[Result]:
             stack.push_async_callback(producer.stop)
             client = await stack.enter_async_context(httpx.AsyncClient(timeout=10.0))
 
-            budget_end = time.monotonic() + (90 if quick else 360)
+            budget_end = time.monotonic() + (90 if quick else 600)
             for trial in range(trials):
-                if trial >= 3 and time.monotonic() > budget_end:
+                if len(delays) >= (3 if quick else 8) and time.monotonic() > budget_end:
                     print(f"time budget spent: stopping after {trial} trials", flush=True)
                     break
 
@@ -165,30 +176,43 @@ async def measure(quick: bool) -> list[Result]:
                     if quiet_for > max(QUIET_S, latency + 0.5) and await inflight(client, base) == 0:
                         break
                 delay = max(0.0, last - t_halt)
-                delays.append(delay)
                 at_halt.append(n_inflight)
+                sending = int((await sim_stats(client, base, after=t_halt - SENDING_S))["requests_after"]) > 0
                 if trial + 1 < trials:
                     await publish_backlog(config, work, per_trial, tag=f"t{trial + 1}-")
                 t_resume = time.time()
                 marks.append((t_halt, t_resume))
                 await publish_control(settings, Resume(scope=DATASET, reason="bench", by="bench"))
                 in_force = _in_force_ms(worker.log_path)
+                force_ms = float(in_force[-1]) if len(in_force) > trial else None
+                late = force_ms is not None and last > t_halt + force_ms / 1000
+                after_in_force += int(late)
+                counted = sending and force_ms is not None
+                if counted:
+                    delays.append(max(delay, (force_ms or 0.0) / 1000))
+                else:
+                    skipped += 1
                 print(
                     f"trial {trial + 1}: {n_inflight} in flight at the halt; last new request "
                     f"{delay * 1000:.0f} ms after it (stamped by the simulator); in force in the worker "
-                    f"{in_force[-1] if len(in_force) > trial else '?'} ms after it",
+                    f"{'?' if force_ms is None else f'{force_ms:.0f}'} ms after it; "
+                    f"{'a request after it was in force; ' if late else ''}"
+                    f"{'counted' if counted else 'not counted (the worker was not sending at the halt)'}",
                     flush=True,
                 )
         worker.check()
-        pauses = [
-            int(ms)
-            for ms in re.findall(
-                r"cycle collection of generation \d took (\d+) ms", worker.log_path.read_text(errors="replace")
-            )
-        ]
+        found = re.findall(
+            r"cycle collection of generation (\d) took (\d+) ms", worker.log_path.read_text(errors="replace")
+        )
+        pauses = [int(ms) for _, ms in found if int(ms) >= SLOW_GC_MS]
+        by_generation = {g: sum(1 for gen, ms in found if gen == g and int(ms) >= SLOW_GC_MS) for g in "012"}
         print(
-            f"the worker's cycle collections of 100 ms or more: {len(pauses)}"
-            + (f", longest {max(pauses)} ms" if pauses else ""),
+            f"the worker's cycle collections of {SLOW_GC_MS:.0f} ms or more: {len(pauses)}"
+            + (
+                f" (by generation {by_generation}), median {percentile(pauses, 50):.0f} ms, longest {max(pauses)} ms"
+                if pauses
+                else ""
+            ),
             flush=True,
         )
         windows = await responses_after(config, marks)
@@ -196,9 +220,10 @@ async def measure(quick: bool) -> list[Result]:
     bound = concurrency * MAX_TOKENS
     worst = max(tokens for _, tokens in windows)
     worst_n = max(n for n, _ in windows)
-    p99_ms = percentile(delays, 99) * 1000
+    p99_ms = percentile(delays, 99) * 1000 if delays else float("inf")
     print(
-        f"halt stop time over {len(delays)} trials: median {percentile(delays, 50) * 1000:.0f} ms, "
+        f"halt stop time (the larger of the simulator's and the worker's) over {len(delays)} counted trials "
+        f"({skipped} not counted): median {percentile(delays, 50) * 1000 if delays else float('inf'):.0f} ms, "
         f"p99 {p99_ms:.0f} ms; after the halt at most {worst_n} responses ({worst} tokens) landed, "
         f"in-flight bound {concurrency} requests x {MAX_TOKENS} = {bound} tokens",
         flush=True,
@@ -213,6 +238,12 @@ async def measure(quick: bool) -> list[Result]:
             "ms",
         ),
         result("halt overshoot vs in-flight bound", float(worst), float(bound), worst / bound, "<= 1.0", "tokens"),
+        result(
+            "requests after a halt was in force", float(after_in_force), 0.0, float(after_in_force), "<= 0.0",
+            "requests",  # topology: not a topic
+        ),
+        result(f"worker cycle collections >= {SLOW_GC_MS:.0f} ms", float(len(pauses)), 0.0, float(len(pauses)),
+               "<= 0.0", "collections"),
     ]
 
 

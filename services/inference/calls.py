@@ -104,6 +104,8 @@ class ProviderCall:
                     tries.failed = 0
                     continue  # waits at the gate until resumed, then starts over
                 if is_rate_limited(failure):
+                    if failure.hold_s > 0:  # refused by a cap on open requests: this one waits its Retry-After
+                        await asyncio.sleep(failure.hold_s)
                     continue  # the run was too fast, not the prompt's fault: wait for the throttle again
                 if is_outage_failure(failure) and await self._guard.provider_down(failure):
                     # Not this request's fault: the provider answers nobody. Start over (the
@@ -203,7 +205,9 @@ class ProviderCall:
             tries.ended = "" if kept else started.attempt_id  # the next attempt releases it when nothing was billed
             REQUESTS.labels(provider=provider.name, outcome=failure.reason).inc()
             if is_rate_limited(failure):
-                throttle.refused(seq, failure.retry_after_s, failure.upstream)
+                failure.hold_s = throttle.refused(
+                    seq, failure.retry_after_s, failure.upstream, failure.stated_rps, failure.stated_count
+                )
                 if throttle.stalled():
                     await self._guard.halt_rate_limit()
             else:

@@ -94,6 +94,12 @@ class ProviderFailure(Exception):  # noqa: N818 - reads better as a verdict than
     attempt: int = 1
     # The OpenRouter upstream a refusal names (``error.metadata.provider_name``), if any.
     upstream: str | None = None
+    # The request rate (per second) a 429's rate-limit headers state, if they state one.
+    stated_rps: float | None = None
+    # A bare count a 429's ``X-RateLimit-Limit`` states with no period (requests open at once, say).
+    stated_count: int | None = None
+    # Seconds this prompt waits before its next request (set by the shell: a refusal by an open cap).
+    hold_s: float = 0.0
     # The sequence number (OutageDetector.begin) of this prompt's first outage-class failed
     # request (set by the shell): no later request answered means nobody got through.
     answered_mark: int | None = None
@@ -422,3 +428,4 @@ class ProviderCheck:
     outage: bool = False
     detail: str = ""
     unknown: bool = False
+    rate_limit_rps: float | None = None  # the key's request rate as the provider states it

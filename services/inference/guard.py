@@ -86,6 +86,7 @@ class ProviderGuard:
         check = await self._provider.check()
         self.preflight[GLOBAL_SCOPE] = check
         base = self._settings.provider.base_url
+        self.throttle.stated(check.rate_limit_rps)
         if check.ok:
             if check.unknown:
                 log.warning("pre-flight: provider %s at %s: %s", self._provider.name, base, check.detail)

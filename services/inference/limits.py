@@ -10,20 +10,30 @@ the policy is unit-tested on its own and :mod:`services.inference.throttle` wire
   the share of the last round's requests that got through, between a half and nine tenths
   (a first refusal with nothing to go by: a half), at most once per round: refusals of
   requests sent before the last cut were sent under the old window and say nothing new
-  (TCP's one-decrease-per-RTT).
+  (TCP's one-decrease-per-RTT). The cut is from what was in flight when the window was
+  larger than that, for a refusal of another limit than the rate (a window that never bound
+  says nothing), and growth past the level of
+  the last refusal is ``PLATEAU_SLOWDOWN`` times slower (CUBIC's plateau): a limit found is
+  probed now and then, not bounced off every round (a 429 may cost a ``Retry-After`` of a second).
 - :class:`ProviderLimits` keeps one window for the provider (the key's own limit) and one
   per OpenRouter upstream that a reply or a refusal names; what may be in flight is the
   provider's window, and never more than the upstreams seen so far take together.
 - A ``Retry-After`` pauses every *new* request until it has passed (:class:`Pause`).
 - :class:`StallClock`: refusals and no answer for ``stall_s`` means the limit admits nothing.
+- The pace (:class:`~services.inference.pacer.Pacer`): requests go no faster than the rate the
+  key admits, evenly spread, and resume at that rate after a pause.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.inference.pacer import Pacer
+
 KEY_SCOPE = "key"
 """The label of the provider's own window (a refusal that names no upstream)."""
+PLATEAU_SLOWDOWN = 8.0
+"""How much slower the window grows past the level of its last refusal."""
 
 
 @dataclass
@@ -39,6 +49,8 @@ class AimdWindow:
     slow_start: bool = True
     answers: int = 0  # since the last cut
     refusals: int = 0  # since the last cut
+    plateau: float = float("inf")  # the level of the last refusal, less one
+    hard_cap: int | None = None  # requests open at once the provider stated it admits
 
     def __post_init__(self) -> None:
         if self.size <= 0:
@@ -54,24 +66,41 @@ class AimdWindow:
         self.answers += 1
         if 2 * in_flight >= self.limit:
             step = 1.0 if self.slow_start else 1.0 / self.size
-            self.size = min(float(self.ceiling), self.size + step)
+            if self.size >= self.plateau:
+                step /= PLATEAU_SLOWDOWN
+            top = self.ceiling if self.hard_cap is None else min(self.ceiling, self.hard_cap)
+            self.size = min(float(top), self.size + step)
 
-    def refused(self, seq: int, last_seq: int) -> bool:
-        """A refusal of request ``seq`` (``last_seq``: the newest sent); True when the window shrank."""
+    def refused(self, seq: int, last_seq: int, in_flight: int | None = None) -> bool:
+        """A refusal of request ``seq`` (``last_seq``: the newest sent; ``in_flight``: with it, open
+        when it was refused); True when the window shrank."""
         self.refusals += 1
         if seq <= self.cut_after:
             return False
         share = self.answers / (self.answers + self.refusals) if not self.slow_start else 0.0
         backoff = min(self.max_backoff, max(self.min_backoff, share))
-        self.size = max(float(self.floor), self.size * backoff)
+        base = self.size if in_flight is None else min(self.size, float(in_flight))
+        if in_flight is not None:
+            self.plateau = max(float(self.floor), in_flight - 1.0)
+        self.size = max(float(self.floor), base * backoff)
         self.cut_after = last_seq
         self.slow_start = False
         self.answers = self.refusals = 0
         return True
 
+    def cap_at(self, count: int, seq: int, last_seq: int) -> None:
+        """The provider stated it admits ``count`` open at once: the window keeps to it (until a restart)."""
+        self.refusals += 1
+        self.hard_cap = max(self.floor, count)
+        self.size = min(self.size, float(self.hard_cap))
+        if seq > self.cut_after:
+            self.cut_after = last_seq
+        self.slow_start = False
+
     def restart(self) -> None:
         """Grow fast again (after a stall was lifted: where the limit now lies is not known)."""
         self.slow_start = True
+        self.hard_cap = None
 
 
 @dataclass
@@ -128,20 +157,24 @@ class StallClock:
 
 @dataclass
 class ProviderLimits:
-    """The windows of one provider (and its upstreams), the pause and the stall clock."""
+    """The windows of one provider (and its upstreams), its pace, the pause and the stall clock."""
 
     ceiling: int
     stall_s: float
     default_pause_s: float = 0.5
+    rate_ceiling: float | None = None  # requests a second: the user's own ceiling
     windows: dict[str, AimdWindow] = field(default_factory=dict)
     pause: Pause = field(default_factory=Pause)
     stall: StallClock = field(init=False)
+    pacer: Pacer = field(init=False)
     in_flight: int = 0
     sent: int = 0
     refusals: int = 0
 
     def __post_init__(self) -> None:
         self.stall = StallClock(self.stall_s)
+        self.pacer = Pacer(ceiling=self.rate_ceiling, key_scope=KEY_SCOPE)
+        self.pacer.estimate(None)
         self.windows.setdefault(KEY_SCOPE, AimdWindow(self.ceiling))
 
     def window(self, scope: str | None) -> AimdWindow:
@@ -162,12 +195,27 @@ class ProviderLimits:
         """How long a new request waits for the pause (0: it may go when the window has room)."""
         return self.pause.remaining(now)
 
+    def next_s(self, now: float) -> float:
+        """How long a new request waits for the pause and the pace (the window aside)."""
+        ramp = self.pacer.ramp.wait_s(now, self.in_flight)
+        return max(self.pause.remaining(now), self.pacer.wait_s(now), ramp)
+
+    def room(self, now: float) -> int:
+        """New requests that may be sent now: none in a pause, else what the window and the pace allow."""
+        if self.pause.remaining(now) > 0:
+            return 0
+        ramp = self.pacer.ramp_cap(now)
+        window = self.limit if ramp is None else min(self.limit, ramp)
+        return min(window - self.in_flight, self.pacer.available(now))
+
     def may_start(self, now: float) -> bool:
         """Whether a new request may be sent now."""
-        return self.pause.remaining(now) <= 0 and self.in_flight < self.limit
+        return self.room(now) > 0
 
-    def start(self) -> int:
-        """A request is sent: its sequence number."""
+    def start(self, now: float | None = None) -> int:
+        """A request is sent (at ``now``: it takes its place in the pace); its sequence number."""
+        if now is not None:
+            self.pacer.take(now)
         self.in_flight += 1
         self.sent += 1
         return self.sent
@@ -176,21 +224,55 @@ class ProviderLimits:
         """A request ended without saying anything about the limit (another failure, or not sent)."""
         self.in_flight = max(0, self.in_flight - 1)
 
-    def answered(self, upstream: str | None) -> None:
-        """An answer (served by ``upstream`` when the reply names one): the windows grow, no stall."""
+    def answered(self, upstream: str | None, now: float | None = None) -> None:
+        """An answer (served by ``upstream`` when the reply names one): windows and pace grow, no stall."""
         self.release()
         self.windows[KEY_SCOPE].answered(self.in_flight + 1)
         if upstream:
             self.window(upstream).answered(self.in_flight + 1)
+        if now is not None:
+            self.pacer.answered(upstream, now)
         self.stall.answered()
 
-    def refused(self, seq: int, now: float, retry_after_s: float | None, upstream: str | None = None) -> float:
-        """Request ``seq`` got a 429: shrink the window it names, pause new requests; seconds added to the pause."""
+    def refused(
+        self,
+        seq: int,
+        now: float,
+        retry_after_s: float | None,
+        upstream: str | None = None,
+        stated_rps: float | None = None,
+        stated_count: int | None = None,
+    ) -> float:
+        """Request ``seq`` got a 429: shrink the window and the pace it names, pause new requests.
+
+        ``stated_rps``: the rate the refusal's headers state; ``stated_count``: a bare count they
+        state instead. Returns the seconds added to the pause.
+        """
+        open_with_it = self.in_flight
         self.release()
         self.refusals += 1
-        self.window(upstream).refused(seq, self.sent)
+        window = self.window(upstream)
+        if self.open_cap(stated_rps, stated_count, open_with_it):
+            # A cap on requests open at once: the window keeps to it from now on, the pace is not
+            # cut and new requests are not paused (the refused one waits its Retry-After).
+            window.cap_at(stated_count or 0, seq, self.sent)
+            self.pacer.ramp.over = True  # a limit was found: the window bounds what is in flight
+            self.stall.refused(now)
+            return 0.0
+        # A refusal stating no rate where one was stated is about another limit (requests open
+        # at once): the window is cut from what was open.
+        other = stated_rps is None and self.pacer.stated_fresh(upstream, now)
+        window.refused(seq, self.sent, open_with_it if other else None)
+        self.pacer.refused(seq, self.sent, now, upstream, stated_rps)
         self.stall.refused(now)
-        return self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
+        added = self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
+        self.pacer.resume_at(max(now, self.pause.until))
+        return added
+
+    def open_cap(self, stated_rps: float | None, stated_count: int | None, open_with_it: int | None = None) -> bool:
+        """Whether a refusal stating ``stated_count`` (and no rate) refused more open requests than that."""
+        open_now = self.in_flight if open_with_it is None else open_with_it
+        return stated_rps is None and stated_count is not None and open_now > stated_count
 
     def stalled(self, now: float) -> bool:
         """Nothing but 429s for ``stall_s``."""
@@ -201,6 +283,7 @@ class ProviderLimits:
         self.stall.answered()
         for window in self.windows.values():
             window.restart()
+        self.pacer.restart()
 
 
 __all__ = ["KEY_SCOPE", "AimdWindow", "Pause", "ProviderLimits", "StallClock"]

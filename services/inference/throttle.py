@@ -1,10 +1,11 @@
-"""The rate-limit gate every provider request passes: the adaptive window, Retry-After, ceilings.
+"""The rate-limit gate every provider request passes: the adaptive window, the pace, Retry-After, ceilings.
 
 :class:`ProviderThrottle` wires the pure policy of :mod:`services.inference.limits` to
-asyncio: :meth:`~ProviderThrottle.admit` waits while a ``Retry-After`` pause stands or the
-window is full, then for the optional ``requests_per_minute`` / ``tokens_per_minute``
-ceilings (aiolimiter's leaky buckets); each request then reports how it ended, and the
-window moves. Each worker has its own throttle: several workers on one key adapt
+asyncio: :meth:`~ProviderThrottle.admit` waits while a ``Retry-After`` pause stands, the
+window is full or the pace (:mod:`services.inference.pacer`) says not yet, then for the
+optional ``requests_per_minute`` / ``tokens_per_minute`` ceilings (aiolimiter's leaky
+buckets; ``requests_per_minute`` also caps the pace); each request then reports how it
+ended, and the window and the pace move. Each worker has its own throttle: several workers on one key adapt
 independently (docs/operations.md says how they share the key's limit).
 """
 
@@ -34,7 +35,10 @@ class ProviderThrottle:
     ) -> None:
         self.provider = provider
         self.limits = ProviderLimits(
-            ceiling=cfg.concurrency, stall_s=cfg.rate_limit_stall_s, default_pause_s=cfg.backoff_initial_s
+            ceiling=cfg.concurrency,
+            stall_s=cfg.rate_limit_stall_s,
+            default_pause_s=cfg.backoff_initial_s,
+            rate_ceiling=cfg.requests_per_minute / 60.0 if cfg.requests_per_minute else None,
         )
         self._clock = clock
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -78,10 +82,17 @@ class ProviderThrottle:
         completion = self._completion_tokens // self._answers if self._answers else max_tokens
         return prompt_chars // 4 + min(completion, max_tokens)
 
+    @property
+    def pace(self) -> float | None:
+        """Requests a second the pace allows now (None: not paced)."""
+        return self.limits.pacer.bucket.rate
+
+    def stated(self, limit_rps: float | None) -> None:
+        """The key's rate limit as the provider states it (OpenRouter's ``GET /key`` at pre-flight)."""
+        self.limits.pacer.stated(limit_rps, self._clock())
+
     def _room(self) -> int:
-        if self.limits.wait_s(self._clock()) > 0:
-            return 0
-        return self.limits.limit - self.limits.in_flight - self._woken
+        return self.limits.room(self._clock()) - self._woken
 
     async def admit(self, tokens: int = 0) -> int:
         """Wait for the pause, a place in the window and the ceilings; the request's sequence number."""
@@ -101,7 +112,9 @@ class ProviderThrottle:
                 self._wake()  # a turn this task was given goes to the next
                 raise
             self._woken -= 1
-        seq = self.limits.start()
+        seq = self.limits.start(self._clock())
+        if self._waiters:
+            self._wake()  # the next waiter's turn comes at the pace
         try:
             if self._rpm is not None:
                 await self._rpm.acquire()
@@ -114,19 +127,35 @@ class ProviderThrottle:
 
     def answered(self, upstream: str | None, completion_tokens: int | None) -> None:
         """The request was answered (by ``upstream`` when the reply names one)."""
-        self.limits.answered(upstream)
+        self.limits.answered(upstream, self._clock())
         if completion_tokens is not None:
             self._answers += 1
             self._completion_tokens += completion_tokens
         self._changed()
 
-    def refused(self, seq: int, retry_after_s: float | None, upstream: str | None) -> None:
-        """Request ``seq`` got a 429: shrink the window, pause new requests for its Retry-After."""
-        added = self.limits.refused(seq, self._clock(), retry_after_s, upstream)
+    def refused(
+        self,
+        seq: int,
+        retry_after_s: float | None,
+        upstream: str | None,
+        stated_rps: float | None = None,
+        stated_count: int | None = None,
+    ) -> float:
+        """Request ``seq`` got a 429: shrink the window and the pace, pause new requests for its Retry-After.
+
+        Returns the seconds the refused request itself waits before it is tried again: its
+        ``Retry-After`` when a stated cap on open requests refused it (the window keeps the
+        others within it, so nothing else pauses), else 0 (the pause holds it with the rest).
+        """
+        cap = self.limits.open_cap(stated_rps, stated_count)
+        added = self.limits.refused(seq, self._clock(), retry_after_s, upstream, stated_rps, stated_count)
         RATE_LIMITED.labels(provider=self.provider, upstream=upstream or KEY_SCOPE).inc()
         if added > 0:
             RATE_LIMIT_PAUSED.labels(provider=self.provider).inc(added)
         self._changed()
+        if not cap:
+            return 0.0
+        return self.limits.default_pause_s if retry_after_s is None else retry_after_s
 
     def release(self) -> None:
         """The request ended in a way that says nothing about the limit (another failure, not sent)."""
@@ -138,15 +167,15 @@ class ProviderThrottle:
         self._wake()
 
     def _wake(self) -> None:
-        """Tell as many waiters to go as the window has room for; after a pause, by a timer."""
+        """Tell as many waiters to go as the window and the pace have room for; after a pause, by a timer."""
         if not self._waiters:
             return
-        pause = self.limits.wait_s(self._clock())
-        if pause > 0:
-            if self._timer is None:
-                self._timer = asyncio.get_running_loop().call_later(pause, self._pause_over)
-            return
         room = self._room()
+        if room <= 0:
+            delay = self.limits.next_s(self._clock())
+            if delay > 0 and self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(delay, self._pause_over)
+            return
         while room > 0 and self._waiters:
             turn = self._waiters.popleft()
             if not turn.done():

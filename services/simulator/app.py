@@ -63,6 +63,7 @@ from services.simulator.core import (
     render_chat_template,
 )
 from services.simulator.limits import OverCap, RequestLimiter, retry_after_text
+from services.simulator.shapes import shaped
 
 __all__ = [
     "FAULT_HEADER",
@@ -136,6 +137,10 @@ class SimulatorOptions:
     rate_limit_rps: float | None = None
     rate_limit_burst: float | None = None
     max_open: int | None = None
+    # Other shapes (services.simulator.shapes): a fixed window of requests, a rate that changes.
+    rate_limit_window: int | None = None
+    rate_limit_window_s: float = 60.0
+    rate_limit_schedule: str | None = None
     answer_tokens: tuple[int, int] | None = None  # log-uniform answer length (see GenerationParams)
     reasoning_share: tuple[float, float] = (0.80, 0.95)
     parallel_tool_calls: bool = False  # every offered tool called once, in order (see GenerationParams)
@@ -149,7 +154,11 @@ class SimulatorOptions:
         """The request limiter these options set (inactive without a limit)."""
         rps = self.rate_limit_rps
         burst = self.rate_limit_burst if self.rate_limit_burst is not None else float(math.ceil(rps or 0))
-        return RequestLimiter(rps=rps, burst=burst, max_open=self.max_open, open_retry_after_s=self.retry_after_s)
+        base = RequestLimiter(rps=rps, burst=burst, max_open=self.max_open, open_retry_after_s=self.retry_after_s)
+        return shaped(
+            base, per_window=self.rate_limit_window, window_s=self.rate_limit_window_s,
+            schedule=self.rate_limit_schedule,
+        )
 
     def fault_rates(self) -> dict[str, float]:
         """Rate of every fault by its name (``429``, ``5xx``, ..., ``noncanonical_same``)."""

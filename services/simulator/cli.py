@@ -81,6 +81,15 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             int | None,
             typer.Option(help="Requests answered at once; beyond: 429 with Retry-After of --retry-after"),
         ] = None,
+        rate_limit_window: Annotated[
+            int | None,
+            typer.Option(help="Admit this many requests per fixed window (instead of the bucket); beyond: 429"),
+        ] = None,
+        rate_limit_window_s: Annotated[float, typer.Option(help="Length of that window, seconds")] = 60.0,
+        rate_limit_schedule: Annotated[
+            str | None,
+            typer.Option(help="Change the bucket's rate after the first request: 'seconds:factor,...' (20:0.5,50:1)"),
+        ] = None,
         count_end_of_turn: Annotated[
             bool, typer.Option(help="Count the end-of-turn token in usage.completion_tokens")
         ] = True,
@@ -143,6 +152,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 rate_limit_rps=rate_limit_rps,
                 rate_limit_burst=rate_limit_burst,
                 max_open=max_open,
+                rate_limit_window=rate_limit_window,
+                rate_limit_window_s=rate_limit_window_s,
+                rate_limit_schedule=rate_limit_schedule,
             ).with_fault_rates(_parse_rates(fault_rate or []))
         except ValueError as exc:
             fail(str(exc))

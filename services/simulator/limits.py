@@ -50,14 +50,21 @@ class RequestLimiter:
         """Whether any limit is set."""
         return self.rps is not None or self.max_open is not None
 
-    def admit(self, now: float) -> Refusal | None:
-        """Take one request now: None when admitted (count it open until :meth:`done`), else the refusal."""
+    def open_refusal(self) -> Refusal | None:
+        """The refusal by the open cap, when it is full."""
         if self.max_open is not None and self.open >= self.max_open:
             return Refusal(
                 reason=f"{self.max_open} request(s) open at once",
                 retry_after_s=self.open_retry_after_s,
                 limit=str(self.max_open),
             )
+        return None
+
+    def admit(self, now: float) -> Refusal | None:
+        """Take one request now: None when admitted (count it open until :meth:`done`), else the refusal."""
+        refusal = self.open_refusal()
+        if refusal is not None:
+            return refusal
         if self.rps is not None:
             if self.stamp is not None:
                 self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rps)

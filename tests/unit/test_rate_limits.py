@@ -141,6 +141,8 @@ async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_
     await asyncio.sleep(0.05)
     assert order == [0]  # one place freed: one waiter goes
     throttle.refused(second, retry_after_s=0.2, upstream=None)  # window 2 -> 1, pause 0.2 s
+    # Nothing stated a rate: the pace is 0.85 of what was started over the last second (3 requests).
+    assert throttle.pace == pytest.approx(0.85 * 3)
     await asyncio.sleep(0.05)
     assert order == [0] and throttle.window == 1
     throttle.release()  # the first request ends, and the first waiter's: the window is empty, but paused
@@ -149,6 +151,8 @@ async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_
     assert order == [0, 1]  # after the pause, the window of one admits one
     throttle.release()
     await asyncio.sleep(0.05)
+    assert order == [0, 1]  # the window has room, the pace not yet: one request every 1 / 2.55 s
+    await asyncio.sleep(1 / 2.55)
     assert order == [0, 1, 2]
     assert first == 1
     for task in waiting:

@@ -40,6 +40,7 @@ from services.inference.core import (
     ProviderResult,
     classify_status,
 )
+from services.inference.pacer import key_rate, stated_count, stated_rate
 
 log = logging.getLogger(__name__)
 
@@ -616,6 +617,9 @@ class _HttpProvider:
                 pass
             failure = classify_status(response.status_code, self._redact(text), response.headers.get("retry-after"))
             failure.upstream = upstream
+            if response.status_code == 429:
+                failure.stated_rps = stated_rate(response.headers)
+                failure.stated_count = stated_count(response.headers)
             raise failure
         return decode_json_body(response.content)
 
@@ -878,7 +882,7 @@ class OpenRouterProvider(_HttpProvider):
             return ProviderCheck(
                 ok=False, reason="provider_credit_exhausted", message=f"{detail}: no credit left on this key"
             )
-        return ProviderCheck(ok=True, detail=detail)
+        return ProviderCheck(ok=True, detail=detail, rate_limit_rps=key_rate(data))
 
     parse_body: Callable[[Any], ProviderResult] = staticmethod(parse_openrouter)
 

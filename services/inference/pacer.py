@@ -1,0 +1,369 @@
+"""Pacing, pure: a client-side token bucket whose rate follows an estimate of what the key admits.
+
+A window of requests in flight alone meets a rate limit by hitting it: a window that a
+``Retry-After`` pause held back goes out at once when the pause ends, and a bucket with a
+small burst refuses most of it again (a thundering herd). The pacer spreads requests
+evenly at the rate the key admits, alongside the window of :mod:`services.inference.limits`.
+
+- :class:`RateEstimate` is one scope's rate (the key's own, or an OpenRouter upstream's),
+  additive-increase / multiplicative-decrease on the rate as TCP does on its window: while
+  nothing is refused each answer adds ``max(MIN_STEP_RPS, STEP_SHARE x rate) / rate``
+  (about that many requests a second per second at full pace; before the first cut, one per
+  answer: a slow start that doubles the rate a second); a refusal cuts it to ``BACKOFF`` of
+  itself, once per round (refusals of requests sent before the cut say nothing new). A
+  limit the provider states (``X-RateLimit-*`` / ``RateLimit-*`` headers, OpenRouter's
+  ``GET /key``) caps the estimate for ``STATED_HOLD_S`` and seeds it when nothing is known.
+  Before anything is known a scope is not paced.
+- :class:`TokenBucket` sends at the combined rate (the key's estimate, within what the
+  upstreams estimated so far take together, within ``requests_per_minute``) with a burst of
+  one request, so it never catches up in a burst after a delay. After a ``Retry-After``
+  pause it starts empty at the pause's end: requests resume at the paced rate.
+- :class:`Ramp`: before the first refusal, requests in flight may double every
+  ``RAMP_DOUBLING_S`` from ``RAMP_START`` (a window of thousands opened in one go is a burst
+  no small bucket admits: its refusals would be most of the run's); past ``RAMP_END`` (or at
+  the first refusal) the ramp is over and the window alone bounds what is in flight.
+
+No I/O and no clock: every method that needs the time takes ``now`` (monotonic seconds).
+Written here rather than with aiolimiter: its leaky bucket's rate is fixed at creation and
+its capacity is its rate (a minute's worth at once for a per-minute limit).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+BACKOFF = 0.85
+"""A refusal cuts the estimate to this share of itself."""
+STEP_SHARE = 0.1
+"""While nothing is refused, the estimate grows by this share of itself a second..."""
+MIN_STEP_RPS = 0.5
+"""...and by at least this many requests a second per second."""
+MIN_RATE_RPS = 0.2
+"""The estimate never goes below one request in five seconds (the stall halt deals with zero)."""
+STATED_HOLD_S = 5.0
+"""How long a limit the provider stated caps the estimate (a limit that is raised is found after it)."""
+RAMP_START = 4
+RAMP_DOUBLING_S = 0.25
+RAMP_END = 1 << 20
+MEASURE_S = 1.0
+"""A refusal with nothing known cuts from the rate requests were started at over this long."""
+BURST = 1.0
+"""Requests the bucket lets go at once: one (no catching up after a delay)."""
+_EPS = 1e-9  # a token refilled in float steps counts whole
+
+
+@dataclass
+class RateEstimate:
+    """The requests a second one scope admits (None: nothing known, not paced); see the module docstring."""
+
+    rate: float | None = None
+    ceiling: float | None = None
+    stated: float | None = None
+    stated_at: float = -math.inf
+    slow_start: bool = True
+    cut_after: int = 0
+
+    def _cap(self, now: float) -> float | None:
+        caps = [c for c in (self.ceiling, self.stated if now - self.stated_at < STATED_HOLD_S else None) if c]
+        return min(caps) if caps else None
+
+    def state(self, limit_rps: float | None, now: float) -> None:
+        """The provider stated its limit (a header, ``GET /key``): it caps the estimate and seeds it."""
+        if limit_rps is None or limit_rps <= 0:
+            return
+        self.stated, self.stated_at = limit_rps, now
+        if self.rate is None:
+            self.rate = limit_rps
+            self.slow_start = False
+        self._clamp(now)
+
+    def answered(self, now: float) -> None:
+        """An answer: the estimate grows (by one in slow start, else a step a second at full pace)."""
+        if self.rate is None:
+            return
+        step = 1.0 if self.slow_start else max(MIN_STEP_RPS, STEP_SHARE * self.rate) / self.rate
+        self.rate += step
+        self._clamp(now)
+
+    def refused(self, seq: int, last_seq: int, now: float, sent_rate: float) -> bool:
+        """Request ``seq`` was refused (``last_seq``: the newest sent; ``sent_rate``: the pace it was sent at).
+
+        Returns True when the estimate was cut (once per round).
+        """
+        if seq <= self.cut_after:
+            return False
+        self.cut_after = last_seq
+        base = sent_rate if self.rate is None else min(self.rate, sent_rate)
+        self.rate = max(MIN_RATE_RPS, BACKOFF * base)
+        self.slow_start = False
+        self._clamp(now)
+        return True
+
+    def restart(self) -> None:
+        """Grow fast again (after a stall was lifted: where the limit now lies is not known)."""
+        self.slow_start = True
+
+    def _clamp(self, now: float) -> None:
+        cap = self._cap(now)
+        if self.rate is not None and cap is not None:
+            self.rate = min(self.rate, cap)
+
+
+@dataclass
+class TokenBucket:
+    """Sends at ``rate`` a second with a burst of one; ``rate`` None: unlimited."""
+
+    rate: float | None = None
+    tokens: float = BURST
+    stamp: float | None = None
+
+    def _refill(self, now: float) -> None:
+        if self.rate is not None and self.stamp is not None and now > self.stamp:
+            self.tokens = min(BURST, self.tokens + (now - self.stamp) * self.rate)
+        if self.stamp is None or now > self.stamp:
+            self.stamp = now
+
+    def available(self, now: float) -> int:
+        """Whole requests that may go now (a large number when unlimited)."""
+        if self.rate is None:
+            return 1 << 30
+        self._refill(now)
+        return int(self.tokens + _EPS) if self.stamp is not None and now >= self.stamp else 0
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the next request may go."""
+        if self.rate is None:
+            return 0.0
+        self._refill(now)
+        start = self.stamp if self.stamp is not None else now
+        return max(0.0, start - now) + max(0.0, 1.0 - _EPS - self.tokens) / self.rate
+
+    def take(self, now: float) -> None:
+        """One request goes."""
+        if self.rate is not None:
+            self._refill(now)
+            self.tokens -= 1.0
+
+    def set_rate(self, rate: float | None, now: float) -> None:
+        """Change the pace (what was earned at the old rate is kept)."""
+        self._refill(now)
+        if rate is not None and self.rate is None:
+            self.tokens = min(self.tokens, BURST)
+        self.rate = rate
+
+    def resume_at(self, at: float) -> None:
+        """After a pause ending at ``at``: one request then, the next at the paced rate."""
+        if self.stamp is None or at > self.stamp:
+            self.tokens, self.stamp = min(BURST, 1.0), at
+
+
+@dataclass
+class Ramp:
+    """Before the first refusal: requests in flight doubling every ``RAMP_DOUBLING_S`` (None: over)."""
+
+    started: float | None = None
+    over: bool = False
+
+    def cap(self, now: float) -> int | None:
+        """Requests that may be in flight now; None once the ramp is over."""
+        if self.over:
+            return None
+        if self.started is None:
+            self.started = now
+        doublings = (now - self.started) / RAMP_DOUBLING_S
+        if RAMP_START * 2.0**doublings >= RAMP_END:
+            self.over = True
+            return None
+        return int(RAMP_START * 2.0**doublings)
+
+    def wait_s(self, now: float, in_flight: int) -> float:
+        """Seconds until the cap admits one more than ``in_flight``."""
+        cap = self.cap(now)
+        if cap is None or in_flight < cap or self.started is None:
+            return 0.0
+        at = self.started + RAMP_DOUBLING_S * math.log2((in_flight + 1) / RAMP_START)
+        return max(0.001, at - now)
+
+
+@dataclass
+class Pacer:
+    """A provider's pace: one estimate per scope (the key's and each upstream's), one bucket."""
+
+    ceiling: float | None = None  # requests a second (requests_per_minute / 60)
+    estimates: dict[str, RateEstimate] = field(default_factory=dict)
+    bucket: TokenBucket = field(default_factory=TokenBucket)
+    ramp: Ramp = field(default_factory=Ramp)
+    key_scope: str = "key"
+    starts: deque[float] = field(default_factory=deque)  # start times within MEASURE_S, while unpaced
+
+    def estimate(self, scope: str | None) -> RateEstimate:
+        """The estimate of ``scope`` (None: the key's own), made on first sight."""
+        name = scope or self.key_scope
+        found = self.estimates.get(name)
+        if found is None:
+            found = self.estimates[name] = RateEstimate(ceiling=self.ceiling)
+        return found
+
+    @property
+    def rate(self) -> float | None:
+        """The paced rate the estimates give (None: not paced by them)."""
+        own = self.estimates[self.key_scope].rate if self.key_scope in self.estimates else None
+        upstreams = [e.rate for n, e in self.estimates.items() if n != self.key_scope]
+        total = None if not upstreams or None in upstreams else sum(r for r in upstreams if r is not None)
+        rates = [r for r in (own, total) if r is not None]
+        return min(rates) if rates else None
+
+    def _sync(self, now: float) -> None:
+        rate = self.rate
+        if rate != self.bucket.rate:
+            self.bucket.set_rate(rate, now)
+
+    def available(self, now: float) -> int:
+        """Requests that may go now."""
+        self._sync(now)
+        return self.bucket.available(now)
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the next request may go."""
+        self._sync(now)
+        return self.bucket.wait_s(now)
+
+    def take(self, now: float) -> None:
+        """A request goes now."""
+        self._sync(now)
+        self.bucket.take(now)
+        if self.bucket.rate is None:
+            starts = self.starts
+            starts.append(now)
+            while starts[0] < now - MEASURE_S:
+                starts.popleft()
+
+    def _started_rate(self, now: float) -> float:
+        """Requests a second started over the last ``MEASURE_S`` (what an unpaced worker sent at)."""
+        return max(MIN_RATE_RPS, sum(1 for t in self.starts if t >= now - MEASURE_S) / MEASURE_S)
+
+    def ramp_cap(self, now: float) -> int | None:
+        """Requests that may be in flight while the start-up ramp lasts (None: no ramp)."""
+        return self.ramp.cap(now)
+
+    def answered(self, upstream: str | None, now: float) -> None:
+        """An answer: the key's estimate grows, and the upstream's that served it."""
+        self.estimate(None).answered(now)
+        if upstream:
+            self.estimate(upstream).answered(now)
+
+    def refused(
+        self, seq: int, last_seq: int, now: float, upstream: str | None = None, stated_rps: float | None = None
+    ) -> bool:
+        """Request ``seq`` got a 429 (naming ``upstream``, stating ``stated_rps``); True when the pace was cut."""
+        sent_rate = self.bucket.rate if self.bucket.rate is not None else self._started_rate(now)
+        self.ramp.over = True
+        estimate = self.estimate(upstream)
+        if stated_rps is None and self.stated_fresh(upstream, now):
+            # The rate was stated and this refusal states none: another limit (requests open at
+            # once, say), which is the window's to find.
+            self._sync(now)
+            return False
+        if stated_rps is not None and estimate.rate is None:
+            estimate.state(stated_rps, now)
+            cut = True
+        else:
+            cut = estimate.refused(seq, last_seq, now, sent_rate)
+            estimate.state(stated_rps, now)
+        self._sync(now)
+        return cut
+
+    def stated_fresh(self, upstream: str | None, now: float) -> bool:
+        """Whether the provider stated the rate of ``upstream`` (None: the key) within ``STATED_HOLD_S``."""
+        estimate = self.estimate(upstream)
+        return estimate.stated is not None and now - estimate.stated_at < STATED_HOLD_S
+
+    def stated(self, limit_rps: float | None, now: float) -> None:
+        """The key's limit as the provider states it (``GET /key`` at pre-flight, headers of an answer)."""
+        if limit_rps is not None:
+            self.estimate(None).state(limit_rps, now)
+            self._sync(now)
+
+    def resume_at(self, at: float) -> None:
+        """A pause ends at ``at``: requests resume one at a time at the paced rate."""
+        self._sync(at)
+        self.bucket.resume_at(at)
+
+    def restart(self) -> None:
+        """A stall was lifted: every estimate grows fast again."""
+        for estimate in self.estimates.values():
+            estimate.restart()
+
+
+_UNIT_S = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0, "h": 3600.0, "hour": 3600.0}
+_PER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\d*)\s*([a-z]+)\s*$")
+_POLICY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*;\s*w\s*=\s*(\d+(?:\.\d+)?)")
+
+
+def interval_s(text: str) -> float | None:
+    """Seconds in an interval such as ``1s``, ``10s``, ``1m``, ``minute`` (None: not one)."""
+    match = re.match(r"^\s*(\d*(?:\.\d+)?)\s*([a-z]+)\s*$", text.lower())
+    if match is None or match.group(2) not in _UNIT_S:
+        return None
+    count = float(match.group(1)) if match.group(1) else 1.0
+    return count * _UNIT_S[match.group(2)] if count > 0 else None
+
+
+def stated_rate(headers: Mapping[str, str]) -> float | None:
+    """The request rate (per second) a response's headers state, if they state one.
+
+    Read: ``RateLimit-Policy: 600;w=60`` (the IETF draft), and ``X-RateLimit-Limit`` /
+    ``RateLimit-Limit`` in the form ``20/s`` or ``600/1m``, or a bare count with
+    ``X-RateLimit-Interval`` / a ``w=`` policy beside it. A bare count alone says nothing
+    of its period (it may count requests open at once): None.
+    """
+    lower = {k.lower(): v for k, v in headers.items()}
+    policy = lower.get("ratelimit-policy")
+    if policy:
+        match = _POLICY.match(policy.split(",")[0])
+        if match and float(match.group(2)) > 0:
+            return float(match.group(1)) / float(match.group(2))
+    for name in ("x-ratelimit-limit-requests", "x-ratelimit-limit", "ratelimit-limit"):
+        value = lower.get(name)
+        if not value:
+            continue
+        match = _PER.match(value.lower())
+        if match and match.group(3) in _UNIT_S:
+            per = float(match.group(2) or 1) * _UNIT_S[match.group(3)]
+            return float(match.group(1)) / per if per > 0 else None
+        window = lower.get("x-ratelimit-interval")
+        seconds = interval_s(window) if window else None
+        if seconds and re.fullmatch(r"\s*\d+(?:\.\d+)?\s*", value):
+            return float(value) / seconds
+    return None
+
+
+def stated_count(headers: Mapping[str, str]) -> int | None:
+    """A bare count ``X-RateLimit-Limit`` / ``RateLimit-Limit`` states with no period (None: a rate, or nothing)."""
+    if stated_rate(headers) is not None:
+        return None
+    lower = {k.lower(): v for k, v in headers.items()}
+    for name in ("x-ratelimit-limit", "ratelimit-limit"):
+        value = lower.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def key_rate(data: Mapping[str, object]) -> float | None:
+    """The request rate OpenRouter's ``GET /key`` states (``rate_limit: {requests, interval}``), per second."""
+    limit = data.get("rate_limit")
+    if not isinstance(limit, Mapping):
+        return None
+    requests, interval = limit.get("requests"), limit.get("interval")  # topology: not a topic
+    seconds = interval_s(interval) if isinstance(interval, str) else None
+    if not isinstance(requests, int | float) or requests <= 0 or not seconds:
+        return None
+    return float(requests) / seconds
+
+
+__all__ = ["Pacer", "Ramp", "RateEstimate", "TokenBucket", "interval_s", "key_rate", "stated_count", "stated_rate"]

@@ -1,0 +1,207 @@
+"""The pacer without a broker or a clock: the AIMD rate estimate, the token bucket, the ramp,
+the headers that state a limit, and a paced worker against the simulator's own token bucket
+(services.simulator.limits, the outside truth) on one fake clock."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from services.inference.limits import ProviderLimits
+from services.inference.pacer import (
+    BACKOFF,
+    RAMP_DOUBLING_S,
+    RAMP_START,
+    Pacer,
+    Ramp,
+    RateEstimate,
+    TokenBucket,
+    key_rate,
+    stated_count,
+    stated_rate,
+)
+from services.simulator.limits import RequestLimiter
+
+# --- the estimate -----------------------------------------------------------------------
+
+
+def test_nothing_known_is_not_paced_and_a_stated_limit_seeds_and_caps_the_estimate() -> None:
+    estimate = RateEstimate()
+    estimate.answered(0.0)
+    assert estimate.rate is None  # answers alone say nothing about a limit
+    estimate.state(20.0, now=0.0)
+    assert estimate.rate == 20.0
+    for _ in range(100):
+        estimate.answered(1.0)
+    assert estimate.rate == 20.0  # the stated limit caps the growth while it is fresh...
+    for _ in range(100):
+        estimate.answered(100.0)
+    assert estimate.rate is not None and estimate.rate > 20.0  # ...and not for ever: a raised limit is found
+
+
+def test_a_refusal_cuts_the_rate_once_per_round_and_answers_add_a_step_a_second() -> None:
+    estimate = RateEstimate(rate=20.0, slow_start=False)
+    assert estimate.refused(seq=5, last_seq=30, now=0.0, sent_rate=20.0) is True
+    assert estimate.rate == pytest.approx(20.0 * BACKOFF)
+    # Requests 6..30 were sent at the old pace: their refusals say nothing new.
+    assert estimate.refused(seq=30, last_seq=31, now=0.1, sent_rate=17.0) is False
+    assert estimate.rate == pytest.approx(17.0)
+    for _ in range(17):  # one second of answers at 17/s
+        estimate.answered(1.0)
+    assert estimate.rate == pytest.approx(18.7, abs=0.01)  # max(0.5, 10 % of 17) = 1.7 a second
+    assert estimate.refused(seq=31, last_seq=40, now=1.1, sent_rate=10.0) is True
+    assert estimate.rate == pytest.approx(10.0 * BACKOFF)  # cut from what was actually sent
+
+
+def test_slow_start_doubles_until_the_first_cut_and_restart_brings_it_back() -> None:
+    estimate = RateEstimate(rate=4.0)
+    for _ in range(4):
+        estimate.answered(0.0)
+    assert estimate.rate == 8.0
+    estimate.refused(seq=1, last_seq=1, now=0.0, sent_rate=8.0)
+    estimate.answered(0.0)
+    assert estimate.rate == pytest.approx(8.0 * BACKOFF + max(0.5, 0.1 * 8.0 * BACKOFF) / (8.0 * BACKOFF))
+    estimate.restart()
+    before = estimate.rate
+    estimate.answered(0.0)
+    assert estimate.rate == pytest.approx(before + 1.0)
+
+
+def test_the_users_ceiling_caps_every_estimate() -> None:
+    pacer = Pacer(ceiling=5.0)
+    pacer.stated(50.0, now=0.0)
+    assert pacer.rate == 5.0
+
+
+# --- the bucket and the ramp ------------------------------------------------------------
+
+
+def test_the_bucket_spreads_requests_evenly_and_never_catches_up_in_a_burst() -> None:
+    bucket = TokenBucket(rate=10.0)
+    assert bucket.available(0.0) == 1
+    bucket.take(0.0)
+    assert bucket.available(0.0) == 0 and bucket.wait_s(0.0) == pytest.approx(0.1)
+    assert bucket.available(5.0) == 1  # five idle seconds earn one request, not fifty
+    bucket.take(5.0)
+    bucket.resume_at(6.0)  # a pause until 6.0: one request then, the next a tenth later
+    assert bucket.available(5.5) == 0 and bucket.wait_s(5.5) == pytest.approx(0.5)
+    assert bucket.available(6.0) == 1
+    bucket.take(6.0)
+    assert bucket.available(6.05) == 0 and bucket.available(6.1) == 1
+    assert TokenBucket().available(0.0) > 1_000_000  # unlimited
+
+
+def test_the_ramp_doubles_what_may_be_in_flight_until_it_is_over() -> None:
+    ramp = Ramp()
+    assert ramp.cap(10.0) == RAMP_START
+    # One more than the start may go when the cap has grown by a factor (start + 1) / start.
+    assert ramp.wait_s(10.0, RAMP_START) == pytest.approx(RAMP_DOUBLING_S * math.log2((RAMP_START + 1) / RAMP_START))
+    assert ramp.cap(10.0 + RAMP_DOUBLING_S) == 2 * RAMP_START
+    assert ramp.cap(10.0 + 100 * RAMP_DOUBLING_S) is None and ramp.over
+    pacer = Pacer()
+    pacer.ramp_cap(0.0)
+    pacer.refused(seq=1, last_seq=16, now=0.0)
+    assert pacer.ramp_cap(0.0) is None  # the first refusal ends the ramp
+
+
+# --- what a provider states -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "rps"),
+    [
+        ({"X-RateLimit-Limit": "20/s"}, 20.0),  # the simulator's bucket
+        ({"X-RateLimit-Limit": "600/60s"}, 10.0),
+        ({"x-ratelimit-limit": "120/m"}, 2.0),
+        ({"RateLimit-Policy": "600;w=60", "RateLimit-Limit": "600"}, 10.0),  # IETF draft
+        ({"X-RateLimit-Limit": "100", "X-RateLimit-Interval": "10s"}, 10.0),
+        ({"X-RateLimit-Limit": "16"}, None),  # a bare count: per what? (the simulator's open cap)
+        ({"X-RateLimit-Limit": "lots"}, None),
+        ({}, None),
+    ],
+)
+def test_stated_rate_reads_the_rate_limit_headers(headers: dict[str, str], rps: float | None) -> None:
+    assert stated_rate(headers) == (pytest.approx(rps) if rps is not None else None)
+
+
+def test_key_rate_reads_openrouters_key_answer() -> None:
+    assert key_rate({"rate_limit": {"requests": 200, "interval": "10s"}}) == 20.0
+    assert key_rate({"rate_limit": {"requests": -1, "interval": "10s"}}) is None
+    assert key_rate({"rate_limit": None}) is None
+    assert key_rate({}) is None
+
+
+# --- a paced worker against a real token bucket, on one fake clock ----------------------
+
+
+def _run(limiter: RequestLimiter, prompts: int, *, latency: tuple[float, float], seed: int = 7) -> tuple[float, int]:
+    """Event-driven run of the pure policy against ``limiter``: (seconds to answer all, refusals)."""
+    rng = random.Random(seed)
+    limits = ProviderLimits(ceiling=256, stall_s=60.0)
+    now, waiting, refused = 0.0, prompts, 0
+    ends: list[tuple[float, int]] = []  # (answer time, seq)
+    answered = 0
+    while answered < prompts:
+        while waiting and limits.may_start(now):
+            seq = limits.start(now)
+            refusal = limiter.admit(now)
+            if refusal is None:
+                ends.append((now + rng.uniform(*latency), seq))
+                waiting -= 1
+            else:
+                refused += 1
+                headers = {"X-RateLimit-Limit": refusal.limit}
+                limits.refused(seq, now, refusal.retry_after_s, None, stated_rate(headers), stated_count(headers))
+        ends.sort()
+        nxt = [limits.next_s(now) + now if waiting else float("inf")]
+        if ends:
+            nxt.append(ends[0][0])
+        step = min(nxt)
+        now = max(now + 1e-4, step)
+        while ends and ends[0][0] <= now:
+            ends.pop(0)
+            limiter.done()
+            limits.answered(None, now)
+            answered += 1
+    return now, refused
+
+
+def test_a_paced_run_against_a_bucket_of_small_burst_refuses_little_and_keeps_near_the_rate() -> None:
+    rps, prompts = 20.0, 300
+    elapsed, refused = _run(RequestLimiter(rps=rps, burst=5.0), prompts, latency=(0.5, 1.0))
+    assert refused <= 0.1 * prompts, refused
+    # The limit allows prompts / rps seconds (and one latency for the last answers).
+    assert elapsed <= (prompts / rps + 1.0) / 0.9, elapsed
+
+
+def test_a_refusal_by_a_stated_open_cap_holds_the_window_to_it_and_leaves_the_pace() -> None:
+    limits = ProviderLimits(ceiling=256, stall_s=60.0)
+    limits.pacer.stated(20.0, now=0.0)
+    seqs = [limits.start() for _ in range(17)]
+    assert limits.open_cap(None, 16)  # 17 open, the key says 16
+    assert limits.refused(seqs[-1], now=0.1, retry_after_s=1.0, stated_count=16) == 0.0  # no pause...
+    assert limits.limit == 16 and limits.pacer.rate == 20.0  # ...the window keeps to 16, the pace stands
+    assert not limits.may_start(0.1)  # 16 open: full
+    limits.answered(None, now=0.1)
+    assert limits.may_start(0.1)  # one answered: the next may go at once, no pause
+    for _ in range(200):
+        limits.start()
+        limits.answered(None, now=0.2)
+    assert limits.limit == 16  # answers do not grow it past what the provider stated
+    assert stated_count({"X-RateLimit-Limit": "16"}) == 16 and stated_count({"X-RateLimit-Limit": "20/s"}) is None
+
+
+@pytest.mark.parametrize(
+    ("limiter", "allowed_rps"),
+    [
+        (RequestLimiter(rps=20.0, burst=5.0, max_open=16, open_retry_after_s=1.0), 20.0),  # issue 41's key
+        (RequestLimiter(max_open=16, open_retry_after_s=1.0), 16 / 0.75),  # an open cap: 16 over the mean latency
+    ],
+)
+def test_a_stated_open_cap_is_kept_by_the_window_not_bounced_off(limiter: RequestLimiter, allowed_rps: float) -> None:
+    prompts = 300
+    elapsed, refused = _run(limiter, prompts, latency=(0.5, 1.0))
+    assert refused <= 0.1 * prompts, refused
+    assert elapsed <= (prompts / allowed_rps + 1.0) / 0.9, elapsed
