@@ -18,6 +18,11 @@ only what its reasoning parser parsed, so the two are different places), ``befor
 (the content before a tool block: SGLang 2026 strips there and nowhere else, PARSERS.md);
 and ``arguments``: tool arguments not in ``json.dumps``' own form prove the upstream's tool
 parser returns the model's argument text (a re-serialising parser returns only that form).
+
+The opposite fact, ``strips_at_edges``: an upstream whose convention says it keeps
+whitespace, caught losing it by one of its answers (``services/reconstruct/verify.py``).
+From then on its answers are judged as a stripping upstream's; it is never withdrawn (a
+server that strips sometimes is treated as one that may strip always).
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ from dataclasses import dataclass, field
 
 from schemas import ProviderFactRecorded, ResponseReceived
 
-__all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "FactBook", "fact_key", "upstream_of"]
+__all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "STRIPS_PLACE", "FactBook", "fact_key", "upstream_of"]
 
 FACT_CONTRADICTED = "provider_fact_contradicted"
 
 ARGUMENTS_PLACE = "arguments"
 PLACES = ("reasoning_start", "reasoning_end", "reasoning_cut", "content_start", "content_end", "text_start",
           "text_end", "before_tool", ARGUMENTS_PLACE)  # fmt: skip
+
+# The key place of the fact "this upstream loses whitespace at field edges its convention says it keeps".
+STRIPS_PLACE = "strips_at_edges"
 
 # Provider kinds that route one request to one of several upstreams: without the upstream's
 # name an answer cannot be attributed, so it establishes nothing and no fact closes its gaps.
@@ -95,7 +103,22 @@ class FactBook:
         """The places where ``upstream`` is proven to keep whitespace."""
         if upstream is None:
             return frozenset()
-        return frozenset(p for p, f in self._by_upstream.get(upstream, {}).items() if not f.withdrawn)
+        of_upstream = self._by_upstream.get(upstream, {})
+        return frozenset(p for p, f in of_upstream.items() if not f.withdrawn and p != STRIPS_PLACE)
+
+    def strips(self, upstream: str | None) -> ProviderFactRecorded | None:
+        """The ``strips_at_edges`` fact of ``upstream``: its answers showed it loses edge whitespace."""
+        if upstream is None:
+            return None
+        return self._by_upstream.get(upstream, {}).get(STRIPS_PLACE)
+
+    def record_strips(self, upstream: str, evidence: str, reason: str, at: float = 0.0) -> ProviderFactRecorded | None:
+        """Record that ``upstream`` loses edge whitespace (``evidence``: the sample key); None if known."""
+        if (upstream, STRIPS_PLACE) in self.facts:
+            return None
+        record = ProviderFactRecorded(upstream=upstream, place=STRIPS_PLACE, evidence=evidence, reason=reason, at=at)
+        self._put(record)
+        return record
 
     def contradicted(self, upstream: str | None) -> ProviderFactRecorded | None:
         """A withdrawn fact of ``upstream``, if any: its lossy answers are no longer judged by facts."""

@@ -87,18 +87,23 @@ def _messages(conv: Any) -> list[Message]:
 
 
 def _response(case: Any, server: str, index: int) -> ResponseReceived:
-    got = T.emulate(case, server)
+    return response_of(case, T.emulate(case, server), f"{case.model}-{index}", server, UPSTREAM_NAME.get(server))
+
+
+def response_of(case: Any, got: dict[str, Any], sample_id: str, provider: str, upstream: str | None,
+                dataset: str = "conf") -> ResponseReceived:  # fmt: skip
+    """The ``ResponseReceived`` the inference stage publishes for a served answer (``truth.emulate``'s shape)."""
     conv = case.conversation
-    prompt = PromptPublished(dataset="conf", sample_id=f"{case.model}-{index}", messages=_messages(conv),
+    prompt = PromptPublished(dataset=dataset, sample_id=sample_id, messages=_messages(conv),
                              tools=conv.tools, max_tokens=conv.max_tokens)
     logprobs = None
     if got.get("logprobs"):
         logprobs = [LogprobToken(token=t["token"], bytes=t["bytes"]) for t in got["logprobs"]]
     return ResponseReceived(
-        dataset="conf",
+        dataset=dataset,
         sample_id=prompt.sample_id,
         prompt=prompt,
-        provider=server,
+        provider=provider,
         model=case.model,
         reasoning=got["reasoning"] or "",
         content=got["content"] or "",
@@ -108,7 +113,7 @@ def _response(case: Any, server: str, index: int) -> ResponseReceived:
         logprobs=logprobs,
         native_prompt_ids=got.get("prompt_token_ids"),
         tools_sent=got["tools_sent"],
-        upstream_provider=UPSTREAM_NAME.get(server),
+        upstream_provider=upstream,
     )
 
 

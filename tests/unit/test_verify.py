@@ -1,0 +1,98 @@
+"""A convention is a claim the answers test: a stripping server declared lossless is caught.
+
+The server here is SGLang before 2026 (``.strip()`` of the content) behind ``kind = "openai"``
+with no convention set, so the default ``vllm`` convention says nothing is stripped. Every
+expected id sequence is the model's raw text encoded by the real R1 tokenizer
+(test_reconstruct.py's truth tokenizer), never by the code under test.
+"""
+
+from __future__ import annotations
+
+from schemas import ResponseReceived, SampleReconstructed
+from services.profiles.conventions import CONVENTIONS
+from services.reconstruct.core import COUNT_TRUSTED, reconstruct_with_facts
+from services.reconstruct.facts import STRIPS_PLACE, FactBook, fact_key
+from tests.unit.test_profiles import deepseek
+from tests.unit.test_reconstruct import R1_EOS, r1_ids, response
+
+VLLM = CONVENTIONS["vllm"]
+
+# The model wrote "\n\n" + " trailing": the stripped content "trailing" re-encodes to as many ids.
+COINCIDENT_REASONING, COINCIDENT_CONTENT = "Check the edge.\n", "\n\n trailing spaces are kept."
+# Here the strip shows in the count: "Then" is one id, "\n\n" + " Then" two.
+TELLING_REASONING, TELLING_CONTENT = "Plan it.\n", "\n\n Then we stop."
+
+
+def _stripped(sample_id: str, reasoning: str, content: str) -> tuple[ResponseReceived, list[int]]:
+    """What the stripping server returns for the model's text, and the model's true ids."""
+    truth = r1_ids(reasoning + "</think>" + content + R1_EOS)
+    return response(sample_id=sample_id, reasoning=reasoning, content=content.strip(), completion=len(truth)), truth
+
+
+def test_the_count_alone_accepts_the_wrong_ids_under_the_rule_that_trusted_it() -> None:
+    """The failure this guards against, shown on the real tokenizer: same count, other ids."""
+    coincident, truth = _stripped("a", COINCIDENT_REASONING, COINCIDENT_CONTENT)
+    assert len(r1_ids(COINCIDENT_REASONING + "</think>trailing spaces are kept." + R1_EOS)) == len(truth)
+    (verdict,), _ = reconstruct_with_facts([coincident], deepseek(), VLLM, FactBook(), rule=COUNT_TRUSTED)
+    assert isinstance(verdict, SampleReconstructed)
+    assert verdict.output_ids != truth
+
+
+def test_an_answer_off_its_count_by_an_edge_strip_records_strips_at_edges() -> None:
+    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
+    book = FactBook()
+    (verdict,), changes = reconstruct_with_facts([telling], deepseek(), VLLM, book, at=5.0)
+    assert not isinstance(verdict, SampleReconstructed)
+    (fact,) = [c for c in changes if c.place == STRIPS_PLACE]
+    assert fact_key(fact.upstream, fact.place) == "openai/m|strips_at_edges"
+    assert fact.evidence == "math:t"
+    assert "content_start" in fact.reason
+    assert book.strips("openai/m") is fact
+
+
+def test_a_coincident_answer_after_the_catch_is_refused() -> None:
+    book = FactBook()
+    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
+    reconstruct_with_facts([telling], deepseek(), VLLM, book)
+    coincident, _ = _stripped("a", COINCIDENT_REASONING, COINCIDENT_CONTENT)
+    (verdict,), changes = reconstruct_with_facts([coincident], deepseek(), VLLM, book)
+    assert not isinstance(verdict, SampleReconstructed)
+    assert verdict.reason == "whitespace_ambiguous"
+    assert "candidate(s) reproduce the count" in verdict.message
+    assert changes == [] or all(c.place != STRIPS_PLACE for c in changes)
+
+
+def test_evidence_is_gathered_from_the_whole_batch_before_its_answers_stand() -> None:
+    """The coincident answer comes first in the batch; the telling one after it still decides."""
+    coincident, _ = _stripped("a", COINCIDENT_REASONING, COINCIDENT_CONTENT)
+    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
+    verdicts, changes = reconstruct_with_facts([coincident, telling], deepseek(), VLLM, FactBook())
+    assert not any(isinstance(v, SampleReconstructed) for v in verdicts)
+    assert [c.place for c in changes if c.place == STRIPS_PLACE] == [STRIPS_PLACE]
+
+
+def test_a_caught_upstream_still_yields_answers_whose_own_whitespace_proves_them() -> None:
+    """After the catch, an answer showing whitespace at every edge a strip would touch is exact."""
+    book = FactBook()
+    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
+    reconstruct_with_facts([telling], deepseek(), VLLM, book)
+    truth = r1_ids("\nLet me think.\n</think>\n\nThe answer is 4.\n" + R1_EOS)
+    shown = response(sample_id="s", reasoning="\nLet me think.\n", content="\n\nThe answer is 4.\n",
+                     completion=len(truth))  # fmt: skip
+    (verdict,), _ = reconstruct_with_facts([shown], deepseek(), VLLM, book)
+    assert isinstance(verdict, SampleReconstructed), verdict
+    assert verdict.output_ids == truth
+
+
+def test_a_lossless_server_is_never_caught() -> None:
+    """The same answers from a server that keeps whitespace: counts match, no fact, all exact."""
+    book = FactBook()
+    answers = []
+    for sample_id, reasoning, content in (("a", COINCIDENT_REASONING, COINCIDENT_CONTENT),
+                                          ("t", TELLING_REASONING, TELLING_CONTENT)):  # fmt: skip
+        truth = r1_ids(reasoning + "</think>" + content + R1_EOS)
+        answers.append((response(sample_id=sample_id, reasoning=reasoning, content=content, completion=len(truth)),
+                        truth))  # fmt: skip
+    verdicts, changes = reconstruct_with_facts([r for r, _ in answers], deepseek(), VLLM, book)
+    assert changes == []
+    assert [v.output_ids for v in verdicts if isinstance(v, SampleReconstructed)] == [t for _, t in answers]
