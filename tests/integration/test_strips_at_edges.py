@@ -1,0 +1,87 @@
+"""A stripping server declared lossless, on a real broker: caught, recorded, shown by ``status``, 0 wrong.
+
+SGLang before 2026 (``.strip()`` of the content) behind ``kind = "openai"`` with no convention:
+the default ``vllm`` convention says nothing is stripped. Truth: R1's raw text encoded by the
+real tokenizer (tests/unit/test_verify.py). One answer per batch, so nothing but the stream's
+order decides: the answer whose count shows the strip comes first, the one whose count cannot
+(``"\\n\\n" + " trailing"`` and ``"trailing"`` are as many ids) after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from rich.console import Console
+
+from schemas import (
+    DEAD_LETTER_TOPIC,
+    DLQ_HEADERS,
+    PROVIDER_FACTS_TOPIC,
+    RESPONSES_TOPIC,
+    SAMPLES_TOPIC,
+    ProviderFactRecorded,
+    ResponseReceived,
+    decode,
+    encode,
+)
+from services.common.config import Settings
+from services.common.kafka import ensure_topics, header
+from services.common.topics import read_compacted
+from services.reconstruct.app import create_app
+from services.status.app import collect
+from services.status.core import render
+from tests.kafka_fixture import read_records, send_records, wait_until
+from tests.unit.test_profiles import deepseek
+from tests.unit.test_verify import (
+    COINCIDENT_CONTENT,
+    COINCIDENT_REASONING,
+    TELLING_CONTENT,
+    TELLING_REASONING,
+    _stripped,
+)
+
+pytestmark = pytest.mark.kafka
+
+
+def _r1(answer: ResponseReceived) -> tuple[bytes, bytes]:
+    answer.profile = "deepseek-r1"
+    return f"math:{answer.sample_id}".encode(), encode(answer)
+
+
+async def test_a_stripping_server_declared_lossless_is_caught_recorded_and_shown(
+    settings_factory: Callable[..., Settings],
+) -> None:
+    settings = settings_factory(stage={"batch_max": 1, "batch_timeout_ms": 50})
+    await ensure_topics(settings.kafka)
+    telling, _ = _stripped("telling", TELLING_REASONING, TELLING_CONTENT)
+    coincident, _ = _stripped("coincident", COINCIDENT_REASONING, COINCIDENT_CONTENT)
+    worker = create_app(settings, profiles={"deepseek-r1": deepseek()})
+    await worker.start()
+    task = asyncio.create_task(worker.run())
+    try:
+        await send_records(settings, RESPONSES_TOPIC, [_r1(telling), _r1(coincident)])
+        dead = await read_records(settings, settings.kafka.topic(DEAD_LETTER_TOPIC), 2)
+        await wait_until(lambda: worker.processed >= 2, timeout=60, message="both answers processed")
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 60)
+        await worker.close()
+    reasons = {letter.key: header(letter.headers, DLQ_HEADERS.REASON) for letter in dead}
+    assert reasons[b"math:coincident"] == "whitespace_ambiguous"  # accepted with wrong ids under the old rule
+    assert set(reasons) == {b"math:telling", b"math:coincident"}
+    assert await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 0) == []
+
+    facts = {k.decode(): decode(v, ProviderFactRecorded) for k, v in (await read_compacted(
+        settings.kafka, settings.kafka.topic(PROVIDER_FACTS_TOPIC))).values.items()}  # fmt: skip
+    fact = facts["openai/m|strips_at_edges"]
+    assert fact.evidence == "math:telling" and "content_start" in fact.reason
+
+    snapshot = await collect(settings)
+    assert snapshot.strips["openai/m"].evidence == "math:telling"
+    console = Console(record=True, width=240)
+    console.print(render(snapshot))
+    shown = console.export_text()
+    assert "upstreams caught stripping (strips_at_edges): 1" in shown
+    assert "openai/m" in shown and "math:telling" in shown
