@@ -22,9 +22,7 @@ from schemas import (
     RESPONSES_TOPIC,
     SAMPLES_TOPIC,
     ProviderFactRecorded,
-    ResponseReceived,
     decode,
-    encode,
 )
 from services.common.config import Settings
 from services.common.kafka import ensure_topics, header
@@ -32,6 +30,7 @@ from services.common.topics import read_compacted
 from services.reconstruct.app import create_app
 from services.status.app import collect
 from services.status.core import render
+from tests.integration.test_provider_facts import _r1
 from tests.kafka_fixture import read_records, send_records, wait_until
 from tests.unit.test_profiles import deepseek
 from tests.unit.test_verify import (
@@ -43,11 +42,6 @@ from tests.unit.test_verify import (
 )
 
 pytestmark = pytest.mark.kafka
-
-
-def _r1(answer: ResponseReceived) -> tuple[bytes, bytes]:
-    answer.profile = "deepseek-r1"
-    return f"math:{answer.sample_id}".encode(), encode(answer)
 
 
 async def test_a_stripping_server_declared_lossless_is_caught_recorded_and_shown(
