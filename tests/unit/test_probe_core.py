@@ -113,3 +113,16 @@ def test_forecast_cost_per_accepted_sample_and_the_exit_decision() -> None:
     assert row.index("3 (75%)") < row.index("$0.0133") < row.index("usage_matches 1")  # under their headings
     heading = next(line for line in text.splitlines() if "reasons of the rest" in line)
     assert heading.index("accepted") < heading.index("$/accepted") < heading.index("reasons of the rest")
+
+
+def test_the_report_names_an_upstream_caught_stripping() -> None:
+    from rich.console import Console
+
+    from services.probe.core import DatasetReport, Findings, Forecast, ProbeRun, render
+
+    report = DatasetReport(dataset="math", findings=Findings(answers=2), upstreams={},
+                           forecast=Forecast(prompts=2, accepted=0, dollars=0.0, tokens_paid=0, tokens_kept=0),
+                           requests_sent=2, strips=("openai/m (evidence math:t: whitespace may be missing)",))
+    console = Console(record=True, width=400)
+    console.print(render(ProbeRun(reports=[report]), 0.5))
+    assert "strips_at_edges: openai/m (evidence math:t" in console.export_text()

@@ -96,3 +96,20 @@ def test_a_lossless_server_is_never_caught() -> None:
     verdicts, changes = reconstruct_with_facts([r for r, _ in answers], deepseek(), VLLM, book)
     assert changes == []
     assert [v.output_ids for v in verdicts if isinstance(v, SampleReconstructed)] == [t for _, t in answers]
+
+
+def test_the_probe_reports_an_upstream_caught_stripping_before_the_main_run() -> None:
+    """``draftstream probe`` / ``probe_first`` judge their answers as one batch: the fact is in their book."""
+    from services.common.config import load_settings
+    from services.probe.app import judge
+
+    coincident, _ = _stripped("a", COINCIDENT_REASONING, COINCIDENT_CONTENT)
+    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
+    for answer in (coincident, telling):
+        answer.profile = "deepseek-r1"
+    book = FactBook()
+    answers = judge(load_settings(None), [coincident, telling], book)
+    assert [a.accepted for a in answers] == [False, False]
+    assert answers[0].reason == "whitespace_ambiguous"
+    fact = book.strips("openai/m")
+    assert fact is not None and fact.evidence == "math:t"
