@@ -719,6 +719,9 @@ def _prove(
             )
             continue
         assert plan.output_text is not None  # noqa: S101 - reencode plans carry text
+        if not rule.count_restores_edges and _open_edges(plan):
+            verdicts[index] = _unproven(plan, ids)
+            continue
         reasoning_target = None
         if plan.expected_reasoning is not None and plan.think_end_at is not None and profile.think_end_id in ids:
             reasoning_target = plan.expected_reasoning - ids.index(profile.think_end_id or 0)
@@ -748,13 +751,6 @@ def _prove(
                                        TOOL_ARGUMENTS_RESERIALIZED if args else TOOL_TEXT_LOST)
         elif outcome.text is None:
             verdicts[index] = _refusal(plan, ids, outcome.matches, "")
-        elif not rule.count_restores_edges and any(gap.where == _STRIP for gap in plan.gaps):
-            # The whitespace a strip can take is unbounded (any run, U+00A0, ...) and may merge into
-            # the next word at no cost in ids: a candidate that fits the count is not proof.
-            edges = sorted({p for gap in plan.gaps if gap.where == _STRIP for p in gap.places} or {"a field edge"})
-            why = (f"{outcome.matches} candidate(s) reproduce the count, but nothing proves {', '.join(edges)} kept "
-                   "(no native ids, logprobs, provider fact or whitespace shown there): a count never accepts alone")
-            verdicts[index] = _refusal(plan, ids, outcome.matches, why, WHITESPACE_AMBIGUOUS)
         else:
             (restored,) = profile.encode_batch([outcome.text])
             if len(restored) != plan.expected_count:  # the pieces did not add up for this candidate
@@ -764,6 +760,25 @@ def _prove(
             plan.output_text = outcome.text
             verdicts[index] = restored
     return verdicts
+
+
+def _open_edges(plan: _Plan) -> list[str]:
+    """The field edges a strip may have touched that nothing proves kept (the plan's open strip gaps)."""
+    return sorted({p or "a field edge" for gap in plan.gaps if gap.where == _STRIP for p in gap.places or {""}})
+
+
+def _unproven(plan: _Plan, ids: list[int]) -> DeadLetter:
+    """The dead letter of an answer with an open edge, whatever its count says (docs/fidelity.md, "The rule").
+
+    The whitespace a strip takes is unbounded (any run, U+00A0, ...) and may merge into the next
+    word at no cost in ids, so no candidate that fits the count is proof, and none is searched.
+    """
+    counted = len(ids) == plan.expected_count
+    kinds = {gap.where for gap in plan.gaps}
+    code = WHITESPACE_AMBIGUOUS if counted else WHITESPACE_STRIPPED if kinds == {_STRIP} else TOOL_TEXT_LOST
+    why = (f"nothing proves {', '.join(_open_edges(plan))} kept (no native ids, logprobs, provider fact or "
+           "whitespace shown there), and a count never accepts alone")
+    return _refusal(plan, ids, int(counted), why, code)
 
 
 def _sample(
@@ -830,6 +845,12 @@ def _contradiction(
             return False
     elif len(verdict) == plan.expected_count:
         return False
+    if _open_edges(plan):  # the edges nothing proves may hold what the count misses
+        unproven = restore(plan.output_text, plan.gaps, specials=profile.special_strings,
+                           encode_batch=profile.encode_batch, base_count=len(ids),
+                           target=plan.expected_count)  # fmt: skip
+        if unproven.matches or unproven.arbitrary_room or unproven.capped or unproven.not_additive:
+            return False
     outcome = restore(plan.output_text, [*plan.gaps, *plan.closed], specials=profile.special_strings,
                       encode_batch=profile.encode_batch, base_count=len(ids), target=plan.expected_count)  # fmt: skip
     return outcome.matches >= 1 and not outcome.arbitrary_room

@@ -54,7 +54,7 @@ def test_evidence_is_per_strip_not_per_answer() -> None:
     stripped = response(reasoning="plan\n", content="The answer is 4.", completion=len(truth))
     verdict = dead(reconstruct(stripped, deepseek(), LEGACY))
     assert verdict.reason in {"whitespace_stripped", "whitespace_ambiguous"}
-    assert "candidate" in verdict.message
+    assert "content_start" in verdict.message and "reasoning_end" not in verdict.message
 
 
 # -- step 2: unique-candidate restoration --------------------------------------------------
@@ -76,7 +76,11 @@ def test_two_character_strip_with_the_same_count_is_not_accepted() -> None:
     for convention in (LEGACY, OPENROUTER):
         verdict = dead(reconstruct(stripped, deepseek(), convention))
         assert verdict.reason == "whitespace_ambiguous"
-        assert "candidate(s) reproduce the count" in verdict.message
+        assert "never accepts alone" in verdict.message
+        # The search finds several candidates even where a unique count was trusted.
+        searched = dead(reconstruct(stripped, deepseek(), convention, rule=COUNT_TRUSTED))
+        assert searched.reason == "whitespace_ambiguous"
+        assert "candidate(s) reproduce the count" in searched.message
 
 
 def test_two_character_strip_regression_on_qwen3() -> None:
@@ -100,13 +104,13 @@ def test_a_count_that_pins_the_only_candidate_never_accepts_alone() -> None:
     fields = {"reasoning": "2+2=4\n", "content": "42 apples"}
     refused = dead(reconstruct(response(**fields, completion=len(truth)), deepseek(), LEGACY))
     assert refused.reason == "whitespace_ambiguous"
-    assert "1 candidate(s) reproduce the count" in refused.message
     assert "never accepts alone" in refused.message
     trusted = ok(reconstruct(response(**fields, completion=len(truth)), deepseek(), LEGACY, rule=COUNT_TRUSTED))
     assert trusted.output_ids == truth
     more = dead(reconstruct(response(**fields, completion=len(truth) + 1), deepseek(), LEGACY))
     assert more.reason == "whitespace_stripped"
-    assert "candidate(s)" in more.message
+    searched = dead(reconstruct(response(**fields, completion=len(truth) + 1), deepseek(), LEGACY, rule=COUNT_TRUSTED))
+    assert searched.reason == "whitespace_stripped" and "candidate(s) reproduce the count" in searched.message
 
 
 def test_a_long_reasoning_is_searched_in_windows_around_its_edges() -> None:
