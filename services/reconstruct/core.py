@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from schemas import (
@@ -840,17 +840,14 @@ def _contradiction(
     """Whether the count shows whitespace missing at a place the facts closed (with them open, a candidate fits)."""
     if not plan.closed or plan.expected_count is None or plan.output_text is None:
         return False
+    if isinstance(verdict, DeadLetter) and _open_edges(plan):
+        # Refused for its open edges without a search: what the search makes of the count decides.
+        verdict = _prove([(0, replace(plan), ids)], profile, COUNT_TRUSTED)[0]
     if isinstance(verdict, DeadLetter):
         if verdict.reason not in (WHITESPACE_STRIPPED, TOOL_TEXT_LOST):
             return False
     elif len(verdict) == plan.expected_count:
         return False
-    if _open_edges(plan):  # the edges nothing proves may hold what the count misses
-        unproven = restore(plan.output_text, plan.gaps, specials=profile.special_strings,
-                           encode_batch=profile.encode_batch, base_count=len(ids),
-                           target=plan.expected_count)  # fmt: skip
-        if unproven.matches or unproven.arbitrary_room or unproven.capped or unproven.not_additive:
-            return False
     outcome = restore(plan.output_text, [*plan.gaps, *plan.closed], specials=profile.special_strings,
                       encode_batch=profile.encode_batch, base_count=len(ids), target=plan.expected_count)  # fmt: skip
     return outcome.matches >= 1 and not outcome.arbitrary_room
