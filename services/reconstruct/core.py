@@ -774,8 +774,7 @@ def _unproven(plan: _Plan, ids: list[int]) -> DeadLetter:
     word at no cost in ids, so no candidate that fits the count is proof, and none is searched.
     """
     counted = len(ids) == plan.expected_count
-    kinds = {gap.where for gap in plan.gaps}
-    code = WHITESPACE_AMBIGUOUS if counted else WHITESPACE_STRIPPED if kinds == {_STRIP} else TOOL_TEXT_LOST
+    code = WHITESPACE_AMBIGUOUS if counted else WHITESPACE_STRIPPED
     why = (f"nothing proves {', '.join(_open_edges(plan))} kept (no native ids, logprobs, provider fact or "
            "whitespace shown there), and a count never accepts alone")
     return _refusal(plan, ids, int(counted), why, code)
