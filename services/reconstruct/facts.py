@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from schemas import ProviderFactRecorded, ResponseReceived
 
-__all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "STRIPS_PLACE", "FactBook", "fact_key", "upstream_of"]
+__all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "STRIPS_PLACE", "FactBook", "StripTally", "fact_key",
+           "upstream_of"]
 
 FACT_CONTRADICTED = "provider_fact_contradicted"
 
@@ -69,6 +70,14 @@ def fact_key(upstream: str, place: str) -> str:
 
 
 @dataclass
+class StripTally:
+    """What one upstream's answers said about a convention that keeps whitespace (verify.py), not yet a fact."""
+
+    seen: int = 0  # answers a count could test
+    evidence: list[tuple[str, str]] = field(default_factory=list)  # (sample key, why) of those that missed it
+
+
+@dataclass
 class FactBook:
     """The facts known now, by ``(upstream, place)``: established ones and withdrawn ones.
 
@@ -79,6 +88,12 @@ class FactBook:
     facts: dict[tuple[str, str], ProviderFactRecorded] = field(default_factory=dict, init=False)
     # The same records by upstream, so a batch's look-ups do not scan every upstream's facts.
     _by_upstream: dict[str, dict[str, ProviderFactRecorded]] = field(default_factory=dict, init=False, repr=False)
+    # This worker's tallies towards a strips_at_edges fact (kept in memory: only the fact is shared).
+    _tallies: dict[str, StripTally] = field(default_factory=dict, init=False, repr=False)
+
+    def tally(self, upstream: str) -> StripTally:
+        """The evidence gathered so far that ``upstream`` strips."""
+        return self._tallies.setdefault(upstream, StripTally())
 
     def _put(self, record: ProviderFactRecorded) -> None:
         self.facts[(record.upstream, record.place)] = record

@@ -13,8 +13,11 @@ field edge that shows no whitespace is a place text may be missing, closed only 
 provider fact that the upstream keeps it there, and otherwise a dead letter
 (docs/fidelity.md, "The rule").
 
-A count that misses for another reason (a misconfigured ``usage_offset``) can make an
-upstream look stripping: that costs yield, never exactness.
+The fact needs ``MIN_EVIDENCE`` such answers making up ``STRIP_SHARE`` of the upstream's
+answers a count can test: a lossless server's answers miss their count now and then for other
+reasons (a non-canonical split the model sampled), a stripping server's on nearly every one. A
+count that misses for another reason often enough (a misconfigured ``usage_offset``) can still
+make an upstream look stripping: that costs yield, never exactness.
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from services.reconstruct.core import _STRIP, SOUND, ReconstructProfile, Rule, _
 from services.reconstruct.facts import FactBook, upstream_of
 from services.reconstruct.restore import restore
 
-__all__ = ["stripping", "verified"]
+__all__ = ["EDGE_IDS", "MIN_EVIDENCE", "STRIP_SHARE", "stripping", "verified"]
+
+# A count off by more than this many ids per unproven edge is a wrong count, not a strip.
+EDGE_IDS = 16
+# The fact needs this many answers of evidence, and that share of the upstream's testable answers: a
+# lossless server's answers miss their count now and then for other reasons (a non-canonical split the
+# model sampled), a stripping server's on nearly every answer.
+MIN_EVIDENCE = 3
+STRIP_SHARE = 1 / 3
 
 Verdicts = list[SampleReconstructed | DeadLetter]
 
@@ -72,14 +83,23 @@ def verified(
     changes += found
     for i, verdict in zip(kept, verdicts, strict=True):
         out[i] = verdict
+    for i in kept:  # every answer a count can test counts towards the share
+        if _testable(responses[i]) and (upstream := upstream_of(responses[i])) is not None:
+            book.tally(upstream).seen += 1
     for plan, ids in suspects:
         response = plan.response
         upstream = upstream_of(response)
         if upstream is None or book.strips(upstream) is not None:
             continue
         why = _strip_evidence(plan, ids, profile, convention)
-        if why is not None:
-            record = book.record_strips(upstream, sample_key(response.dataset, response.sample_id), why, at)
+        if why is None:
+            continue
+        tally = book.tally(upstream)
+        tally.evidence.append((sample_key(response.dataset, response.sample_id), why))
+        if len(tally.evidence) >= MIN_EVIDENCE and len(tally.evidence) >= STRIP_SHARE * tally.seen:
+            key, first = tally.evidence[-1]
+            reason = f"{len(tally.evidence)} of {tally.seen} answers miss their count at unproven edges; {key}: {first}"
+            record = book.record_strips(upstream, key, reason, at)
             if record is not None:
                 changes.append(record)
     flagged = [i for i, r in enumerate(responses) if out[i] is None or book.strips(upstream_of(r)) is not None]
@@ -90,6 +110,12 @@ def verified(
         for i, verdict in zip(flagged, verdicts, strict=True):
             out[i] = verdict
     return [v if v is not None else DeadLetter("internal_error", "no verdict") for v in out], changes
+
+
+def _testable(response: ResponseReceived) -> bool:
+    """An answer whose count can test the convention: re-encoded chat text that stopped by itself, with a count."""
+    return (response.mode != "completions" and not response.native_output_ids and not response.logprobs
+            and response.finish_reason != "length" and response.usage.completion_tokens is not None)  # fmt: skip
 
 
 def _strip_evidence(plan: _Plan, ids: list[int], profile: ReconstructProfile, convention: Convention) -> str | None:
@@ -112,7 +138,7 @@ def _strip_evidence(plan: _Plan, ids: list[int], profile: ReconstructProfile, co
     if isinstance(strip_plan, DeadLetter):
         return None
     edges = sorted({p for gap in strip_plan.gaps if gap.where == _STRIP for p in gap.places})
-    if not edges:
-        return None
+    if not edges or abs(target - len(ids)) > EDGE_IDS * len(edges):
+        return None  # more than whitespace at those edges could cost: a wrong count, which the audit refuses
     return (f"{len(ids)} ids rebuilt under {convention.name}, usage.completion_tokens says {target}, and nothing "
             f"{convention.name} loses explains it: whitespace may be missing at {', '.join(edges)}")

@@ -21,13 +21,15 @@ FINDINGS = (
     # ".\n" before the end-of-turn stripped to ".": one id either way.
     Finding("qwen3-thinking-2507", "sglang-strip", "vllm", 2, "?", ".\n", 31),
 )
-# An answer whose lost edge shows in its count: "\n\n" + " Then" is two ids, "Then" one.
-TELLING = Finding("qwen3-thinking-2507", "sglang-strip", "vllm", 0, "x", "\n\n Then we stop.", 0)
+# Answers whose lost edge shows in their counts ("\n\n" + " Then" is two ids, "Then" one): the fact
+# takes three of them (verify.MIN_EVIDENCE).
+TELLING = tuple(Finding("qwen3-thinking-2507", "sglang-strip", "vllm", 0, "x", content, 0)
+                for content in ("\n\n Then we stop.", "\n\n So it ends.", "\n\n We are done."))  # fmt: skip
 
 
-def _served(finding: Finding) -> ResponseReceived:
+def _served(finding: Finding, k: int) -> ResponseReceived:
     case = A.case_of(finding.model, SEED, finding.base, finding.reasoning, finding.content)
-    return A.response(case, A.served(case, finding.loss, False), "telling-0", "openai", None)
+    return A.response(case, A.served(case, finding.loss, False), f"telling-{k}", "openai", None)
 
 
 @pytest.mark.parametrize("finding", FINDINGS, ids=lambda f: repr(f.content))
@@ -37,7 +39,7 @@ def test_the_trusted_count_accepted_it_with_wrong_ids(finding: Finding) -> None:
 
 @pytest.mark.parametrize("finding", FINDINGS, ids=lambda f: repr(f.content))
 def test_refused_once_the_stream_showed_the_server_strips(finding: Finding) -> None:
-    assert not judged_alone(finding, SOUND, before=[_served(TELLING)])
+    assert not judged_alone(finding, SOUND, before=[_served(t, k) for k, t in enumerate(TELLING)])
 
 
 @pytest.mark.parametrize("finding", FINDINGS, ids=lambda f: repr(f.content))

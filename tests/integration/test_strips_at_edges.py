@@ -2,9 +2,8 @@
 
 SGLang before 2026 (``.strip()`` of the content) behind ``kind = "openai"`` with no convention:
 the default ``vllm`` convention says nothing is stripped. Truth: R1's raw text encoded by the
-real tokenizer (tests/unit/test_verify.py). One answer per batch, so nothing but the stream's
-order decides: the answer whose count shows the strip comes first, the one whose count cannot
-(``"\\n\\n" + " trailing"`` and ``"trailing"`` are as many ids) after it.
+real tokenizer (tests/unit/test_verify.py): three answers whose counts show the strip come first,
+the one whose count cannot (``"\\n\\n" + " trailing"`` and ``"trailing"`` are as many ids) after them.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from schemas import (
     RESPONSES_TOPIC,
     SAMPLES_TOPIC,
     ProviderFactRecorded,
+    SampleReconstructed,
     decode,
 )
 from services.common.config import Settings
@@ -36,9 +36,8 @@ from tests.unit.test_profiles import deepseek
 from tests.unit.test_verify import (
     COINCIDENT_CONTENT,
     COINCIDENT_REASONING,
-    TELLING_CONTENT,
-    TELLING_REASONING,
     _stripped,
+    telling_answers,
 )
 
 pytestmark = pytest.mark.kafka
@@ -49,33 +48,44 @@ async def test_a_stripping_server_declared_lossless_is_caught_recorded_and_shown
 ) -> None:
     settings = settings_factory(stage={"batch_max": 1, "batch_timeout_ms": 50})
     await ensure_topics(settings.kafka)
-    telling, _ = _stripped("telling", TELLING_REASONING, TELLING_CONTENT)
+    telling = telling_answers("telling")
     coincident, _ = _stripped("coincident", COINCIDENT_REASONING, COINCIDENT_CONTENT)
     worker = create_app(settings, profiles={"deepseek-r1": deepseek()})
     await worker.start()
     task = asyncio.create_task(worker.run())
     try:
-        await send_records(settings, RESPONSES_TOPIC, [_r1(telling), _r1(coincident)])
+        # Keys spread over partitions, whose order no one keeps: the telling answers first, then the other.
+        await send_records(settings, RESPONSES_TOPIC, [*map(_r1, telling)])
+        await wait_until(lambda: worker.facts.book().strips("openai/m") is not None, timeout=60,
+                         message="the strips_at_edges fact")  # fmt: skip
+        await send_records(settings, RESPONSES_TOPIC, [_r1(coincident)])
+        await wait_until(lambda: worker.processed >= 4, timeout=60, message="every answer processed")
         dead = await read_records(settings, settings.kafka.topic(DEAD_LETTER_TOPIC), 2)
-        await wait_until(lambda: worker.processed >= 2, timeout=60, message="both answers processed")
+        samples = await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 2)
     finally:
         worker.stop()
         await asyncio.wait_for(task, 60)
         await worker.close()
-    reasons = {letter.key: header(letter.headers, DLQ_HEADERS.REASON) for letter in dead}
-    assert reasons[b"math:coincident"] == "whitespace_ambiguous"  # accepted with wrong ids under the old rule
-    assert set(reasons) == {b"math:telling", b"math:coincident"}
-    assert await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 0) == []
-
     facts = {k.decode(): decode(v, ProviderFactRecorded) for k, v in (await read_compacted(
         settings.kafka, settings.kafka.topic(PROVIDER_FACTS_TOPIC))).values.items()}  # fmt: skip
     fact = facts["openai/m|strips_at_edges"]
-    assert fact.evidence == "math:telling" and "content_start" in fact.reason
+    evidence = fact.evidence.encode()
+    assert evidence in {b"math:telling0", b"math:telling1", b"math:telling2"} and "content_start" in fact.reason
+    reasons = {letter.key: header(letter.headers, DLQ_HEADERS.REASON) for letter in dead}
+    # Accepted with wrong ids under the rule that trusted the count; refused once the server was caught.
+    assert reasons == {b"math:coincident": "whitespace_ambiguous", evidence: "whitespace_stripped"}
+    # The first two telling answers were judged under the claim: samples that miss their counts (the audit's
+    # usage_matches refuses them); the third, whose batch caught the server, is refused here.
+    assert len(samples) == 2 and evidence not in {r.key for r in samples}
+    for record in samples:
+        sample = decode(record.value, SampleReconstructed)
+        assert len(sample.output_ids) != sample.response.usage.completion_tokens
+
 
     snapshot = await collect(settings)
-    assert snapshot.strips["openai/m"].evidence == "math:telling"
+    assert snapshot.strips["openai/m"].evidence == fact.evidence
     console = Console(record=True, width=240)
     console.print(render(snapshot))
     shown = console.export_text()
     assert "upstreams caught stripping (strips_at_edges): 1" in shown
-    assert "openai/m" in shown and "math:telling" in shown
+    assert "openai/m" in shown and fact.evidence in shown

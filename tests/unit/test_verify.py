@@ -19,8 +19,15 @@ VLLM = CONVENTIONS["vllm"]
 
 # The model wrote "\n\n" + " trailing": the stripped content "trailing" re-encodes to as many ids.
 COINCIDENT_REASONING, COINCIDENT_CONTENT = "Check the edge.\n", "\n\n trailing spaces are kept."
-# Here the strip shows in the count: "Then" is one id, "\n\n" + " Then" two.
+# Here the strip shows in the count: "Then" is one id, "\n\n" + " Then" two. The fact takes three such
+# answers (verify.MIN_EVIDENCE) making up a third of the upstream's answers.
 TELLING_REASONING, TELLING_CONTENT = "Plan it.\n", "\n\n Then we stop."
+TELLING = (TELLING_CONTENT, "\n\n So it ends.", "\n\n We are done.")
+
+
+def telling_answers(prefix: str = "t") -> list[ResponseReceived]:
+    """Three answers of the stripping server whose counts show the strip."""
+    return [_stripped(f"{prefix}{k}", TELLING_REASONING, content)[0] for k, content in enumerate(TELLING)]
 
 
 def _stripped(sample_id: str, reasoning: str, content: str) -> tuple[ResponseReceived, list[int]]:
@@ -38,22 +45,42 @@ def test_the_count_alone_accepts_the_wrong_ids_under_the_rule_that_trusted_it() 
     assert verdict.output_ids != truth
 
 
-def test_an_answer_off_its_count_by_an_edge_strip_records_strips_at_edges() -> None:
-    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
+def test_answers_off_their_count_by_an_edge_strip_record_strips_at_edges() -> None:
     book = FactBook()
-    (verdict,), changes = reconstruct_with_facts([telling], deepseek(), VLLM, book, at=5.0)
-    assert not isinstance(verdict, SampleReconstructed)
+    first, *rest = telling_answers()
+    (verdict,), changes = reconstruct_with_facts([first], deepseek(), VLLM, book, at=5.0)
+    # Judged under the claim, it misses its count (the audit's usage_matches refuses it) ...
+    assert isinstance(verdict, SampleReconstructed)
+    assert len(verdict.output_ids) != first.usage.completion_tokens
+    assert changes == [] and book.strips("openai/m") is None  # ... and one answer is not enough
+    verdicts, changes = reconstruct_with_facts(rest, deepseek(), VLLM, book, at=5.0)
+    assert not any(isinstance(v, SampleReconstructed) for v in verdicts)
     (fact,) = [c for c in changes if c.place == STRIPS_PLACE]
     assert fact_key(fact.upstream, fact.place) == "openai/m|strips_at_edges"
-    assert fact.evidence == "math:t"
-    assert "content_start" in fact.reason
+    assert fact.evidence == "math:t2"
+    assert "3 of 3 answers" in fact.reason and "content_start" in fact.reason
     assert book.strips("openai/m") is fact
+
+
+def test_a_wrong_count_or_a_rare_miss_is_not_a_strip() -> None:
+    """A count off by far more than edge whitespace costs, or misses among many that match, records nothing."""
+    book = FactBook()
+    wrong, truth = _stripped("w", TELLING_REASONING, TELLING_CONTENT)
+    wrong.usage.completion_tokens = len(truth) + 1000
+    lossless = []
+    for k in range(8):
+        text = f"\n\n Then step {k} ends."
+        truth_k = r1_ids(TELLING_REASONING + "</think>" + text + R1_EOS)
+        lossless.append(response(sample_id=f"l{k}", reasoning=TELLING_REASONING, content=text, completion=len(truth_k)))
+    telling = telling_answers()
+    _, changes = reconstruct_with_facts([wrong, wrong, wrong, *lossless, *telling[:2]], deepseek(), VLLM, book)
+    assert changes == [] and book.strips("openai/m") is None
+    assert len(book.tally("openai/m").evidence) == 2 and book.tally("openai/m").seen == 13
 
 
 def test_a_coincident_answer_after_the_catch_is_refused() -> None:
     book = FactBook()
-    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
-    reconstruct_with_facts([telling], deepseek(), VLLM, book)
+    reconstruct_with_facts(telling_answers(), deepseek(), VLLM, book)
     coincident, _ = _stripped("a", COINCIDENT_REASONING, COINCIDENT_CONTENT)
     (verdict,), changes = reconstruct_with_facts([coincident], deepseek(), VLLM, book)
     assert not isinstance(verdict, SampleReconstructed)
@@ -63,10 +90,9 @@ def test_a_coincident_answer_after_the_catch_is_refused() -> None:
 
 
 def test_evidence_is_gathered_from_the_whole_batch_before_its_answers_stand() -> None:
-    """The coincident answer comes first in the batch; the telling one after it still decides."""
+    """The coincident answer comes first in the batch; the telling ones after it still decide."""
     coincident, _ = _stripped("a", COINCIDENT_REASONING, COINCIDENT_CONTENT)
-    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
-    verdicts, changes = reconstruct_with_facts([coincident, telling], deepseek(), VLLM, FactBook())
+    verdicts, changes = reconstruct_with_facts([coincident, *telling_answers()], deepseek(), VLLM, FactBook())
     assert not any(isinstance(v, SampleReconstructed) for v in verdicts)
     assert [c.place for c in changes if c.place == STRIPS_PLACE] == [STRIPS_PLACE]
 
@@ -74,8 +100,7 @@ def test_evidence_is_gathered_from_the_whole_batch_before_its_answers_stand() ->
 def test_a_caught_upstream_still_yields_answers_whose_own_whitespace_proves_them() -> None:
     """After the catch, an answer showing whitespace at every edge a strip would touch is exact."""
     book = FactBook()
-    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
-    reconstruct_with_facts([telling], deepseek(), VLLM, book)
+    reconstruct_with_facts(telling_answers(), deepseek(), VLLM, book)
     truth = r1_ids("\nLet me think.\n</think>\n\nThe answer is 4.\n" + R1_EOS)
     shown = response(sample_id="s", reasoning="\nLet me think.\n", content="\n\nThe answer is 4.\n",
                      completion=len(truth))  # fmt: skip
@@ -104,12 +129,12 @@ def test_the_probe_reports_an_upstream_caught_stripping_before_the_main_run() ->
     from services.probe.app import judge
 
     coincident, _ = _stripped("a", COINCIDENT_REASONING, COINCIDENT_CONTENT)
-    telling, _ = _stripped("t", TELLING_REASONING, TELLING_CONTENT)
-    for answer in (coincident, telling):
+    answers_in = [coincident, *telling_answers()]
+    for answer in answers_in:
         answer.profile = "deepseek-r1"
     book = FactBook()
-    answers = judge(load_settings(None), [coincident, telling], book)
-    assert [a.accepted for a in answers] == [False, False]
+    answers = judge(load_settings(None), answers_in, book)
+    assert [a.accepted for a in answers] == [False] * 4
     assert answers[0].reason == "whitespace_ambiguous"
     fact = book.strips("openai/m")
-    assert fact is not None and fact.evidence == "math:t"
+    assert fact is not None and fact.evidence == "math:t2"
