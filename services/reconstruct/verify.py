@@ -14,7 +14,7 @@ provider fact that the upstream keeps it there, and otherwise a dead letter
 (docs/fidelity.md, "The rule").
 
 The fact needs ``MIN_EVIDENCE`` such answers making up ``STRIP_SHARE`` of the upstream's
-answers a count can test: a lossless server's answers miss their count now and then for other
+answers a count can test (without tool calls): a lossless server's answers miss their count now and then for other
 reasons (a non-canonical split the model sampled), a stripping server's on nearly every one. A
 count that misses for another reason often enough (a misconfigured ``usage_offset``) can still
 make an upstream look stripping: that costs yield, never exactness.
@@ -36,11 +36,12 @@ __all__ = ["EDGE_IDS", "MIN_EVIDENCE", "STRIP_SHARE", "stripping", "verified"]
 
 # A count off by more than this many ids per unproven edge is a wrong count, not a strip.
 EDGE_IDS = 16
-# The fact needs this many answers of evidence, and that share of the upstream's testable answers: a
+# The fact needs this many answers of evidence, and that share of the upstream's testable answers (no tool
+# calls, stopped by themselves, a count, no native ids or logprobs): a
 # lossless server's answers miss their count now and then for other reasons (a non-canonical split the
 # model sampled), a stripping server's on nearly every answer.
-MIN_EVIDENCE = 3
-STRIP_SHARE = 1 / 3
+MIN_EVIDENCE = 2
+STRIP_SHARE = 1 / 4
 
 Verdicts = list[SampleReconstructed | DeadLetter]
 
@@ -92,7 +93,7 @@ def verified(
         if upstream is None or book.strips(upstream) is not None:
             continue
         why = _strip_evidence(plan, ids, profile, convention)
-        if why is None:
+        if why is None or not _testable(response):
             continue
         tally = book.tally(upstream)
         tally.evidence.append((sample_key(response.dataset, response.sample_id), why))
@@ -115,6 +116,7 @@ def verified(
 def _testable(response: ResponseReceived) -> bool:
     """An answer whose count can test the convention: re-encoded chat text that stopped by itself, with a count."""
     return (response.mode != "completions" and not response.native_output_ids and not response.logprobs
+            and not response.tool_calls  # the text dropped after a tool block may explain any miss
             and response.finish_reason != "length" and response.usage.completion_tokens is not None)  # fmt: skip
 
 

@@ -22,7 +22,7 @@ FINDINGS = (
     Finding("qwen3-thinking-2507", "sglang-strip", "vllm", 2, "?", ".\n", 31),
 )
 # Answers whose lost edge shows in their counts ("\n\n" + " Then" is two ids, "Then" one): the fact
-# takes three of them (verify.MIN_EVIDENCE).
+# takes two of them (verify.MIN_EVIDENCE).
 TELLING = tuple(Finding("qwen3-thinking-2507", "sglang-strip", "vllm", 0, "x", content, 0)
                 for content in ("\n\n Then we stop.", "\n\n So it ends.", "\n\n We are done."))  # fmt: skip
 

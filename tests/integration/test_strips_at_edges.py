@@ -61,7 +61,7 @@ async def test_a_stripping_server_declared_lossless_is_caught_recorded_and_shown
         await send_records(settings, RESPONSES_TOPIC, [_r1(coincident)])
         await wait_until(lambda: worker.processed >= 4, timeout=60, message="every answer processed")
         dead = await read_records(settings, settings.kafka.topic(DEAD_LETTER_TOPIC), 2)
-        samples = await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 2)
+        samples = await read_records(settings, settings.kafka.topic(SAMPLES_TOPIC), 0)
     finally:
         worker.stop()
         await asyncio.wait_for(task, 60)
@@ -73,10 +73,11 @@ async def test_a_stripping_server_declared_lossless_is_caught_recorded_and_shown
     assert evidence in {b"math:telling0", b"math:telling1", b"math:telling2"} and "content_start" in fact.reason
     reasons = {letter.key: header(letter.headers, DLQ_HEADERS.REASON) for letter in dead}
     # Accepted with wrong ids under the rule that trusted the count; refused once the server was caught.
-    assert reasons == {b"math:coincident": "whitespace_ambiguous", evidence: "whitespace_stripped"}
-    # The first two telling answers were judged under the claim: samples that miss their counts (the audit's
-    # usage_matches refuses them); the third, whose batch caught the server, is refused here.
-    assert len(samples) == 2 and evidence not in {r.key for r in samples}
+    assert reasons.pop(b"math:coincident") == "whitespace_ambiguous"
+    assert reasons[evidence] == "whitespace_stripped" and set(reasons.values()) == {"whitespace_stripped"}
+    # The telling answers judged before the catch are samples that miss their counts (the audit's usage_matches
+    # refuses them); the one whose batch caught the server, and any after it, are refused here.
+    assert len(samples) + len(reasons) == 3 and not {r.key for r in samples} & set(reasons)
     for record in samples:
         sample = decode(record.value, SampleReconstructed)
         assert len(sample.output_ids) != sample.response.usage.completion_tokens

@@ -19,14 +19,14 @@ VLLM = CONVENTIONS["vllm"]
 
 # The model wrote "\n\n" + " trailing": the stripped content "trailing" re-encodes to as many ids.
 COINCIDENT_REASONING, COINCIDENT_CONTENT = "Check the edge.\n", "\n\n trailing spaces are kept."
-# Here the strip shows in the count: "Then" is one id, "\n\n" + " Then" two. The fact takes three such
-# answers (verify.MIN_EVIDENCE) making up a third of the upstream's answers.
+# Here the strip shows in the count: "Then" is one id, "\n\n" + " Then" two. The fact takes two such
+# answers (verify.MIN_EVIDENCE) making up a quarter of the upstream's testable answers.
 TELLING_REASONING, TELLING_CONTENT = "Plan it.\n", "\n\n Then we stop."
 TELLING = (TELLING_CONTENT, "\n\n So it ends.", "\n\n We are done.")
 
 
 def telling_answers(prefix: str = "t") -> list[ResponseReceived]:
-    """Three answers of the stripping server whose counts show the strip."""
+    """Three answers of the stripping server whose counts show the strip (the fact needs two)."""
     return [_stripped(f"{prefix}{k}", TELLING_REASONING, content)[0] for k, content in enumerate(TELLING)]
 
 
@@ -57,8 +57,8 @@ def test_answers_off_their_count_by_an_edge_strip_record_strips_at_edges() -> No
     assert not any(isinstance(v, SampleReconstructed) for v in verdicts)
     (fact,) = [c for c in changes if c.place == STRIPS_PLACE]
     assert fact_key(fact.upstream, fact.place) == "openai/m|strips_at_edges"
-    assert fact.evidence == "math:t2"
-    assert "3 of 3 answers" in fact.reason and "content_start" in fact.reason
+    assert fact.evidence == "math:t1"  # the second answer of evidence, among three testable ones
+    assert "2 of 3 answers" in fact.reason and "content_start" in fact.reason
     assert book.strips("openai/m") is fact
 
 
@@ -137,4 +137,4 @@ def test_the_probe_reports_an_upstream_caught_stripping_before_the_main_run() ->
     assert [a.accepted for a in answers] == [False] * 4
     assert answers[0].reason == "whitespace_ambiguous"
     fact = book.strips("openai/m")
-    assert fact is not None and fact.evidence == "math:t2"
+    assert fact is not None and fact.evidence == "math:t1"
