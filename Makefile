@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-unit engines conformance lint bench bench-quick bench-scale chaos kafka-up kafka-down schemas clean
+.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-unit engines conformance fuzz lint bench bench-quick bench-scale chaos kafka-up kafka-down schemas clean
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -64,6 +64,9 @@ bench-quick: setup ## Benchmarks at tiny sizes, same broker handling (part of ma
 
 bench-scale: setup ## The seeds' shape at BENCH_SCALE_PROMPTS (default 16,000), half and a quarter; not part of make test
 	@BENCH_ENTRY=bench.bench_scale bash deploy/run-bench.sh
+
+fuzz: setup ## Try to make reconstruct + audit accept wrong ids: >= 20,000 fuzzed answers, fixed seed (FUZZ_SEED, FUZZ_ANSWERS)
+	$(PY) -m pytest tests/fuzz -m fuzz -q -s -p no:cacheprovider
 
 chaos: setup ## The longer crash soak
 	$(PY) -m pytest tests/e2e -m chaos -q

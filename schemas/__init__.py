@@ -558,6 +558,8 @@ class ProviderFactRecorded(Struct, kw_only=True):
     because the answer ``evidence`` (a sample key) shows whitespace at that place. A later
     answer whose own count shows whitespace missing there withdraws it: ``withdrawn`` with the
     contradicting sample key in ``contradicted_by`` (services/reconstruct/facts.py).
+    ``place`` ``strips_at_edges`` says the opposite: the upstream, said to keep whitespace, lost
+    it in answer ``evidence`` (``reason`` says how); never withdrawn (services/reconstruct/verify.py).
     """
 
     upstream: Name

@@ -44,8 +44,10 @@ from services.inference.guard import ProviderGuard
 from services.inference.store import ResponseStore
 from services.probe.core import DatasetReport, Findings, ProbeAnswer, ProbeRun, by_upstream, forecast, summarize
 from services.profiles import Profile
+from services.profiles.conventions import Convention
 from services.reconstruct.app import ProfileCache
-from services.reconstruct.core import reconstruct_batch
+from services.reconstruct.core import reconstruct_with_facts
+from services.reconstruct.facts import STRIPS_PLACE, FactBook
 
 log = logging.getLogger(__name__)
 
@@ -65,24 +67,35 @@ async def first_prompts(settings: Settings, dataset: str, n: int) -> tuple[list[
     return records[:n], len(records)
 
 
-def judge(settings: Settings, responses: Sequence[ResponseReceived]) -> list[ProbeAnswer]:
-    """Rebuild and audit responses with the reconstruct and audit cores (CPU work: run it in a thread)."""
+def judge(
+    settings: Settings, responses: Sequence[ResponseReceived], book: FactBook | None = None
+) -> list[ProbeAnswer]:
+    """Rebuild and audit responses with the reconstruct and audit cores (CPU work: run it in a thread).
+
+    The answers are one batch, as the reconstruct stage would take them: with ``book``, what they
+    prove about their upstreams (a ``strips_at_edges`` fact above all) is gathered from all of them
+    before any is judged, and left in ``book``.
+    """
     profiles = ProfileCache(settings)
     audit_profiles = default_profile_loader(settings)
-    out: list[ProbeAnswer] = []
-    for response in responses:
-        name = profiles.profile_name(response)
+    out: list[ProbeAnswer | None] = [None] * len(responses)
+    groups: dict[tuple[str, Convention], list[int]] = {}
+    for index, response in enumerate(responses):
+        groups.setdefault((profiles.profile_name(response), profiles.convention(response)), []).append(index)
+    for (name, convention), members in groups.items():
         profile = profiles.get(name)
         if not isinstance(profile, Profile):
-            out.append(ProbeAnswer(response, dead_reason=profile.reason))
+            for index in members:
+                out[index] = ProbeAnswer(responses[index], dead_reason=profile.reason)
             continue
-        rebuilt = reconstruct_batch([response], profile, profiles.convention(response))[0]
-        if isinstance(rebuilt, DeadLetter):
-            out.append(ProbeAnswer(response, dead_reason=rebuilt.reason))
-            continue
-        audited = audit_batch([rebuilt], audit_profiles(name), lambda d: settings.dataset(d).audit)[0]
-        out.append(ProbeAnswer(response, sample=rebuilt, audited=audited))
-    return out
+        rebuilt, _ = reconstruct_with_facts([responses[i] for i in members], profile, convention, book)
+        for index, verdict in zip(members, rebuilt, strict=True):
+            if isinstance(verdict, DeadLetter):
+                out[index] = ProbeAnswer(responses[index], dead_reason=verdict.reason)
+                continue
+            audited = audit_batch([verdict], audit_profiles(name), lambda d: settings.dataset(d).audit)[0]
+            out[index] = ProbeAnswer(responses[index], sample=verdict, audited=audited)
+    return [answer for answer in out if answer is not None]
 
 
 class Prober:
@@ -142,7 +155,10 @@ class Prober:
         paid_before = answerer.responded
         await asyncio.gather(*(answerer.answer(r) for r in records))
         responses = [r for r in [await self._stored(record) for record in records] if r is not None]
-        answers = await asyncio.to_thread(judge, self.settings, responses)
+        book = FactBook()
+        answers = await asyncio.to_thread(judge, self.settings, responses, book)
+        strips = tuple(sorted(f"{upstream} (evidence {fact.evidence}: {fact.reason})" for (upstream, place), fact
+                              in book.facts.items() if place == STRIPS_PLACE))  # fmt: skip
         dataset_settings = self.settings.dataset(dataset)
         profile = ProfileCache(self.settings).get(dataset_settings.profile)
         prompt_offset = dataset_settings.audit.prompt_usage_offset or 0  # as the audit's prompt_matches
@@ -168,6 +184,7 @@ class Prober:
             requests_sent=answerer.responded - paid_before,
             profile=dataset_settings.profile,
             prompt_offset=prompt_offset,
+            strips=strips,
         )
 
     async def _stored(self, record: Record) -> ResponseReceived | None:
@@ -221,6 +238,10 @@ async def probe_first(
         top = ", ".join(f"{code} {n}" for code, n in found.reasons.most_common(3)) or "-"
         log.info("probe %s: %d of %d answers accepted (%d paid); reasons of the rest: %s",
                  name, found.accepted, found.answers, report.requests_sent, top)
+        for caught in report.strips:
+            log.warning("probe %s: an upstream loses whitespace its convention says it keeps (strips_at_edges): %s; "
+                        "the reconstruct stage judges it as stripping from these answers on: set [provider] "
+                        "convention", name, caught)
         mismatch = report.tokenizer_mismatch
         if mismatch is not None:
             log.error("probe %s: %s", name, mismatch)

@@ -234,6 +234,8 @@ class DatasetReport:
     requests_sent: int
     profile: str = ""
     prompt_offset: int = 0
+    # Upstreams whose answers showed they strip whitespace their convention says they keep (strips_at_edges).
+    strips: tuple[str, ...] = ()
 
     def below(self, min_yield: float) -> bool:
         """Whether the forecast yield is under the floor (the probe exits 1)."""
@@ -304,6 +306,7 @@ def render(run: ProbeRun, min_yield: float) -> Table:
             f"tokens kept {fc.tokens_kept:,} of {fc.tokens_paid:,} paid ({verdict})"
         )
         rows = [("all", f, outlook), *((name, u, "") for name, u in report.upstreams.items())]
+        caught = "".join(f"; [yellow]strips_at_edges: {s}[/]" for s in report.strips)
         for upstream, found, text in rows:
             table.add_row(
                 report.dataset,
@@ -312,7 +315,7 @@ def render(run: ProbeRun, min_yield: float) -> Table:
                 f"{found.accepted} ({found.share:.0%})",
                 _money(found.dollars_per_accepted),
                 _reasons(found),
-                _facts(found),
+                _facts(found) + (caught if upstream == "all" else ""),
                 text,
             )
     for dataset, why in run.skipped.items():

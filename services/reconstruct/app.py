@@ -29,7 +29,7 @@ from services.common.topics import Record, catch_up, follow, ready_partitions
 from services.profiles import Profile, ProfileError, load_profile
 from services.profiles.conventions import Convention, convention_for
 from services.reconstruct.core import reconstruct_with_facts
-from services.reconstruct.facts import FactBook, fact_key
+from services.reconstruct.facts import STRIPS_PLACE, FactBook, fact_key
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,10 @@ class FactFollower:
             if fact.withdrawn:
                 log.warning("provider fact %s withdrawn (established by %s, contradicted by %s): %s",
                             fact_key(fact.upstream, fact.place), fact.evidence, fact.contradicted_by, fact.reason)
+            elif fact.place == STRIPS_PLACE:
+                log.warning("upstream %s loses whitespace its convention says it keeps (evidence %s: %s); its "
+                            "answers are judged as a stripping upstream's from now on: set [provider] convention",
+                            fact.upstream, fact.evidence, fact.reason)
             else:
                 log.info("provider fact %s established (evidence %s)", fact_key(fact.upstream, fact.place),
                          fact.evidence)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from schemas import (
@@ -50,8 +50,12 @@ __all__ = [
     "INVALID_TOOL_ARGUMENTS",
     "LOGPROBS_UNMAPPABLE",
     "SPECIAL_TOKEN_IN_TEXT",
+    "COUNT_TRUSTED",
+    "SOUND",
     "LineResult",
     "ReconstructProfile",
+    "Rule",
+    "judge",
     "output_layout",
     "reconstruct",
     "reconstruct_batch",
@@ -310,30 +314,6 @@ def _edges(text: str) -> tuple[bool, bool]:
     return bool(text) and text[0].isspace(), bool(text) and text[-1].isspace()
 
 
-def _shown_units(response: ResponseReceived, thinking: bool, think_end: bool) -> frozenset[str]:
-    """The strip units whose own edges show whitespace: those were not ``.strip()``ped.
-
-    ``text`` is the decoded output a reasoning parser sees: it starts where the reasoning
-    starts (the content, without a think block) and ends where the content ends (the
-    reasoning, cut inside it; past the tool block with tool calls, which the tool gap covers).
-    """
-    r_start, r_end = _edges(response.reasoning) if thinking else (False, False)
-    c_start, c_end = _edges(response.content)
-    text_start = r_start if thinking and response.reasoning else c_start
-    if thinking and not think_end:
-        text_end = r_end
-    else:
-        text_end = c_end and not response.tool_calls
-    shown = set()
-    if r_start or r_end:
-        shown.add("reasoning")
-    if c_start or c_end:
-        shown.add("content")
-    if text_start or text_end:
-        shown.add("text")
-    return frozenset(shown)
-
-
 def _reencode_plan(
     response: ResponseReceived, profile: ReconstructProfile, convention: Convention, prompt_text: str
 ) -> _Plan | DeadLetter:
@@ -417,8 +397,10 @@ def _assemble(
     ``raw``: no think token at all, the ``reasoning`` field is the model's plain answer text.
     """
     calls = response.tool_calls
-    # The text's own evidence: a unit whose edge shows whitespace was not stripped.
-    open_units = convention.open_strip_units(_shown_units(response, thinking, layout.think_end))
+    # The text's own evidence is per edge: whitespace shown at an edge proves nothing was stripped
+    # there, and nothing about the span's other end (a server may strip one end: .lstrip(), SGLang's
+    # streaming .rstrip() of the reasoning).
+    open_units = convention.open_strip_units(frozenset())
     reasoning_units = {"reasoning", "text"} if thinking else set()
     content_units = {"content"} if thinking else {"content", "text"}
     out = _Text()
@@ -431,7 +413,7 @@ def _assemble(
     def edge(units: set[str], place: str, shows: bool) -> None:
         if shows:
             shown.add(place)
-        if not open_units.isdisjoint(units):
+        elif not open_units.isdisjoint(units):
             out.gap(_STRIP, place=place)
 
     if layout.think_start and profile.think_start:
@@ -703,10 +685,29 @@ def _refusal(plan: _Plan, ids: list[int], matches: int, why: str = "", code: str
     )
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What may accept a lossy answer (docs/fidelity.md, "The rule").
+
+    ``count_restores_edges``: a usage count that singles out one whitespace candidate at an
+    open field edge restores it. ``verify_conventions``: an upstream declared lossless is
+    watched for answers that show it strips (verify.py). ``SOUND`` is the rule;
+    ``COUNT_TRUSTED`` trusts a unique count and a declared convention, and exists so the
+    fuzzer (tests/fuzz) can show that rule accepting wrong ids.
+    """
+
+    count_restores_edges: bool = False
+    verify_conventions: bool = True
+
+
+SOUND = Rule()
+COUNT_TRUSTED = Rule(count_restores_edges=True, verify_conventions=False)
+
+
 def _prove(
-    plans: list[tuple[int, _Plan, list[int]]], profile: ReconstructProfile
+    plans: list[tuple[int, _Plan, list[int]]], profile: ReconstructProfile, rule: Rule = SOUND
 ) -> dict[int, DeadLetter | list[int]]:
-    """For lossy outputs: the restored ids when exactly one candidate fits the counts, else a dead letter."""
+    """For lossy outputs: the restored ids when exactly one candidate fits and no open edge remains."""
     verdicts: dict[int, DeadLetter | list[int]] = {}
     for index, plan, ids in plans:
         if plan.expected_count is None:
@@ -718,6 +719,9 @@ def _prove(
             )
             continue
         assert plan.output_text is not None  # noqa: S101 - reencode plans carry text
+        if not rule.count_restores_edges and _open_edges(plan):
+            verdicts[index] = _unproven(plan, ids)
+            continue
         reasoning_target = None
         if plan.expected_reasoning is not None and plan.think_end_at is not None and profile.think_end_id in ids:
             reasoning_target = plan.expected_reasoning - ids.index(profile.think_end_id or 0)
@@ -758,6 +762,24 @@ def _prove(
     return verdicts
 
 
+def _open_edges(plan: _Plan) -> list[str]:
+    """The field edges a strip may have touched that nothing proves kept (the plan's open strip gaps)."""
+    return sorted({p or "a field edge" for gap in plan.gaps if gap.where == _STRIP for p in gap.places or {""}})
+
+
+def _unproven(plan: _Plan, ids: list[int]) -> DeadLetter:
+    """The dead letter of an answer with an open edge, whatever its count says (docs/fidelity.md, "The rule").
+
+    The whitespace a strip takes is unbounded (any run, U+00A0, ...) and may merge into the next
+    word at no cost in ids, so no candidate that fits the count is proof, and none is searched.
+    """
+    counted = len(ids) == plan.expected_count
+    code = WHITESPACE_AMBIGUOUS if counted else WHITESPACE_STRIPPED
+    why = (f"nothing proves {', '.join(_open_edges(plan))} kept (no native ids, logprobs, provider fact or "
+           "whitespace shown there), and a count never accepts alone")
+    return _refusal(plan, ids, int(counted), why, code)
+
+
 def _sample(
     plan: _Plan, profile: ReconstructProfile, prompt_ids: list[int], output_ids: list[int]
 ) -> SampleReconstructed:
@@ -776,10 +798,11 @@ def _sample(
 
 
 def reconstruct_batch(
-    responses: Sequence[ResponseReceived], profile: ReconstructProfile, convention: Convention
+    responses: Sequence[ResponseReceived], profile: ReconstructProfile, convention: Convention, *,
+    rule: Rule = SOUND,
 ) -> list[SampleReconstructed | DeadLetter]:
     """Rebuild many responses of one profile and provider convention, batching the tokenizer (no facts)."""
-    return reconstruct_with_facts(responses, profile, convention, None)[0]
+    return reconstruct_with_facts(responses, profile, convention, None, rule=rule)[0]
 
 
 def _close_gaps(plan: _Plan, kept: frozenset[str]) -> None:
@@ -816,6 +839,9 @@ def _contradiction(
     """Whether the count shows whitespace missing at a place the facts closed (with them open, a candidate fits)."""
     if not plan.closed or plan.expected_count is None or plan.output_text is None:
         return False
+    if isinstance(verdict, DeadLetter) and _open_edges(plan):
+        # Refused for its open edges without a search: what the search makes of the count decides.
+        verdict = _prove([(0, replace(plan), ids)], profile, COUNT_TRUSTED)[0]
     if isinstance(verdict, DeadLetter):
         if verdict.reason not in (WHITESPACE_STRIPPED, TOOL_TEXT_LOST):
             return False
@@ -841,6 +867,7 @@ def reconstruct_with_facts(
     book: FactBook | None,
     *,
     at: float = 0.0,
+    rule: Rule = SOUND,
 ) -> tuple[list[SampleReconstructed | DeadLetter], list[ProviderFactRecorded]]:
     """Rebuild a batch with the upstreams' facts (facts.py): the verdicts, and the facts established or withdrawn.
 
@@ -848,8 +875,28 @@ def reconstruct_with_facts(
     sample is judged; then, in batch order, a gap at a place the answer's upstream is proven
     to keep is closed, and an answer whose count shows whitespace missing at such a place
     withdraws the fact (refused ``provider_fact_contradicted``, as are the upstream's later
-    answers that would have needed it). ``book=None``: no facts, each answer on its own evidence.
+    answers that would have needed it). Under a convention that keeps whitespace, an upstream
+    whose answers show it strips gets a ``strips_at_edges`` fact and is judged as stripping
+    (verify.py). ``book=None``: no facts, each answer on its own evidence.
     """
+    if book is not None and rule.verify_conventions and not convention.strips_whitespace:
+        from services.reconstruct.verify import verified
+
+        return verified(responses, profile, convention, book, at=at, rule=rule)
+    return judge(responses, profile, convention, book, at=at, rule=rule)
+
+
+def judge(
+    responses: Sequence[ResponseReceived],
+    profile: ReconstructProfile,
+    convention: Convention,
+    book: FactBook | None,
+    *,
+    at: float = 0.0,
+    rule: Rule = SOUND,
+    suspects: list[tuple[_Plan, list[int]]] | None = None,
+) -> tuple[list[SampleReconstructed | DeadLetter], list[ProviderFactRecorded]]:
+    """:func:`reconstruct_with_facts` under one convention; ``suspects`` collects re-encoded answers off their count."""
     plans: list[_Plan | DeadLetter] = [_plan(r, profile, convention) for r in responses]
     changes = _establish(plans, book, convention, at) if book is not None else []
     if book is not None:
@@ -878,6 +925,8 @@ def reconstruct_with_facts(
             if bad is not None:
                 out.append(bad)
                 continue
+            if suspects is not None and _off_count(plan, ids, convention):
+                suspects.append((plan, ids))
             if plan.gaps or plan.closed:
                 lossy.append((len(out), plan, ids))
         out.append(_sample(plan, profile, prompt, ids))
@@ -888,7 +937,7 @@ def reconstruct_with_facts(
         if withdrawn:
             out[index] = _contradicted(withdrawn, key)
             continue
-        verdict = _prove([(index, plan, ids)], profile)[index] if plan.gaps else ids
+        verdict = _prove([(index, plan, ids)], profile, rule)[index] if plan.gaps else ids
         if book is not None and upstream is not None and _contradiction(plan, ids, profile, verdict):
             places = sorted({p for g in plan.closed for p in g.places})
             why = f"{key}'s usage count shows whitespace missing at {', '.join(places)}"
@@ -905,6 +954,13 @@ def reconstruct_with_facts(
     return out, changes
 
 
+def _off_count(plan: _Plan, ids: list[int], convention: Convention) -> bool:
+    """A re-encoded answer that stopped by itself and whose ids miss its usage count."""
+    count = plan.response.usage.completion_tokens
+    return (plan.method == "reencode" and plan.response.finish_reason != "length" and count is not None
+            and len(ids) != count - convention.completion_offset)  # fmt: skip
+
+
 def _contradicted(facts: Sequence[ProviderFactRecorded], key: str) -> DeadLetter:
     """The dead letter of an answer whose upstream's fact (at a place it may have lost text) was contradicted."""
     named = "; ".join(
@@ -919,10 +975,10 @@ def _contradicted(facts: Sequence[ProviderFactRecorded], key: str) -> DeadLetter
 
 
 def reconstruct(
-    response: ResponseReceived, profile: ReconstructProfile, convention: Convention
+    response: ResponseReceived, profile: ReconstructProfile, convention: Convention, *, rule: Rule = SOUND
 ) -> SampleReconstructed | DeadLetter:
     """Rebuild one response: prompt ids, output ids, loss mask, or a dead-letter verdict."""
-    return reconstruct_batch([response], profile, convention)[0]
+    return reconstruct_batch([response], profile, convention, rule=rule)[0]
 
 
 @dataclass

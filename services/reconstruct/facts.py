@@ -18,6 +18,11 @@ only what its reasoning parser parsed, so the two are different places), ``befor
 (the content before a tool block: SGLang 2026 strips there and nowhere else, PARSERS.md);
 and ``arguments``: tool arguments not in ``json.dumps``' own form prove the upstream's tool
 parser returns the model's argument text (a re-serialising parser returns only that form).
+
+The opposite fact, ``strips_at_edges``: an upstream whose convention says it keeps
+whitespace, caught losing it by one of its answers (``services/reconstruct/verify.py``).
+From then on its answers are judged as a stripping upstream's; it is never withdrawn (a
+server that strips sometimes is treated as one that may strip always).
 """
 
 from __future__ import annotations
@@ -27,13 +32,17 @@ from dataclasses import dataclass, field
 
 from schemas import ProviderFactRecorded, ResponseReceived
 
-__all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "FactBook", "fact_key", "upstream_of"]
+__all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "STRIPS_PLACE", "FactBook", "StripTally", "fact_key",
+           "upstream_of"]
 
 FACT_CONTRADICTED = "provider_fact_contradicted"
 
 ARGUMENTS_PLACE = "arguments"
 PLACES = ("reasoning_start", "reasoning_end", "reasoning_cut", "content_start", "content_end", "text_start",
           "text_end", "before_tool", ARGUMENTS_PLACE)  # fmt: skip
+
+# The key place of the fact "this upstream loses whitespace at field edges its convention says it keeps".
+STRIPS_PLACE = "strips_at_edges"
 
 # Provider kinds that route one request to one of several upstreams: without the upstream's
 # name an answer cannot be attributed, so it establishes nothing and no fact closes its gaps.
@@ -61,6 +70,14 @@ def fact_key(upstream: str, place: str) -> str:
 
 
 @dataclass
+class StripTally:
+    """What one upstream's answers said about a convention that keeps whitespace (verify.py), not yet a fact."""
+
+    seen: int = 0  # answers a count could test
+    evidence: list[tuple[str, str]] = field(default_factory=list)  # (sample key, why) of those that missed it
+
+
+@dataclass
 class FactBook:
     """The facts known now, by ``(upstream, place)``: established ones and withdrawn ones.
 
@@ -71,6 +88,12 @@ class FactBook:
     facts: dict[tuple[str, str], ProviderFactRecorded] = field(default_factory=dict, init=False)
     # The same records by upstream, so a batch's look-ups do not scan every upstream's facts.
     _by_upstream: dict[str, dict[str, ProviderFactRecorded]] = field(default_factory=dict, init=False, repr=False)
+    # This worker's tallies towards a strips_at_edges fact (kept in memory: only the fact is shared).
+    _tallies: dict[str, StripTally] = field(default_factory=dict, init=False, repr=False)
+
+    def tally(self, upstream: str) -> StripTally:
+        """The evidence gathered so far that ``upstream`` strips."""
+        return self._tallies.setdefault(upstream, StripTally())
 
     def _put(self, record: ProviderFactRecorded) -> None:
         self.facts[(record.upstream, record.place)] = record
@@ -95,7 +118,22 @@ class FactBook:
         """The places where ``upstream`` is proven to keep whitespace."""
         if upstream is None:
             return frozenset()
-        return frozenset(p for p, f in self._by_upstream.get(upstream, {}).items() if not f.withdrawn)
+        of_upstream = self._by_upstream.get(upstream, {})
+        return frozenset(p for p, f in of_upstream.items() if not f.withdrawn and p != STRIPS_PLACE)
+
+    def strips(self, upstream: str | None) -> ProviderFactRecorded | None:
+        """The ``strips_at_edges`` fact of ``upstream``: its answers showed it loses edge whitespace."""
+        if upstream is None:
+            return None
+        return self._by_upstream.get(upstream, {}).get(STRIPS_PLACE)
+
+    def record_strips(self, upstream: str, evidence: str, reason: str, at: float = 0.0) -> ProviderFactRecorded | None:
+        """Record that ``upstream`` loses edge whitespace (``evidence``: the sample key); None if known."""
+        if (upstream, STRIPS_PLACE) in self.facts:
+            return None
+        record = ProviderFactRecorded(upstream=upstream, place=STRIPS_PLACE, evidence=evidence, reason=reason, at=at)
+        self._put(record)
+        return record
 
     def contradicted(self, upstream: str | None) -> ProviderFactRecorded | None:
         """A withdrawn fact of ``upstream``, if any: its lossy answers are no longer judged by facts."""

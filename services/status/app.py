@@ -5,7 +5,8 @@ beginning offsets through a group-less consumer, committed offsets of the stage 
 through the admin client, ``budget-state`` as its latest snapshot per scope,
 ``dead-letter`` and ``accepted`` (for the truncated answers accepted, a header) from the budget's
 tallies on ``budget-state`` and only the records after the offsets those cover (the whole topic
-when no budget tallied it), and ``conversation-state`` (latest per conversation).
+when no budget tallied it), ``conversation-state`` (latest per conversation) and
+``provider-facts`` (the ``strips_at_edges`` facts: upstreams whose answers showed they strip).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from schemas import (
     DEAD_LETTER_TOPIC,
     DLQ_HEADERS,
     GLOBAL_SCOPE,
+    PROVIDER_FACTS_TOPIC,
     BudgetSnapshot,
     ConversationProgressed,
     Halt,
+    ProviderFactRecorded,
     SchemaError,
     decode,
     topology,
@@ -34,6 +37,7 @@ from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
 from services.common.topics import partitions_of, read_to_end
 from services.control import read_budget_snapshots, read_control_state
+from services.reconstruct.facts import STRIPS_PLACE
 from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot, rate_limits_from_metrics
 
 
@@ -116,6 +120,7 @@ async def collect(
     await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead, from_offsets=dead_from)
     await read_to_end(kafka, kafka.topic(ACCEPTED_TOPIC), accepted, from_offsets=accepted_from)
     await read_to_end(kafka, kafka.topic(CONVERSATIONS_TOPIC), lambda r: _conversation(snapshot, r))
+    await read_to_end(kafka, kafka.topic(PROVIDER_FACTS_TOPIC), lambda r: _strips_fact(snapshot, r))
     snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
     await _rate_limits(settings, snapshot)
@@ -173,6 +178,18 @@ def _conversation(snapshot: StatusSnapshot, record: ConsumerRecord[bytes, bytes]
     except SchemaError:
         return
     snapshot.conversations[(record.key or b"").decode("utf-8", "replace")] = state
+
+
+def _strips_fact(snapshot: StatusSnapshot, record: ConsumerRecord[bytes, bytes]) -> None:
+    """Keep a ``strips_at_edges`` fact (the other provider facts are the reconstruct stage's business)."""
+    if record.value is None:
+        return
+    try:
+        fact = decode(record.value, ProviderFactRecorded)
+    except SchemaError:
+        return
+    if fact.place == STRIPS_PLACE:
+        snapshot.strips[fact.upstream] = fact
 
 
 __all__ = ["collect"]

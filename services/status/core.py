@@ -23,7 +23,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from schemas import BudgetSnapshot, ConversationProgressed, Halt, topology
+from schemas import BudgetSnapshot, ConversationProgressed, Halt, ProviderFactRecorded, topology
 from services.budget.leases import capped_summary
 from services.budget.lost import lost_attempt_lines
 from services.budget.quality import yield_text
@@ -85,6 +85,8 @@ class StatusSnapshot:
     rate_limits_source: str = ""
     # Multi-turn regeneration (issue 26): the latest state per conversation key.
     conversations: dict[str, ConversationProgressed] = field(default_factory=dict)
+    # Upstreams declared (or defaulted) lossless whose answers showed they strip: strips_at_edges facts.
+    strips: dict[str, ProviderFactRecorded] = field(default_factory=dict)
 
     def stage_records(self, logical: str) -> int:
         """Records written to a logical topic (summed over every dataset for ``prompts.*``)."""
@@ -134,6 +136,17 @@ def halts_table(snapshot: StatusSnapshot) -> Table:
         table.add_row(Text(halt.scope, style="bold red"), Text(halt.by or "-"), since, Text(halt.reason))
     if not snapshot.halts:
         table.add_row("(none)", "", "", "")
+    return table
+
+
+def strips_table(snapshot: StatusSnapshot) -> Table:
+    """Upstreams caught losing edge whitespace their convention says they keep, with the evidence."""
+    table = Table(title=f"upstreams caught stripping (strips_at_edges): {len(snapshot.strips)}", title_justify="left")
+    for name in ("upstream", "evidence", "since", "why"):
+        table.add_column(name)
+    for upstream, fact in sorted(snapshot.strips.items()):
+        since = datetime.fromtimestamp(fact.at, tz=UTC).strftime("%H:%M:%SZ") if fact.at else "-"
+        table.add_row(Text(upstream, style="bold yellow"), fact.evidence, since, Text(fact.reason))
     return table
 
 
@@ -252,6 +265,8 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         parts.append(Text(f"accepted truncated (finish_reason length, accept_truncated): {total:,} ({per_dataset})"))
     if snapshot.conversations:
         parts.append(conversation_table(snapshot))
+    if snapshot.strips:
+        parts.append(strips_table(snapshot))
     if snapshot.unreadable_budget_records:
         parts.append(Text(f"{snapshot.unreadable_budget_records} unreadable budget-state record(s)", style="yellow"))
     return Group(*parts)
@@ -271,6 +286,7 @@ __all__ = [
     "rate_limit_table",
     "rate_limits_from_metrics",
     "render",
+    "strips_table",
     "throughput_table",
 ]
 

@@ -87,18 +87,23 @@ def _messages(conv: Any) -> list[Message]:
 
 
 def _response(case: Any, server: str, index: int) -> ResponseReceived:
-    got = T.emulate(case, server)
+    return response_of(case, T.emulate(case, server), f"{case.model}-{index}", server, UPSTREAM_NAME.get(server))
+
+
+def response_of(case: Any, got: dict[str, Any], sample_id: str, provider: str, upstream: str | None,
+                dataset: str = "conf") -> ResponseReceived:  # fmt: skip
+    """The ``ResponseReceived`` the inference stage publishes for a served answer (``truth.emulate``'s shape)."""
     conv = case.conversation
-    prompt = PromptPublished(dataset="conf", sample_id=f"{case.model}-{index}", messages=_messages(conv),
+    prompt = PromptPublished(dataset=dataset, sample_id=sample_id, messages=_messages(conv),
                              tools=conv.tools, max_tokens=conv.max_tokens)
     logprobs = None
     if got.get("logprobs"):
         logprobs = [LogprobToken(token=t["token"], bytes=t["bytes"]) for t in got["logprobs"]]
     return ResponseReceived(
-        dataset="conf",
+        dataset=dataset,
         sample_id=prompt.sample_id,
         prompt=prompt,
-        provider=server,
+        provider=provider,
         model=case.model,
         reasoning=got["reasoning"] or "",
         content=got["content"] or "",
@@ -108,7 +113,7 @@ def _response(case: Any, server: str, index: int) -> ResponseReceived:
         logprobs=logprobs,
         native_prompt_ids=got.get("prompt_token_ids"),
         tools_sent=got["tools_sent"],
-        upstream_provider=UPSTREAM_NAME.get(server),
+        upstream_provider=upstream,
     )
 
 
@@ -351,8 +356,10 @@ def _stream_figures(server: str) -> tuple[int, int, int, int, int]:
 # (a cut answer ending where a detokenizer would withhold part of a character is lossy by convention). The
 # stream's rest are answers judged before their upstream's fact existed (a model that seldom writes whitespace
 # at a field edge shows it late: V3.1's reasoning start first at its 20th answer, the Gemma-like profile's text
-# end at its 24th).
-NOLP_STREAM_FLOOR = 0.95
+# end at its 24th). Since whitespace at one end of a field proves only that end kept (a server may strip one
+# end: the fuzzer's .lstrip() upstream was accepted with wrong ids when one end vouched for both), each edge
+# waits for its own fact: 123 / 150 (82.0 %) in the stream, 146 / 150 (97.3 %) after one replay (2026-12-04).
+NOLP_STREAM_FLOOR = 0.80
 NOLP_LOSSLESS_FLOOR = 0.95
 
 
@@ -365,12 +372,23 @@ def test_openrouter_without_logprobs_over_a_lossless_upstream() -> None:
     assert kept / lossless >= NOLP_STREAM_FLOOR, by_model
     assert after_replay / lossless >= NOLP_LOSSLESS_FLOOR, by_model
     # Where the model writes whitespace at its field edges (Qwen3, Qwen3-2507, R1), the evidence decides
-    # every lossless answer that is not a cut answer's ambiguous tail, already in the stream. (Lossy R1 answers
-    # with several tool calls, whose text between the calls vLLM drops, are counted apart: with the upstream's
-    # argument fact they are refused for that whitespace now, no longer for their arguments.)
+    # every lossless answer that is not a cut answer's ambiguous tail: in the stream, or (an edge whose first
+    # whitespace came later, whitespace_ambiguous) in the replay. (Lossy R1 answers with several tool calls,
+    # whose text between the calls vLLM drops, are counted apart: with the upstream's argument fact they are
+    # refused for that whitespace now, no longer for their arguments.)
     for model in ("qwen3", "qwen3-thinking-2507", "deepseek-r1"):
-        cell = matrix()[(model, "openrouter-nolp")]
-        assert set(+cell.lossless_reasons) <= {"reconstruct/truncated_tail_ambiguous"}, (model, cell.lossless_reasons)
+        cell, again = matrix()[(model, "openrouter-nolp")], replayed()[(model, "openrouter-nolp")]
+        waiting = {"reconstruct/truncated_tail_ambiguous", "reconstruct/whitespace_ambiguous"}
+        assert set(+cell.lossless_reasons) <= waiting, (model, cell.lossless_reasons)
+        # R1's upstream never shows whitespace at the end of a reasoning cut by max_tokens (reasoning_cut), and
+        # an answer after a tool result has no think token to say which edges its ends are: no fact names
+        # those, only logprobs prove them (3 such R1 answers stay refused).
+        assert set(+again.lossless_reasons) <= waiting, (model, again.lossless_reasons)
+        for case, response, lossy in again.refused:
+            if not lossy and again.outcomes[(response.upstream_provider or "", response.sample_id)] != \
+                    "truncated_tail_ambiguous":
+                unnamed = {"truncated_in_reasoning", "after_tool_result"} & case.conversation.features
+                assert model == "deepseek-r1" and unnamed, response.sample_id
     # The lossless upstream is never caught stripping: no fact of it is withdrawn.
     assert not any(f.withdrawn for f in fact_books()["openrouter-nolp"].facts.values())
 

@@ -124,8 +124,8 @@ def _r1_tool(sample_id: str, written: str, upstream: str) -> tuple[list[int], Re
     """R1's true ids when it wrote ``written`` as arguments, and a raw-arguments upstream's fields."""
     block = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n" + written
              + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-    truth = r1_ids("plan\n</think>\n\n" + block + R1_EOS)
-    answer = response(sample_id=sample_id, reasoning="plan\n", content="\n\n", tool_calls=[tc("calc", written)],
+    truth = r1_ids("\nplan\n</think>\n\n" + block + R1_EOS)
+    answer = response(sample_id=sample_id, reasoning="\nplan\n", content="\n\n", tool_calls=[tc("calc", written)],
                       tools=TOOLS, completion=len(truth))
     return truth, _routed(answer, upstream)
 

@@ -131,3 +131,16 @@ def test_a_profile_off_the_providers_prompt_count_on_most_answers_is_named() -> 
     assert report([4, 4, 4]).tokenizer_mismatch is not None
     assert report([4, 4, 4], offset=1).tokenizer_mismatch is None  # the configured offset is the convention
     assert ProbeRun([report([9, 9])]).failed(0.0)  # exit 1 even with every answer accepted
+
+
+def test_the_report_names_an_upstream_caught_stripping() -> None:
+    from rich.console import Console
+
+    from services.probe.core import DatasetReport, Findings, Forecast, ProbeRun, render
+
+    report = DatasetReport(dataset="math", findings=Findings(answers=2), upstreams={},
+                           forecast=Forecast(prompts=2, accepted=0, dollars=0.0, tokens_paid=0, tokens_kept=0),
+                           requests_sent=2, strips=("openai/m (evidence math:t: whitespace may be missing)",))
+    console = Console(record=True, width=400)
+    console.print(render(ProbeRun(reports=[report]), 0.5))
+    assert "strips_at_edges: openai/m (evidence math:t" in console.export_text()

@@ -13,7 +13,7 @@ from typing import Any
 
 from schemas import Usage
 from services.profiles.conventions import CONVENTIONS
-from services.reconstruct.core import reconstruct
+from services.reconstruct.core import COUNT_TRUSTED, reconstruct
 from services.reconstruct.restore import WHITESPACE, WHITESPACE_CANDIDATES, Slot, restore
 from tests.unit.test_profiles import deepseek, qwen
 from tests.unit.test_reconstruct import R1_EOS, TOOLS, dead, ok, qwen_ids, r1_ids, response, tc
@@ -26,14 +26,20 @@ VLLM = CONVENTIONS["vllm"]
 # -- step 1: the text's own evidence ------------------------------------------------------
 
 
-def test_a_field_that_shows_its_whitespace_was_not_stripped() -> None:
-    """R1 through a lossless upstream: content "\\n\\nThe answer" was not .strip()ped, so nothing was.
+def test_fields_that_show_whitespace_at_every_edge_were_not_stripped() -> None:
+    """R1 through a lossless upstream: whitespace shown at an edge proves nothing was stripped there.
 
-    Both ways of stripping OpenRouter allows for strip the content: its leading newlines rule
-    them out, and the ids are exact with no count at all.
+    Every edge a strip could touch shows its whitespace, so the ids are exact with no count
+    at all. One edge's whitespace says nothing about the span's other end: a server may strip
+    one end only (``.lstrip()``, SGLang's streaming ``.rstrip()`` of the reasoning).
     """
-    got = ok(reconstruct(response(reasoning="Let me think.\n", content="\n\nThe answer is 4."), deepseek(), OPENROUTER))
-    assert got.output_ids == r1_ids("Let me think.\n</think>\n\nThe answer is 4." + R1_EOS)
+    got = ok(reconstruct(response(reasoning="\nLet me think.\n", content="\n\nThe answer is 4.\n"), deepseek(),
+                         OPENROUTER))  # fmt: skip
+    assert got.output_ids == r1_ids("\nLet me think.\n</think>\n\nThe answer is 4.\n" + R1_EOS)
+    one_end = reconstruct(response(reasoning="Let me think.\n", content="\n\nThe answer is 4.\n"), deepseek(),
+                          OPENROUTER)  # fmt: skip
+    assert dead(one_end).reason == "lossy_text_unverifiable"
+    assert "1 place(s)" in dead(one_end).message
 
 
 def test_fields_without_whitespace_at_their_edges_prove_nothing() -> None:
@@ -48,7 +54,7 @@ def test_evidence_is_per_strip_not_per_answer() -> None:
     stripped = response(reasoning="plan\n", content="The answer is 4.", completion=len(truth))
     verdict = dead(reconstruct(stripped, deepseek(), LEGACY))
     assert verdict.reason in {"whitespace_stripped", "whitespace_ambiguous"}
-    assert "candidate" in verdict.message
+    assert "content_start" in verdict.message and "reasoning_end" not in verdict.message
 
 
 # -- step 2: unique-candidate restoration --------------------------------------------------
@@ -70,7 +76,11 @@ def test_two_character_strip_with_the_same_count_is_not_accepted() -> None:
     for convention in (LEGACY, OPENROUTER):
         verdict = dead(reconstruct(stripped, deepseek(), convention))
         assert verdict.reason == "whitespace_ambiguous"
-        assert "candidate(s) reproduce the count" in verdict.message
+        assert "never accepts alone" in verdict.message
+        # The search finds several candidates even where a unique count was trusted.
+        searched = dead(reconstruct(stripped, deepseek(), convention, rule=COUNT_TRUSTED))
+        assert searched.reason == "whitespace_ambiguous"
+        assert "candidate(s) reproduce the count" in searched.message
 
 
 def test_two_character_strip_regression_on_qwen3() -> None:
@@ -81,26 +91,37 @@ def test_two_character_strip_regression_on_qwen3() -> None:
     assert dead(reconstruct(stripped, qwen(), OPENROUTER)).reason == "whitespace_ambiguous"
 
 
-def test_the_count_pins_the_only_candidate() -> None:
+def test_a_count_that_pins_the_only_candidate_never_accepts_alone() -> None:
     """R1 "2+2=4\\n</think>42 apples": a space, newline or tab at any open edge adds a token
-    (digits and a final letter merge with none), so only "nothing was stripped" fits."""
+    (digits and a final letter merge with none), so among the candidates only "nothing was
+    stripped" fits. The candidates are not every string a strip takes (U+00A0, longer mixed
+    runs), so the edges stay unproven and the answer is refused; the search itself, under the
+    rule that trusted a unique count, still finds the one candidate."""
     truth = r1_ids("2+2=4\n</think>42 apples" + R1_EOS)
     for ws in (" ", "\n", "\t", "\n\n"):
         assert len(r1_ids(ws + "2+2=4\n</think>42 apples" + R1_EOS)) > len(truth)
         assert len(r1_ids("2+2=4\n</think>42 apples" + ws + R1_EOS)) > len(truth)
     fields = {"reasoning": "2+2=4\n", "content": "42 apples"}
-    got = ok(reconstruct(response(**fields, completion=len(truth)), deepseek(), LEGACY))
-    assert got.output_ids == truth
+    refused = dead(reconstruct(response(**fields, completion=len(truth)), deepseek(), LEGACY))
+    assert refused.reason == "whitespace_ambiguous"
+    assert "never accepts alone" in refused.message
+    trusted = ok(reconstruct(response(**fields, completion=len(truth)), deepseek(), LEGACY, rule=COUNT_TRUSTED))
+    assert trusted.output_ids == truth
     more = dead(reconstruct(response(**fields, completion=len(truth) + 1), deepseek(), LEGACY))
     assert more.reason == "whitespace_stripped"
-    assert "candidate(s)" in more.message
+    searched = dead(reconstruct(response(**fields, completion=len(truth) + 1), deepseek(), LEGACY, rule=COUNT_TRUSTED))
+    assert searched.reason == "whitespace_stripped" and "candidate(s) reproduce the count" in searched.message
 
 
 def test_a_long_reasoning_is_searched_in_windows_around_its_edges() -> None:
-    """A reasoning of thousands of characters: each edge is searched in a window, the result is the same."""
+    """A reasoning of thousands of characters: each edge is searched in a window, the result is the same.
+
+    The search is what is tested: under the rule that trusted a unique count it restores the
+    one candidate (the sound rule refuses the unproven edges, as above)."""
     reasoning = "2+2=4, " * 600 + "so 4\n"
     truth = r1_ids(reasoning + "</think>42 apples" + R1_EOS)
-    got = ok(reconstruct(response(reasoning=reasoning, content="42 apples", completion=len(truth)), deepseek(), LEGACY))
+    got = ok(reconstruct(response(reasoning=reasoning, content="42 apples", completion=len(truth)), deepseek(), LEGACY,
+                         rule=COUNT_TRUSTED))
     assert got.output_ids == truth
     more = dead(reconstruct(response(reasoning=reasoning, content="42 apples", completion=len(truth) + 1),
                             deepseek(), LEGACY))
@@ -114,13 +135,16 @@ def test_the_reasoning_count_is_used_only_where_its_convention_is_established() 
     wrong.usage = Usage(completion_tokens=len(truth), reasoning_tokens=before_think_end + 1)
     # Not established for any built-in provider: the count is not read.
     assert all(c.reasoning_count is None for c in CONVENTIONS.values())
-    assert ok(reconstruct(wrong, deepseek(), LEGACY)).output_ids == truth
+    # The search with the reasoning count, under the rule that trusted a unique count (the sound
+    # rule refuses these unproven edges whatever the counts say).
+    assert ok(reconstruct(wrong, deepseek(), LEGACY, rule=COUNT_TRUSTED)).output_ids == truth
     counted = replace(LEGACY, reasoning_count="before_think_end")
-    refused = dead(reconstruct(wrong, deepseek(), counted))
+    refused = dead(reconstruct(wrong, deepseek(), counted, rule=COUNT_TRUSTED))
     assert "0 candidate(s)" in refused.message
     right = response(reasoning="2+2=4\n", content="42 apples", completion=len(truth))
     right.usage = Usage(completion_tokens=len(truth), reasoning_tokens=before_think_end)
-    assert ok(reconstruct(right, deepseek(), counted)).output_ids == truth
+    assert ok(reconstruct(right, deepseek(), counted, rule=COUNT_TRUSTED)).output_ids == truth
+    assert dead(reconstruct(right, deepseek(), counted)).reason == "whitespace_ambiguous"
 
 
 def test_restore_counts_every_joint_candidate() -> None:
@@ -182,8 +206,8 @@ def _r1_tool_answer(written: str, returned: str, convention_name: str) -> tuple[
     """R1's true ids when it wrote ``written`` as arguments, and our verdict on ``returned`` with that count."""
     block = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n" + written
              + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-    truth = r1_ids("plan\n</think>\n\n" + block + R1_EOS)
-    verdict = reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=[tc("calc", returned)],
+    truth = r1_ids("\nplan\n</think>\n\n" + block + R1_EOS)
+    verdict = reconstruct(response(reasoning="\nplan\n", content="\n\n", tool_calls=[tc("calc", returned)],
                                    tools=TOOLS, completion=len(truth)), deepseek(), CONVENTIONS[convention_name])
     return truth, verdict
 
@@ -240,7 +264,7 @@ def _official_qwen3_prompt_ids(tools: list[dict[str, object]]) -> list[int]:
 
 
 def _prompt_ids_under(convention_name: str, tools: list[dict[str, object]]) -> list[int]:
-    answer = response(reasoning="\np\n", content="\n\nIt is noon.", tools=tools)
+    answer = response(reasoning="\np\n", content="\n\nIt is noon.\n", tools=tools)
     return list(ok(reconstruct(answer, qwen(), CONVENTIONS[convention_name])).prompt_ids)
 
 

@@ -119,3 +119,19 @@ def _text(snap: StatusSnapshot) -> str:
     console = Console(width=200, record=True)
     console.print(render(snap))
     return console.export_text()
+
+
+def test_upstreams_caught_stripping_are_shown_with_their_evidence() -> None:
+    from schemas import ProviderFactRecorded
+
+    snap = StatusSnapshot(taken_at=0.0)
+    console = Console(record=True, width=200)
+    console.print(render(snap))
+    assert "caught stripping" not in console.export_text()
+    snap.strips["openai/m"] = ProviderFactRecorded(upstream="openai/m", place="strips_at_edges", evidence="math:7",
+                                                   reason="whitespace may be missing at content_start")
+    console = Console(record=True, width=200)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "upstreams caught stripping (strips_at_edges): 1" in text
+    assert "openai/m" in text and "math:7" in text and "content_start" in text

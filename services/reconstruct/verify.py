@@ -1,0 +1,146 @@
+"""Conventions verified by the answers: an upstream said to keep whitespace, caught losing it.
+
+A convention is a claim about a server (declared in ``[provider] convention``, or the
+default of its kind), and every answer tests it. Under a convention that keeps whitespace
+(``vllm``, ``sglang``) a re-encoded answer that stopped by itself holds every id the model
+wrote, so its ids number ``usage.completion_tokens``. An answer that misses its count where
+the convention's own losses (text after a tool block, re-serialised arguments) cannot
+explain the gap, but whitespace put back at the field edges that show none can, is evidence
+that the upstream strips: the fact ``strips_at_edges`` is recorded for it (facts.py), and
+from then on — this batch included, since evidence is gathered from the whole batch before
+its answers stand — its answers are judged under the same convention made stripping: every
+field edge that shows no whitespace is a place text may be missing, closed only by a
+provider fact that the upstream keeps it there, and otherwise a dead letter
+(docs/fidelity.md, "The rule").
+
+The fact needs ``MIN_EVIDENCE`` such answers making up ``STRIP_SHARE`` of the upstream's
+answers a count can test (without tool calls): a lossless server's answers miss their count now and then for other
+reasons (a non-canonical split the model sampled), a stripping server's on nearly every one. A
+count that misses for another reason often enough (a misconfigured ``usage_offset``) can still
+make an upstream look stripping: that costs yield, never exactness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from schemas import ProviderFactRecorded, ResponseReceived, SampleReconstructed, sample_key
+from services.common.records import DeadLetter
+from services.profiles.conventions import CONVENTIONS, Convention
+from services.reconstruct.core import _STRIP, SOUND, ReconstructProfile, Rule, _Plan, _plan, judge
+from services.reconstruct.facts import FactBook, upstream_of
+from services.reconstruct.restore import restore
+
+__all__ = ["EDGE_IDS", "MIN_EVIDENCE", "STRIP_SHARE", "stripping", "verified"]
+
+# A count off by more than this many ids per unproven edge is a wrong count, not a strip.
+EDGE_IDS = 16
+# The fact needs this many answers of evidence, and that share of the upstream's testable answers (no tool
+# calls, stopped by themselves, a count, no native ids or logprobs): a
+# lossless server's answers miss their count now and then for other reasons (a non-canonical split the
+# model sampled), a stripping server's on nearly every answer.
+MIN_EVIDENCE = 2
+STRIP_SHARE = 1 / 4
+
+Verdicts = list[SampleReconstructed | DeadLetter]
+
+
+def stripping(convention: Convention) -> Convention:
+    """``convention`` for an upstream its answers contradicted: it may lose what any known upstream loses.
+
+    Any field edge, or the whole text's, may have been stripped, and arguments re-serialised or
+    trimmed wherever some engine does (``openrouter``'s losses, added to the declared ones).
+    """
+    if convention.strips_whitespace:
+        return convention
+    unknown = CONVENTIONS["openrouter"]
+    return replace(
+        convention,
+        name=f"{convention.name}+strips",
+        strips_whitespace=True,
+        strip_patterns=unknown.strip_patterns,
+        reserialized_tool_formats=convention.reserialized_tool_formats | unknown.reserialized_tool_formats,
+        trimmed_argument_formats=convention.trimmed_argument_formats | unknown.trimmed_argument_formats,
+    )
+
+
+def verified(
+    responses: Sequence[ResponseReceived],
+    profile: ReconstructProfile,
+    convention: Convention,
+    book: FactBook,
+    *,
+    at: float = 0.0,
+    rule: Rule = SOUND,
+) -> tuple[Verdicts, list[ProviderFactRecorded]]:
+    """Judge a batch under a convention that keeps whitespace, upstreams caught stripping as stripping ones."""
+    out: list[SampleReconstructed | DeadLetter | None] = [None] * len(responses)
+    changes: list[ProviderFactRecorded] = []
+    kept = [i for i, r in enumerate(responses) if book.strips(upstream_of(r)) is None]
+    suspects: list[tuple[_Plan, list[int]]] = []
+    verdicts, found = judge([responses[i] for i in kept], profile, convention, book, at=at, rule=rule,
+                            suspects=suspects)  # fmt: skip
+    changes += found
+    for i, verdict in zip(kept, verdicts, strict=True):
+        out[i] = verdict
+    for i in kept:  # every answer a count can test counts towards the share
+        if _testable(responses[i]) and (upstream := upstream_of(responses[i])) is not None:
+            book.tally(upstream).seen += 1
+    for plan, ids in suspects:
+        response = plan.response
+        upstream = upstream_of(response)
+        if upstream is None or book.strips(upstream) is not None:
+            continue
+        why = _strip_evidence(plan, ids, profile, convention)
+        if why is None or not _testable(response):
+            continue
+        tally = book.tally(upstream)
+        tally.evidence.append((sample_key(response.dataset, response.sample_id), why))
+        if len(tally.evidence) >= MIN_EVIDENCE and len(tally.evidence) >= STRIP_SHARE * tally.seen:
+            key, first = tally.evidence[-1]
+            reason = f"{len(tally.evidence)} of {tally.seen} answers miss their count at unproven edges; {key}: {first}"
+            record = book.record_strips(upstream, key, reason, at)
+            if record is not None:
+                changes.append(record)
+    flagged = [i for i, r in enumerate(responses) if out[i] is None or book.strips(upstream_of(r)) is not None]
+    if flagged:
+        verdicts, found = judge([responses[i] for i in flagged], profile, stripping(convention), book, at=at,
+                                rule=rule)  # fmt: skip
+        changes += found
+        for i, verdict in zip(flagged, verdicts, strict=True):
+            out[i] = verdict
+    return [v if v is not None else DeadLetter("internal_error", "no verdict") for v in out], changes
+
+
+def _testable(response: ResponseReceived) -> bool:
+    """An answer whose count can test the convention: re-encoded chat text that stopped by itself, with a count."""
+    return (response.mode != "completions" and not response.native_output_ids and not response.logprobs
+            and not response.tool_calls  # the text dropped after a tool block may explain any miss
+            and response.finish_reason != "length" and response.usage.completion_tokens is not None)  # fmt: skip
+
+
+def _strip_evidence(plan: _Plan, ids: list[int], profile: ReconstructProfile, convention: Convention) -> str | None:
+    """Why this answer shows whitespace lost at a field edge its convention says is kept, or None."""
+    response = plan.response
+    count = response.usage.completion_tokens
+    if count is None:
+        return None
+    target = count - convention.completion_offset
+    text, gaps = plan.output_text or "", plan.gaps
+    if gaps:  # the convention's own losses (a dropped tail, re-serialised arguments) may explain the gap
+        own = restore(text, gaps, specials=profile.special_strings, encode_batch=profile.encode_batch,
+                      base_count=len(ids), target=target)  # fmt: skip
+        if own.matches or own.arbitrary_room or own.capped or own.not_additive:
+            return None
+    # Nothing the convention admits explains the count. Blamed on the edges that show no whitespace (the
+    # whitespace a strip takes is not bounded to a candidate list, so no candidate has to fit): a
+    # wrong blame only makes the upstream's later answers refused where nothing proves them.
+    strip_plan = _plan(response, profile, stripping(convention))
+    if isinstance(strip_plan, DeadLetter):
+        return None
+    edges = sorted({p for gap in strip_plan.gaps if gap.where == _STRIP for p in gap.places})
+    if not edges or abs(target - len(ids)) > EDGE_IDS * len(edges):
+        return None  # more than whitespace at those edges could cost: a wrong count, which the audit refuses
+    return (f"{len(ids)} ids rebuilt under {convention.name}, usage.completion_tokens says {target}, and nothing "
+            f"{convention.name} loses explains it: whitespace may be missing at {', '.join(edges)}")
