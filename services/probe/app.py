@@ -46,7 +46,7 @@ from services.probe.core import DatasetReport, Findings, ProbeAnswer, ProbeRun, 
 from services.profiles import Profile
 from services.profiles.conventions import Convention
 from services.reconstruct.app import ProfileCache
-from services.reconstruct.core import reconstruct_with_facts
+from services.reconstruct.core import prompt_ids_of, reconstruct_with_facts
 from services.reconstruct.facts import STRIPS_PLACE, FactBook
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,13 @@ def judge(
             for index in members:
                 out[index] = ProbeAnswer(responses[index], dead_reason=profile.reason)
             continue
-        rebuilt, _ = reconstruct_with_facts([responses[i] for i in members], profile, convention, book)
-        for index, verdict in zip(members, rebuilt, strict=True):
+        group = [responses[i] for i in members]
+        rebuilt, _ = reconstruct_with_facts(group, profile, convention, book)
+        prompts = prompt_ids_of(group, profile, convention)
+        for index, verdict, prompt in zip(members, rebuilt, prompts, strict=True):
             if isinstance(verdict, DeadLetter):
-                out[index] = ProbeAnswer(responses[index], dead_reason=verdict.reason)
+                length = len(prompt) if prompt is not None else None
+                out[index] = ProbeAnswer(responses[index], dead_reason=verdict.reason, prompt_length=length)
                 continue
             audited = audit_batch([verdict], audit_profiles(name), lambda d: settings.dataset(d).audit)[0]
             out[index] = ProbeAnswer(responses[index], sample=verdict, audited=audited)

@@ -41,6 +41,8 @@ class ProbeAnswer:
     sample: SampleReconstructed | None = None
     audited: SampleAudited | None = None
     dead_reason: str = ""
+    # How many ids the request's prompt renders to with the dataset's profile, whatever the output's verdict.
+    prompt_length: int | None = None
 
     @property
     def accepted(self) -> bool:
@@ -190,9 +192,10 @@ def summarize(
         counted = _end_of_turn(answer, end_of_turn_id)
         if counted is not None:
             counts.append(counted)
-        if answer.sample is not None and usage.prompt_tokens is not None:
+        prompt_length = len(answer.sample.prompt_ids) if answer.sample is not None else answer.prompt_length
+        if prompt_length is not None and usage.prompt_tokens is not None:
             found.prompt_compared += 1
-            gap = usage.prompt_tokens - len(answer.sample.prompt_ids)
+            gap = usage.prompt_tokens - prompt_length
             found.prompt_agrees += int(gap == prompt_offset)
             if gap != prompt_offset:
                 found.prompt_gaps[gap] += 1

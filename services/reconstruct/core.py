@@ -544,6 +544,19 @@ def server_tools(tools: Sequence[dict[str, object]], null_fields: Sequence[str])
     return out
 
 
+def prompt_ids_of(
+    responses: Sequence[ResponseReceived], profile: ReconstructProfile, convention: Convention
+) -> list[list[int] | None]:
+    """The prompt ids each response's request was rendered to (``None`` where the prompt cannot be rendered).
+
+    Independent of the output's verdict: an answer refused for its output still says, through
+    ``usage.prompt_tokens``, whether the profile renders and encodes prompts as the model does.
+    """
+    plans = [_plan(r, profile, convention) for r in responses]
+    ids = iter(profile.encode_prompt_batch([p.prompt_text for p in plans if isinstance(p, _Plan)]))
+    return [next(ids) if isinstance(p, _Plan) else None for p in plans]
+
+
 def _plan(response: ResponseReceived, profile: ReconstructProfile, convention: Convention) -> _Plan | DeadLetter:
     """Decide the method and the texts to encode for one response."""
     if response.mode == "completions":  # the model's raw text: services/reconstruct/raw.py

@@ -144,3 +144,20 @@ def test_the_report_names_an_upstream_caught_stripping() -> None:
     console = Console(record=True, width=400)
     console.print(render(ProbeRun(reports=[report]), 0.5))
     assert "strips_at_edges: openai/m (evidence math:t" in console.export_text()
+
+
+def test_answers_refused_for_their_output_still_compare_their_prompt_count() -> None:
+    """A profile whose prompts miss the provider's count is named even when every output was refused."""
+    import dataclasses
+
+    refused = [
+        dataclasses.replace(answer(reasoning="r", content="c", raw=None, completion=5, prompt_tokens=12),
+                            sample=None, audited=None, dead_reason="whitespace_stripped", prompt_length=3)
+        for _ in range(4)
+    ]  # fmt: skip
+    found = summarize(refused, logprobs_asked=False, prompt_offset=0, **FACTS)
+    assert (found.accepted, found.prompt_compared, found.prompt_agrees) == (0, 4, 0)
+    report = DatasetReport("d", found, {}, forecast(found, 10), requests_sent=0, profile="qwen3")
+    assert report.tokenizer_mismatch is not None and "profile 'qwen3'" in report.tokenizer_mismatch
+    unrendered = dataclasses.replace(refused[0], prompt_length=None)
+    assert summarize([unrendered], logprobs_asked=False, prompt_offset=0, **FACTS).prompt_compared == 0
