@@ -273,11 +273,12 @@ class Pipeline:
         from services.budget.app import create_app as budget_app
         from services.continuation.app import create_app as continuation_app
         from services.inference.app import create_app as inference_app
+        from services.probe.app import probe_first
         from services.reconstruct.app import create_app as reconstruct_app
         from services.sink.app import create_app as sink_app
 
         apps: dict[str, Callable[[Settings], Any]] = {
-            "inference": inference_app,
+            "inference": lambda settings: inference_app(settings, probe=probe_first),
             "reconstruct": reconstruct_app,
             "audit": audit_app,
             "sink": sink_app,
