@@ -82,7 +82,7 @@ class StatusSnapshot:
     # The local inference worker's rate limits, from its metrics endpoint (None: not reachable).
     rate_limits: list[RateLimitRow] | None = None
     rate_limits_source: str = ""
-    # Multi-turn regeneration (issue 26): the latest state per conversation key.
+    # Multi-turn regeneration: the latest state per conversation key.
     conversations: dict[str, ConversationProgressed] = field(default_factory=dict)
 
     def stage_records(self, logical: str) -> int:
