@@ -1,4 +1,4 @@
-"""deploy/kafka/kafka.sh (services.common.kafka_node): storage formats never roll the 1-in-64 die
+"""deploy/kafka/kafka.sh (services.local_kafka): storage formats never roll the 1-in-64 die
 of an id that looks like an option."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from services.common.kafka_node import Options, format_args
+from services.local_kafka.options import Options
+from services.local_kafka.props import format_args
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka.sh"
 
