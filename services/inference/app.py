@@ -89,6 +89,8 @@ class InferenceWorker:
         probe: ProbeHook | None = None,
     ) -> None:
         self.settings, self._kafka = settings, settings.kafka
+        if settings.inference.probe_first and settings.inference.reuse_responses and probe is None:
+            raise CommandError("[inference] probe_first is set, but no probe is plugged into this worker")
         self._probe = probe
         self._http, self._own_http, self._provider = http_client, http_client is None, provider
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -146,9 +148,7 @@ class InferenceWorker:
             await self.headroom.start(producer)
         call = ProviderCall(settings, provider, announcer, self.halts, self.guard, self.worker_id, self.headroom)
         self.answers = Answerer(settings, provider, producer, call, self.guard, self.store, repay=self.repay)
-        if settings.inference.probe_first and self.store is not None:
-            if self._probe is None:
-                raise CommandError("[inference] probe_first is set, but no probe is plugged into this worker")
+        if settings.inference.probe_first and self.store is not None and self._probe is not None:
             await self._probe(settings, self.answers, self.store, provider, self.halts)
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
         consumer = self._consumer = make_consumer(  # the group waits for a hand-over (_Rebalance)
