@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-unit engines conformance fuzz lint bench bench-quick bench-scale chaos kafka-up kafka-down schemas clean
+PYTEST_WORKERS ?= auto
+
+.PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-fast test-unit engines conformance fuzz lint bench bench-quick bench-scale chaos kafka-up kafka-down schemas clean
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -36,11 +38,14 @@ asyncapi-deps: $(ASYNCAPI_PARSER) ## Install the pinned @asyncapi/parser (npm ci
 demo: setup ## Run the whole pipeline on embedded defaults: broker, simulator, every service
 	$(BIN)/draftstream demo
 
-test: setup system-deps asyncapi-deps ## Every test tier against a real Kafka 4.4 broker started here
-	@bash deploy/run-tests.sh
+test: setup system-deps asyncapi-deps engines ## Every test tier (unit in parallel, integration, e2e, conformance) on one Kafka 4.4 broker started here
+	@PYTEST_WORKERS=$(PYTEST_WORKERS) bash deploy/run-tests.sh
 
-test-unit: setup ## Unit tests only (no broker)
-	$(PY) -m pytest tests/unit -q
+test-fast: setup system-deps ## The inner loop: unit (in parallel) and integration tests, on a broker started here
+	@PYTEST_WORKERS=$(PYTEST_WORKERS) bash deploy/run-tests.sh --fast
+
+test-unit: setup ## Unit tests only (no broker), in parallel
+	$(PY) -m pytest tests/unit -q -n $(PYTEST_WORKERS)
 
 ENGINES := .run/engines/.installed
 $(ENGINES): deploy/engines/requirements.txt deploy/engines/build.sh | $(VENV)/.installed
@@ -48,7 +53,7 @@ $(ENGINES): deploy/engines/requirements.txt deploy/engines/build.sh | $(VENV)/.i
 
 engines: $(ENGINES) ## Test-only env of the real engines (vLLM, SGLang wheels, hash-pinned, no torch) in .run/engines
 
-conformance: setup engines ## The fidelity matrix: reconstruct + audit vs the official chat templates and the real engines (prints the tables)
+conformance: setup engines ## The fidelity matrix alone, printing its tables (make test runs it too, without -s)
 	$(PY) -m pytest tests/conformance -q -s -p no:cacheprovider
 
 lint: setup ## ruff, mypy strict on schemas/ and services/, dashboard linter
@@ -59,7 +64,7 @@ lint: setup ## ruff, mypy strict on schemas/ and services/, dashboard linter
 bench: setup ## All benchmarks at full size against a broker started here (unless KAFKA_BOOTSTRAP_SERVERS); writes bench/results.json
 	@bash deploy/run-bench.sh
 
-bench-quick: setup ## Benchmarks at tiny sizes, same broker handling (part of make test)
+bench-quick: setup ## Benchmarks at tiny sizes, same broker handling (.ci/run runs it after make test)
 	@bash deploy/run-bench.sh --quick
 
 bench-scale: setup ## The seeds' shape at BENCH_SCALE_PROMPTS (default 16,000), half and a quarter; not part of make test

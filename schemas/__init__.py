@@ -94,7 +94,7 @@ DEAD_LETTER_TOPIC: Final = _topology.DEAD_LETTER
 CONTROL_TOPIC: Final = _topology.CONTROL
 BUDGET_STATE_TOPIC: Final = _topology.BUDGET_STATE
 RESPONSE_STORE_TOPIC: Final = _topology.RESPONSE_STORE
-# Multi-turn regeneration (issue 26).
+# Multi-turn regeneration.
 CONVERSATIONS_TOPIC: Final = _topology.CONVERSATIONS
 LEASES_TOPIC: Final = _topology.LEASES
 RESPONSE_INDEX_TOPIC: Final = _topology.RESPONSE_INDEX
@@ -170,7 +170,7 @@ def wire_messages(messages: list[Message], *, reasoning: bool = False) -> list[d
 
 
 class ConversationTurn(Struct, kw_only=True, omit_defaults=True):
-    """Which turn of which conversation a prompt is, in a ``turns = "all"`` dataset (issue 26).
+    """Which turn of which conversation a prompt is, in a ``turns = "all"`` dataset.
 
     ``original`` is the dataset's whole conversation as published (every assistant turn
     included): the continuation stage takes the next user turn and the cached tool results from

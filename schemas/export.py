@@ -21,7 +21,7 @@ EVENTS: dict[str, Any] = {
     "control_event": s.Halt | s.Resume,
     "lease_event": s.LeaseEvent,
     "budget_snapshot": s.BudgetSnapshot,
-    # Multi-turn regeneration (issue 26).
+    # Multi-turn regeneration.
     "conversation_progressed": s.ConversationProgressed,
     "store_index_event": s.ResponseIndexed | s.StoreCheckpointed,
     "provider_fact_recorded": s.ProviderFactRecorded,

@@ -73,7 +73,7 @@ CONTROL: Final = "control"
 BUDGET_STATE: Final = "budget-state"
 RESPONSE_STORE: Final = "response-store"
 DLQ_REPLAYED: Final = "dlq-replayed"
-# Multi-turn regeneration (issue 26).
+# Multi-turn regeneration.
 CONVERSATIONS: Final = "conversation-state"
 CONVERSATION_KEY: Final = "<dataset>:<conversation_id>"
 LEASES: Final = "leases"
@@ -182,7 +182,7 @@ _topics = (
         "The replay ledger: dead letters already re-sent, so a second replay sends nothing twice.",
         partitions=1,
     ),
-    # Multi-turn regeneration (issue 26).
+    # Multi-turn regeneration.
     Topic(
         CONVERSATIONS,
         ("ConversationProgressed",),
@@ -316,7 +316,7 @@ _roles = (
         writes=(),
         description="The demo runs every other role as its own process and reads the dead letters to report.",
     ),
-    # Multi-turn regeneration (issue 26).
+    # Multi-turn regeneration.
     Role(
         "continuation",
         CONTINUATION_GROUP,

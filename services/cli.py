@@ -13,22 +13,17 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
-from services.common.config import ConfigError, Settings, load_settings
-from services.common.console import data_console, styled
+from services.common.cli import ConfigOption, Hooks, fail, loaded_bootstrap, run_app, settings_from
+from services.common.config import ConfigError
 from services.common.errors import CommandError
 
 if TYPE_CHECKING:
     from services.common.broker import BrokerStatus
-
-# The bootstrap servers of the settings this command loaded, so a Kafka error can say
-# which broker did not answer (one command per process, or per CliRunner call).
-_bootstrap: list[str | None] = [None]
-
 
 class _OneLineErrors(TyperGroup):
     """The root command: errors a person can act on become one line on stderr and exit 2.
@@ -47,7 +42,7 @@ class _OneLineErrors(TyperGroup):
         except Exception as exc:
             if not _is_kafka_error(exc):
                 raise
-            fail(_kafka_error_line(exc, _bootstrap[0]))
+            fail(_kafka_error_line(exc, loaded_bootstrap()))
 
 
 def _is_kafka_error(exc: BaseException) -> bool:
@@ -77,7 +72,6 @@ app = typer.Typer(
     add_completion=False,
     cls=_OneLineErrors,
 )
-run_app = typer.Typer(help="Run one long-lived service.", no_args_is_help=True)
 app.add_typer(run_app, name="run")
 broker_app = typer.Typer(help="The local Kafka broker (no Docker needed).", no_args_is_help=True)
 app.add_typer(broker_app, name="broker")
@@ -89,29 +83,6 @@ config_app = typer.Typer(help="Configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 acls_app = typer.Typer(help="Least-privilege Kafka ACLs, one SASL user per service.", no_args_is_help=True)
 app.add_typer(acls_app, name="acls")
-
-err = data_console(stderr=True)
-
-ConfigOption = Annotated[
-    Path | None, typer.Option("--config", "-c", help="TOML config file (default: ./draftstream.toml if present)")
-]
-
-
-def settings_from(config: Path | None) -> Settings:
-    """Load settings or exit with a one-line error."""
-    try:
-        settings = load_settings(config)
-    except ConfigError as exc:
-        fail(str(exc))
-    _bootstrap[0] = settings.kafka.bootstrap_servers
-    return settings
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print one clear error line (the message verbatim: no Rich markup) and exit non-zero."""
-    err.print(styled("error:", "bold red", f" {message}"), soft_wrap=True)
-    raise typer.Exit(code)
-
 
 def _version(value: bool) -> None:
     if value:
@@ -126,6 +97,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     show_version: Annotated[
         bool, typer.Option("--version", help="Print the version and exit", is_eager=True, callback=_version)
     ] = False,
@@ -134,6 +106,7 @@ def _root(
     # Until a service sets logging up, aiokafka's connection errors would reach stderr
     # through logging's last-resort handler, next to the one line the command prints.
     logging.getLogger("aiokafka").addHandler(logging.NullHandler())
+    ctx.obj = _hooks()
 
 
 def _describe(status: BrokerStatus) -> str:
@@ -362,7 +335,6 @@ _CONTRIBUTORS = (
     "services.export.cli",
     "services.status.cli",
     "services.demo.cli",
-    # Multi-turn regeneration (issue 26).
     "services.continuation.cli",
 )
 
@@ -378,20 +350,25 @@ def _register_contributors() -> None:
         module.register(app, run_app)
 
 
-def _hand_over() -> None:
-    """Give one stage's command what another stage provides, from here, above both: no stage's
-    CLI imports another stage (publish --dry-run prices with the estimate stage, which reads
-    files through publish)."""
+def _hooks() -> Hooks:
+    """What one stage's command takes from another, wired here, above both: no stage's CLI
+    imports another stage (publish --dry-run prices with the estimate stage; the inference
+    worker runs the probe's probe_first)."""
     try:
         from services.estimate.cli import DryRunPricing
-        from services.publish import cli as publish_cli
     except ModuleNotFoundError:
-        return  # one of them is not built in this checkout
-    publish_cli.dry_run_pricing = DryRunPricing
+        return Hooks(worker_probe=_probe_first)  # the estimate stage is not built in this checkout
+    return Hooks(dry_run_pricing=DryRunPricing, worker_probe=_probe_first)
+
+
+async def _probe_first(*args: Any) -> object:
+    """The probe's ``probe_first``, imported when a worker runs it (it loads the audit and reconstruct stages)."""
+    from services.probe.app import probe_first
+
+    return await probe_first(*args)
 
 
 _register_contributors()
-_hand_over()
 
 
 def main() -> None:

@@ -14,6 +14,10 @@ this order:
 
 If none works the tests that need a broker are skipped, with the reasons; under ``CI=true``
 they fail instead, since a CI run that silently skipped its integration tier would lie.
+
+Under pytest-xdist (``-n``) each worker is a session of its own: the workers share one broker
+only when ``KAFKA_BOOTSTRAP_SERVERS`` names it (``make test`` and ``make test-fast`` start one
+and export it), so a worker without it fails rather than start a broker per worker.
 """
 
 from __future__ import annotations
@@ -236,6 +240,12 @@ def kafka_bootstrap() -> Iterator[str]:
     if configured:
         yield configured
         return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.fail(
+            "pytest -n runs the tests in several processes, which must share one broker: start one "
+            "(draftstream broker start) and export KAFKA_BOOTSTRAP_SERVERS, or run make test / make test-fast",
+            pytrace=False,
+        )
 
     problems: list[str] = []
     docker_problem = _docker_engine_problem()

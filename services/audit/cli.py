@@ -15,7 +15,7 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 def run_audit(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Audit samples: passing ones to accepted, failing ones to dead-letter with every reason."""
     from services.audit.app import create_app
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.common.service import run_from_cli
 
     run_from_cli("audit", create_app, settings=settings_from(config), log_level=log_level)
@@ -46,7 +46,7 @@ def audit_file(
 
     from services.audit.app import default_profile_loader
     from services.audit.core import offline_audit
-    from services.cli import fail, settings_from
+    from services.common.cli import fail, settings_from
     from services.common.console import data_console
 
     settings = settings_from(config)

@@ -39,7 +39,7 @@ def default_actor() -> str:
 
 def _scope(dataset: str | None) -> str:
     from schemas import GLOBAL_SCOPE
-    from services.cli import fail
+    from services.common.cli import fail
     from services.common.config import ConfigError, check_dataset_name
 
     if dataset is None:
@@ -55,7 +55,7 @@ def _scope(dataset: str | None) -> str:
 def _publish(settings: Settings, event: Halt | Resume) -> None:
     import asyncio
 
-    from services.cli import fail
+    from services.common.cli import fail
     from services.control import publish_control
 
     try:
@@ -74,7 +74,7 @@ def halt_command(
 ) -> None:
     """Stop every inference worker for a dataset, or for everything (global)."""
     from schemas import Halt
-    from services.cli import fail, settings_from
+    from services.common.cli import fail, settings_from
 
     if not reason.strip():
         fail("--reason must say why")
@@ -93,7 +93,7 @@ def resume_command(
 ) -> None:
     """Lift the halt of a dataset, or the global halt."""
     from schemas import Resume
-    from services.cli import settings_from
+    from services.common.cli import settings_from
 
     settings = settings_from(config)
     scope = _scope(dataset)
@@ -206,7 +206,7 @@ def budget_command(config: ConfigOption = None) -> None:
     """Print spend, caps, rate, projection and state per dataset (from Kafka)."""
     import asyncio
 
-    from services.cli import fail, settings_from
+    from services.common.cli import fail, settings_from
     from services.common.console import data_console
     from services.control import read_budget_snapshots, read_control_state
 
@@ -230,7 +230,7 @@ def budget_command(config: ConfigOption = None) -> None:
 def run_budget(config: ConfigOption = None, log_level: LogLevelOption = None) -> None:
     """Run the budget service: count spend, halt scopes over their caps."""
     from services.budget.app import create_app
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.common.service import run_from_cli
 
     run_from_cli("budget", create_app, settings=settings_from(config), log_level=log_level)

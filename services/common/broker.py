@@ -1,28 +1,29 @@
 """A local Kafka broker, or a local cluster of several (KRaft, no Docker), for development and tests.
 
-A thin shell over ``deploy/kafka/kafka.sh``, the entry point of ``services.common.kafka_cluster``
-and ``services.common.kafka_node``, which do the work: they fetch the jars with Maven once,
-format the storage, start ``kafka.Kafka`` in the background under ``.run/kafka/`` (one node)
-or ``.run/kafka/node-<id>/`` (a cluster) and wait until a Metadata request succeeds. This
-module runs that command (as the Makefile and the shell scripts do) and turns its answers
-into values and exceptions for ``draftstream broker start|stop|status`` and the pytest fixtures."""
+A thin shell over the launcher ``services.local_kafka`` (what ``deploy/kafka/kafka.sh`` runs for
+the Makefile and the shell scripts), which does the work: it fetches the jars with Maven once,
+formats the storage, starts ``kafka.Kafka`` in the background under ``.run/kafka/`` (one node)
+or ``.run/kafka/node-<id>/`` (a cluster) and waits until a Metadata request succeeds. This
+module runs its commands in-process and turns their answers into values and exceptions for
+``draftstream broker start|stop|status`` and the pytest fixtures. Each command is bounded by
+the launcher's own deadlines (``KAFKA_START_TIMEOUT``, the 30 s stop, the run-dir lock)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BrokerError", "BrokerStatus", "NodeStatus", "QuorumStatus", "SCRIPT", "quorum", "start", "status", "stop"]
+from services import local_kafka
 
-SCRIPT = Path(__file__).resolve().parents[2] / "deploy/kafka/kafka.sh"
-"""The script this module drives (from a source checkout; it is not packaged)."""
+__all__ = ["BrokerError", "BrokerStatus", "NodeStatus", "QuorumStatus", "quorum", "start", "status", "stop"]
 
 
 class BrokerError(RuntimeError):
-    """The script is missing, failed, or did not finish in time."""
+    """A command of the launcher failed (its output is in the message)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,6 @@ def start(
     cds: str | None = None,
     nodes: int | None = None,
     node: int | None = None,
-    timeout: float = 300.0,
     authorizer: bool = False,
     sasl_users: Mapping[str, str] | None = None,
 ) -> BrokerStatus:
@@ -107,12 +107,12 @@ def start(
     ``authorizer`` enforces ACLs (needs ``sasl_ssl_port``); ``sasl_users`` (name to
     password) are SASL users besides the admin (KAFKA_AUTHORIZER, KAFKA_SASL_USERS).
     ``nodes`` > 1 starts a local cluster (node i on ``port + i - 1``); ``node`` starts one
-    node of the cluster the run dir holds. ``timeout`` bounds the whole call, which on
-    the very first run includes resolving the jars with Maven. If the broker already
-    runs, it is left as it is, even on other ports: see the returned status.
+    node of the cluster the run dir holds. The very first run includes resolving the jars
+    with Maven. If the broker already runs, it is left as it is, even on other ports: see
+    the returned status.
 
     Raises:
-        BrokerError: the script is missing or failed (its output is in the message).
+        BrokerError: the launcher failed (its output is in the message).
     """
     overrides = {
         "KAFKA_PORT": port,
@@ -126,32 +126,32 @@ def start(
         "KAFKA_SASL_USERS": " ".join(f"{n}:{p}" for n, p in sasl_users.items()) if sasl_users else None,
         "KAFKA_NODES": nodes,
     }
-    output = _run("start", overrides, timeout, _node_args(node))
+    output = _run("start", overrides, _node_args(node))
     found = _parse_status(output)
     if not found.running:
         raise BrokerError(f"kafka.sh start succeeded but reported no running broker:\n{output}")
     return found
 
 
-def stop(*, run_dir: Path | None = None, node: int | None = None, timeout: float = 120.0) -> bool:
+def stop(*, run_dir: Path | None = None, node: int | None = None) -> bool:
     """Stop the broker, every node of a cluster, or one ``node`` (SIGTERM, then SIGKILL
     after 30 s, or 90 s while it records its class-data archive). Return whether one was
     running.
 
     Raises:
-        BrokerError: the script is missing or failed.
+        BrokerError: the launcher failed.
     """
-    output = _run("stop", {"KAFKA_RUN_DIR": run_dir}, timeout, _node_args(node))
+    output = _run("stop", {"KAFKA_RUN_DIR": run_dir}, _node_args(node))
     return any(line.strip() and "was not running" not in line for line in output.splitlines())
 
 
-def quorum(*, run_dir: Path | None = None, timeout: float = 60.0) -> QuorumStatus:
+def quorum(*, run_dir: Path | None = None) -> QuorumStatus:
     """Ask the running controllers which node leads the KRaft quorum (costs a JVM start).
 
     Raises:
         BrokerError: nothing runs, or the quorum has no leader.
     """
-    output = _run("quorum", {"KAFKA_RUN_DIR": run_dir}, timeout)
+    output = _run("quorum", {"KAFKA_RUN_DIR": run_dir})
     return _parse_quorum(output)
 
 
@@ -159,9 +159,9 @@ def status(*, run_dir: Path | None = None) -> BrokerStatus:
     """Report whether the broker runs, and where.
 
     Raises:
-        BrokerError: the script is missing or failed in an unexpected way.
+        BrokerError: the launcher failed in an unexpected way.
     """
-    completed = _call("status", {"KAFKA_RUN_DIR": run_dir}, timeout=30.0)
+    completed = _call("status", {"KAFKA_RUN_DIR": run_dir})
     if completed.returncode not in (0, 1):
         raise BrokerError(_failure("status", completed))
     return _parse_status(completed.stdout)
@@ -171,38 +171,40 @@ def _node_args(node: int | None) -> tuple[str, ...]:
     return () if node is None else ("--node", str(node))
 
 
-def _run(command: str, overrides: Mapping[str, object | None], timeout: float, args: tuple[str, ...] = ()) -> str:
-    completed = _call(command, overrides, timeout, args)
+@dataclass(frozen=True)
+class _Done:
+    """What one command of the launcher printed, and its exit code."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _run(command: str, overrides: Mapping[str, object | None], args: tuple[str, ...] = ()) -> str:
+    completed = _call(command, overrides, args)
     if completed.returncode != 0:
         raise BrokerError(_failure(command, completed))
     return completed.stdout
 
 
-def _call(
-    command: str, overrides: Mapping[str, object | None], timeout: float, args: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    if not SCRIPT.is_file():
-        raise BrokerError(f"{SCRIPT} not found: the local broker needs a source checkout of draftstream")
-    # The child gets the caller's environment (JAVA_HOME, PATH, KAFKA_* set by the user)
-    # plus the explicit arguments; nothing here is read for this module's own use.
+def _call(command: str, overrides: Mapping[str, object | None], args: tuple[str, ...] = ()) -> _Done:
+    """Run one command of the launcher in this process, its output captured."""
+    # The launcher gets the caller's environment (JAVA_HOME, PATH, KAFKA_* set by the user)
+    # plus the explicit arguments, as a mapping: os.environ is neither read for this module's
+    # own use nor changed.
     env = dict(os.environ)
     env.update({key: str(value) for key, value in overrides.items() if value is not None})
-    try:
-        return subprocess.run(  # noqa: S603 - a fixed script of this repository, constant arguments
-            [str(SCRIPT), command, *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise BrokerError(f"kafka.sh {command} did not finish within {timeout:.0f} s") from exc
-    except OSError as exc:
-        raise BrokerError(f"cannot run {SCRIPT}: {exc}") from exc
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = local_kafka.run([command, *args], env)
+        except local_kafka.KafkaScriptError as exc:
+            print(f"kafka.sh: error: {exc}", file=err)
+            code = 1
+    return _Done(code, out.getvalue(), err.getvalue())
 
 
-def _failure(command: str, completed: subprocess.CompletedProcess[str]) -> str:
+def _failure(command: str, completed: _Done) -> str:
     details = "\n".join(part.strip() for part in (completed.stderr, completed.stdout) if part.strip())
     return f"kafka.sh {command} failed with exit code {completed.returncode}:\n{details[-4000:]}"
 

@@ -155,7 +155,7 @@ class InferenceSettings(BaseModel):
     # whose accepted share is below [budget] min_yield. 0: no probe.
     probe_first: int = Field(default=0, ge=0, le=10_000)
     # Read the small ``response-index`` topic at start and the store only past its checkpoints
-    # (False: read every stored value at each start, as before issue 27; for measuring).
+    # (False: read every stored value at each start; for measuring).
     store_index: bool = True
 
 
@@ -194,7 +194,7 @@ class DatasetSettings(BaseModel):
     cap_usd: float | None = Field(default=None, gt=0)
     expected_prompts: int | None = Field(default=None, ge=0)
     audit: AuditThresholds = Field(default_factory=AuditThresholds)
-    # Multi-turn regeneration (issue 26): "last" regenerates the final assistant turn on the
+    # Multi-turn regeneration: "last" regenerates the final assistant turn on the
     # dataset's history; "all" regenerates every assistant turn on the regenerated history
     # (publish sends the first turn, the continuation stage the next ones).
     turns: Literal["last", "all"] = "last"
@@ -281,7 +281,7 @@ class MetricsSettings(BaseModel):
     sink_port: int = 9405
     simulator_port: int = 9406
     publish_port: int = 0
-    # Multi-turn regeneration (issue 26).
+    # Multi-turn regeneration.
     continuation_port: int = 9407
 
 

@@ -160,7 +160,7 @@ def run_from_cli(
 ) -> None:
     """The body of every ``draftstream run <name>``: logging, then :func:`run_service`.
 
-    The command loads ``settings`` (``services.cli.settings_from``) and hands them over: this
+    The command loads ``settings`` (``services.common.cli.settings_from``) and hands them over: this
     module sits below the CLI and never imports it. The metrics port is the ``[metrics]
     <name>_port`` setting, as the port-in-use error says.
     """

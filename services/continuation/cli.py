@@ -14,7 +14,7 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 
 def run_continuation(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Regenerate every turn of turns="all" datasets: each accepted turn publishes the next one."""
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.common.service import run_from_cli
     from services.continuation.app import create_app
 

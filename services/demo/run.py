@@ -34,7 +34,7 @@ from services.sink.core import torn_tail
 
 DATA = Path(__file__).parent / "data"
 DATASETS = ("math", "code", "tools", "chat")
-# Multi-turn regeneration (issue 26): every assistant turn regenerated on the regenerated history.
+# Multi-turn regeneration: every assistant turn regenerated on the regenerated history.
 MULTI_TURN = ("chat",)
 # The budget first: it announces the lease policy the workers wait for (docs/operations.md, "Leases").
 SERVICES = ("budget", "inference", "reconstruct", "audit", "sink", "continuation")

@@ -58,7 +58,7 @@ def _filters_or_fail(
 ) -> Filters:
     import time
 
-    from services.cli import fail
+    from services.common.cli import fail
     from services.dlq.core import FilterError
 
     try:
@@ -81,7 +81,7 @@ def dlq_list(
     from rich.table import Table
 
     from schemas import DEAD_LETTER_TOPIC
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.dlq.app import read_dead_letters
     from services.dlq.core import group_by_reason
 
@@ -119,7 +119,7 @@ def dlq_show(
     from rich.table import Table
     from rich.text import Text
 
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.dlq.app import read_dead_letters
     from services.dlq.core import format_ms, preview
 
@@ -166,7 +166,7 @@ def dlq_replay(
     """Re-send matching dead letters to their original topic (each at most once)."""
     from rich.table import Table
 
-    from services.cli import fail, settings_from
+    from services.common.cli import fail, settings_from
     from services.dlq.app import replay
     from services.dlq.core import STAGES, FilterError
 

@@ -23,8 +23,8 @@ from services.continuation.core import turn_points
 from services.estimate.core import Caps, DatasetEstimate, EstimateReport, Observed, build_report
 from services.inference.adapters.providers import sends_tools
 from services.inference.core import request_max_tokens
-from services.publish.app import PublishError, Rejection, check_arguments, iter_prompts
 from services.publish.core import NormaliseOptions
+from services.publish.reading import PublishError, Rejection, check_arguments, iter_prompts
 
 _BATCH = 64  # prompts tokenized per call
 

@@ -98,7 +98,7 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
 
 
 class DryRunPricing:
-    """``publish --dry-run``'s pricing (``services.publish.cli.DryRunPricing``), handed to it by services.cli."""
+    """``publish --dry-run``'s pricing (``services.common.cli.DryRunPricing``), wired into publish by services.cli."""
 
     def __init__(self) -> None:
         self._estimator: Estimator | None = None
@@ -138,7 +138,7 @@ def estimate_command(
     """Estimate prompts, exact prompt tokens, completion tokens, dollars and caps, before paying."""
     import asyncio
 
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.estimate.app import DatasetFiles, estimate_files, read_observed, report_for
 
     settings = settings_from(config)

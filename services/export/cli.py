@@ -31,7 +31,7 @@ def export_command(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.export.app import count_rows, export, sink_parts
 
     settings = settings_from(config)

@@ -32,7 +32,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Collection, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import httpx
@@ -43,6 +43,7 @@ from schemas import PROMPTS_TOPIC_PREFIX
 from services.common.acls import used_topics
 from services.common.checkpoint import Checkpoint
 from services.common.config import KafkaSettings, Settings
+from services.common.errors import CommandError
 from services.common.halts import HaltFollower, Stopped
 from services.common.kafka import (
     AUTHORIZATION_ERRORS,
@@ -55,17 +56,22 @@ from services.common.kafka import (
 )
 from services.common.metrics import HALTED
 from services.common.service import release
-from services.common.topics import Record, ready_partitions
+from services.common.topics import Record
 from services.inference.adapters.providers import Provider, make_http_client, make_provider
 from services.inference.answers import Answerer
 from services.inference.calls import ProviderCall
 from services.inference.core import GROUP_ID, STAGE, dataset_of_topic
 from services.inference.guard import ProviderGuard
 from services.inference.headroom import Headroom
-from services.inference.store import ResponseStore
+from services.inference.store import ResponseStore, open_store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+ProbeHook = Callable[[Settings, Answerer, ResponseStore, Provider, HaltFollower], Awaitable[object]]
+"""``[inference] probe_first``: probes each dataset through the worker's own parts before it consumes
+(``services.probe.app.probe_first``, plugged in by whoever builds the worker, so this module never
+imports the probe)."""
 
 
 class InferenceWorker:
@@ -80,8 +86,12 @@ class InferenceWorker:
         worker_id: str | None = None,
         drain_timeout_s: float | None = None,
         repay: bool = False,
+        probe: ProbeHook | None = None,
     ) -> None:
         self.settings, self._kafka = settings, settings.kafka
+        if settings.inference.probe_first and settings.inference.reuse_responses and probe is None:
+            raise CommandError("[inference] probe_first is set, but no probe is plugged into this worker")
+        self._probe = probe
         self._http, self._own_http, self._provider = http_client, http_client is None, provider
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._drain_timeout_s = settings.inference.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
@@ -138,10 +148,8 @@ class InferenceWorker:
             await self.headroom.start(producer)
         call = ProviderCall(settings, provider, announcer, self.halts, self.guard, self.worker_id, self.headroom)
         self.answers = Answerer(settings, provider, producer, call, self.guard, self.store, repay=self.repay)
-        if settings.inference.probe_first and self.store is not None:
-            from services.probe.app import probe_first  # the probe pays through this worker's own parts
-
-            await probe_first(settings, self.answers, self.store, provider, self.halts)
+        if settings.inference.probe_first and self.store is not None and self._probe is not None:
+            await self._probe(settings, self.answers, self.store, provider, self.halts)
         # Pattern subscriptions discover new prompts.<dataset> topics on metadata refresh.
         consumer = self._consumer = make_consumer(  # the group waits for a hand-over (_Rebalance)
             kafka, group_id=self.group_id, metadata_max_age_ms=10_000,
@@ -470,16 +478,6 @@ class _Progress:
         self._since, self._done_before = now, done
 
 
-async def open_store(settings: Settings, producer: AIOKafkaProducer) -> ResponseStore | None:
-    """The response store read to its end, or None when ``inference.reuse_responses`` is off."""
-    if not settings.inference.reuse_responses:
-        return None
-    store = ResponseStore(settings.kafka, producer, use_index=settings.inference.store_index)
-    partitions = await ready_partitions(settings.kafka, store.topic)
-    await store.start(partitions, settings.inference.store_load_timeout_s)
-    return store
-
-
 def _failure_of(exc: Exception, record: Record, kafka: KafkaSettings) -> BaseException:
     """Why the worker stops on a prompt: a refused write (the reads were allowed at start)
     becomes an :class:`AccessDenied` naming the ACL; the prompt stays uncommitted either way."""
@@ -503,9 +501,13 @@ def create_app(
     provider: Provider | None = None,
     worker_id: str | None = None,
     repay: bool = False,
+    probe: ProbeHook | None = None,
 ) -> InferenceWorker:
     """The inference worker, wired from settings (tests may inject an HTTP client).
 
-    ``repay`` sends every request again even when its response was paid for already.
+    ``repay`` sends every request again even when its response was paid for already; ``probe``
+    runs ``[inference] probe_first`` (required when that setting is on).
     """
-    return InferenceWorker(settings, http_client=http_client, provider=provider, worker_id=worker_id, repay=repay)
+    return InferenceWorker(
+        settings, http_client=http_client, provider=provider, worker_id=worker_id, repay=repay, probe=probe
+    )

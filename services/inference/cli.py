@@ -15,6 +15,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
 
     @run_app.command("inference")
     def run_inference(
+        ctx: typer.Context,
         config: Annotated[
             Path | None,
             typer.Option("--config", "-c", help="TOML config file (default: ./draftstream.toml if present)"),
@@ -29,13 +30,14 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """Consume prompts.*, call the provider with many requests in flight, publish responses."""
-        from services.cli import settings_from
+        from services.common.cli import hooks_of, settings_from
         from services.common.service import run_from_cli
         from services.inference.app import create_app
 
+        probe = hooks_of(ctx).worker_probe
         run_from_cli(
             "inference",
-            lambda settings: create_app(settings, repay=repay),
+            lambda settings: create_app(settings, repay=repay, probe=probe),
             settings=settings_from(config),
             log_level=log_level,
         )

@@ -29,10 +29,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from schemas import RESPONSE_INDEX_TOPIC, RESPONSE_STORE_TOPIC, ResponseReceived, SchemaError, decode
-from services.common.config import KafkaSettings
+from services.common.config import KafkaSettings, Settings
 from services.common.kafka import FOLLOW_FETCH, make_consumer
 from services.common.service import release
-from services.common.topics import Record, catch_up
+from services.common.topics import Record, catch_up, ready_partitions
 from services.inference.store_index import StoreIndex
 
 log = logging.getLogger(__name__)
@@ -287,3 +287,13 @@ class ResponseStore:
 
 
 __all__ = ["ResponseStore"]
+
+
+async def open_store(settings: Settings, producer: AIOKafkaProducer) -> ResponseStore | None:
+    """The response store read to its end, or None when ``inference.reuse_responses`` is off."""
+    if not settings.inference.reuse_responses:
+        return None
+    store = ResponseStore(settings.kafka, producer, use_index=settings.inference.store_index)
+    partitions = await ready_partitions(settings.kafka, store.topic)
+    await store.start(partitions, settings.inference.store_load_timeout_s)
+    return store

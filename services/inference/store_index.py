@@ -7,14 +7,14 @@ at each restart). ``response-index`` (compacted) holds, per store key, a
 and, per store partition, a :class:`~schemas.StoreCheckpointed` keyed ``#<partition>``: every
 store record below ``next_offset`` has its index record acknowledged. A worker reads the
 index, then the store only from each checkpoint on (the tail); values are fetched by
-offset when a request is seen again, as before.
+offset when a request is seen again.
 
 The index records are written by each worker's store follower, which reads every store
 partition in order (so N workers write each record N times, tens of bytes each; compaction
 keeps one): a checkpoint is sent only after the index records of everything below
 it are acknowledged, so whichever worker's checkpoint compaction keeps, it is true. Any
 worker may lag or die between the two: the next start then reads a longer tail, never a
-shorter one. A store without an index (written before issue 27) is read whole once and
+shorter one. A store without an index (written by a worker that kept none) is read whole once and
 indexed on the way (the worker logs it).
 
 Written on aiokafka directly (no library keeps a Kafka-backed index of a compacted topic

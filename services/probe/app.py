@@ -37,17 +37,17 @@ from services.common.service import release
 from services.common.topics import Record, read_to_end
 from services.inference.adapters.providers import Provider, make_http_client, make_provider
 from services.inference.answers import Answerer
-from services.inference.app import open_store
 from services.inference.calls import ProviderCall
 from services.inference.core import request_hash, request_max_tokens, store_key
 from services.inference.guard import ProviderGuard
-from services.inference.store import ResponseStore
+from services.inference.store import ResponseStore, open_store
 from services.probe.core import DatasetReport, Findings, ProbeAnswer, ProbeRun, by_upstream, forecast, summarize
 from services.profiles import Profile
 from services.profiles.conventions import Convention
 from services.reconstruct.app import ProfileCache
-from services.reconstruct.core import prompt_ids_of, reconstruct_with_facts
+from services.reconstruct.core import prompt_ids_of
 from services.reconstruct.facts import STRIPS_PLACE, FactBook
+from services.reconstruct.verify import reconstruct_with_facts
 
 log = logging.getLogger(__name__)
 

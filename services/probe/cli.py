@@ -20,7 +20,7 @@ def probe_command(
 
     from rich.console import Console
 
-    from services.cli import fail, settings_from
+    from services.common.cli import fail, settings_from
     from services.common.errors import CommandError
     from services.probe.app import run_probe
     from services.probe.core import render

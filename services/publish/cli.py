@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Protocol
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -14,31 +13,10 @@ from services.common.console import data_console, styled
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from schemas import PromptPublished
+    from services.common.cli import DryRunPricing
     from services.publish.app import PublishReport
 
 _MAX_LISTED = 20
-
-
-class DryRunPricing(Protocol):
-    """Prices what ``publish --dry-run`` would send.
-
-    The estimate stage provides it and the root CLI (``services.cli``, the one module above
-    both) hands it over by setting :data:`dry_run_pricing`: publish never imports estimate,
-    which reads dataset files through publish.
-    """
-
-    async def prepare(self, settings: Settings, dataset: str) -> Callable[[PromptPublished], None]:
-        """Read what was spent so far; returns the callback that counts each prompt a run would send."""
-        ...
-
-    def show(self, console: Console, settings: Settings) -> None:
-        """Print the estimate of the prompts counted."""
-        ...
-
-
-dry_run_pricing: Callable[[], DryRunPricing] | None = None
-"""Set by ``services.cli``; None: a dry run validates and counts, and prices nothing."""
 
 
 def _print_rejections(console: Console, report: PublishReport) -> None:
@@ -86,7 +64,7 @@ def summary_line(report: PublishReport) -> str:
 
 def _preflight_profile(settings: Settings, dataset: str) -> None:
     """Refuse to publish prompts whose answers could never be rebuilt: the profile must load and verify."""
-    from services.cli import fail
+    from services.common.cli import fail
     from services.profiles import ProfileError, load_profile
 
     name = settings.dataset(dataset).profile
@@ -97,6 +75,7 @@ def _preflight_profile(settings: Settings, dataset: str) -> None:
 
 
 def publish_command(
+    ctx: typer.Context,
     paths: Annotated[list[Path], typer.Argument(help="JSONL, JSON array or Parquet files")],
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Dataset name (topic prompts.<name>)")],
     fmt: Annotated[str, typer.Option("--format", "-f", help="auto, messages, sharegpt or alpaca")] = "auto",
@@ -132,10 +111,11 @@ def publish_command(
         TimeRemainingColumn,
     )
 
-    from services.cli import fail, settings_from
+    from services.common.cli import fail, hooks_of, settings_from
     from services.publish.app import PublishError, PublishInterrupted, publish
 
     settings = settings_from(config)
+    dry_run_pricing = hooks_of(ctx).dry_run_pricing
     _preflight_profile(settings, dataset)
     console = data_console()
     columns = (

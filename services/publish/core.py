@@ -94,7 +94,7 @@ class NormaliseOptions:
     system: str | None = None
     tools_field: str | None = None
     max_prompt_chars: int = 2_000_000
-    # "all": every assistant turn is regenerated (issue 26); the row becomes its conversation's turn 0.
+    # "all": every assistant turn is regenerated; the row becomes its conversation's turn 0.
     turns: str = "last"
 
 

@@ -28,8 +28,8 @@ from services.common.stage import Result, RunnerService, StageRunner
 from services.common.topics import Record, catch_up, follow, ready_partitions
 from services.profiles import Profile, ProfileError, load_profile
 from services.profiles.conventions import Convention, convention_for
-from services.reconstruct.core import reconstruct_with_facts
 from services.reconstruct.facts import STRIPS_PLACE, FactBook, fact_key
+from services.reconstruct.verify import reconstruct_with_facts
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 
 def run_reconstruct(config: ConfigOpt = None, log_level: LogLevelOption = None) -> None:
     """Rebuild token ids: responses in, samples (or dead letters) out."""
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.common.service import run_from_cli
     from services.reconstruct.app import create_app
 
@@ -41,14 +41,14 @@ def reconstruct_file(
     from rich.table import Table
 
     from schemas import ResponseReceived, encode
-    from services.cli import fail, settings_from
+    from services.common.cli import fail, settings_from
     from services.common.console import data_console
     from services.common.kafka import DeadLetter
     from services.profiles import Profile, ProfileError, load_profile
     from services.profiles.conventions import Convention
     from services.reconstruct.app import convention_of
-    from services.reconstruct.core import reconstruct_lines
     from services.reconstruct.facts import FactBook
+    from services.reconstruct.offline import reconstruct_lines
 
     settings = settings_from(config)
     if not file.is_file():

@@ -23,25 +23,31 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from schemas import (
     LogprobToken,
-    Message,
     ProviderFactRecorded,
     ResponseReceived,
     SampleReconstructed,
-    SchemaError,
     ToolCall,
-    decode,
     sample_key,
 )
 from services.common.records import DeadLetter
-from services.profiles import GAP_ARGUMENTS, ProfileError, PromptState
+from services.profiles import GAP_ARGUMENTS, ProfileError
 from services.profiles.conventions import Convention
 from services.reconstruct.facts import ARGUMENTS_PLACE, FACT_CONTRADICTED, PLACES, FactBook, fact_key, upstream_of
+from services.reconstruct.plan import (
+    EMPTY_RESPONSE,
+    ID_OUT_OF_VOCAB,
+    TEMPLATE_ERROR,
+    Layout,
+    ReconstructProfile,
+    output_layout,
+)
+from services.reconstruct.plan import Plan as _Plan
+from services.reconstruct.plan import check_ids as _check_ids
 from services.reconstruct.restore import ARBITRARY, CHOICE, WHITESPACE, Slot, restore
 
 __all__ = [
@@ -52,24 +58,18 @@ __all__ = [
     "SPECIAL_TOKEN_IN_TEXT",
     "COUNT_TRUSTED",
     "SOUND",
-    "LineResult",
     "ReconstructProfile",
     "Rule",
     "judge",
     "output_layout",
     "reconstruct",
     "reconstruct_batch",
-    "reconstruct_lines",
-    "reconstruct_with_facts",
     "server_tools",
 ]
 
-EMPTY_RESPONSE = "empty_response"
 INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"
 SPECIAL_TOKEN_IN_TEXT = "special_token_in_text"  # noqa: S105 - a reason code
 LOGPROBS_UNMAPPABLE = "logprobs_unmappable"
-ID_OUT_OF_VOCAB = "id_out_of_vocab"
-TEMPLATE_ERROR = "chat_template_error"
 UNEXPECTED_REASONING = "unexpected_reasoning"
 TOOL_ARGUMENTS_RESERIALIZED = "tool_arguments_reserialized"
 WHITESPACE_STRIPPED = "whitespace_stripped"
@@ -87,130 +87,7 @@ _TOOL = "tool"
 _ARGS = "arguments"
 
 
-class ReconstructProfile(Protocol):
-    """The part of ``services.profiles.Profile`` reconstruction uses."""
-
-    name: str
-    end_of_turn: str
-    end_of_turn_id: int
-    think_start: str | None
-    think_start_id: int | None
-    think_end: str | None
-    think_end_id: int | None
-    tool_tokens: dict[str, int]
-    tool_format: str
-    vocab_size: int
-    special_ids: frozenset[int]
-
-    @property
-    def special_strings(self) -> tuple[str, ...]:
-        """Every control string of the profile."""
-        ...
-
-    def thinks(self) -> bool:
-        """Whether the model produces a think block under this profile."""
-        ...
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode model text: specials parsed, no BOS, no normalising."""
-        ...
-
-    def encode_prompt_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode prompts as the server does."""
-        ...
-
-    def id_of_bytes(self, b: bytes) -> int | None:
-        """The id whose bytes are exactly ``b``."""
-        ...
-
-    def id_of_token_string(self, s: str) -> int | None:
-        """The id of a raw vocabulary string."""
-        ...
-
-    def token_strings(self, ids: list[int]) -> list[str]:
-        """Raw vocabulary strings of ids."""
-        ...
-
-    def render_prompt(
-        self, messages: Sequence[Message], tools: list[dict[str, object]] | None, *, reasoning: bool = False
-    ) -> str:
-        """The chat-templated prompt over the messages as sent (history reasoning with ``reasoning``)."""
-        ...
-
-    def prompt_state(self, prompt_text: str) -> PromptState:
-        """Whether the prompt opened the think block, closed it, or left it alone."""
-        ...
-
-    def tool_call_pieces(self, calls: Sequence[ToolCall]) -> list[str | tuple[str]]:
-        """Native text of structured tool calls with its gaps."""
-        ...
-
-    def partial_char_prefixes(self) -> frozenset[bytes]:
-        """Visible byte strings some token extends with an incomplete character."""
-        ...
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a response's output is laid out under its prompt: what the model wrote first."""
-
-    think_start: bool  # the model itself wrote the think-start
-    think_end: bool  # the output holds the think-end
-    end_of_turn: bool  # the answer finished
-
-
-def output_layout(
-    profile: ReconstructProfile, prompt_text: str, *, reasoning: str, closed: bool, finished: bool
-) -> Layout:
-    """The think tokens an output holds, from the prompt's state and the profile's facts.
-
-    A prompt that opens the think block leaves the model inside it (a think-end follows
-    unless the answer stopped inside the reasoning); one that closes it, or a model that
-    never thinks, leaves no think token in the output; otherwise a thinking model opens
-    the block itself, which a response shows by carrying reasoning.
-    """
-    state = profile.prompt_state(prompt_text)
-    if profile.think_end is None or state == "closed":
-        return Layout(False, False, finished)
-    if state == "open":
-        return Layout(False, closed, finished)
-    if profile.thinks() and (reasoning or not closed):
-        return Layout(True, closed, finished)
-    return Layout(False, False, finished)
-
-
-@dataclass
-class _Plan:
-    """One response half-way: the texts to encode, or ids already known."""
-
-    response: ResponseReceived
-    prompt_text: str
-    output_text: str | None
-    output_ids: list[int] | None
-    method: str
-    layout: Layout | None = None
-    # Every place the provider may have dropped or rewritten text (see restore.Slot).
-    gaps: list[Slot] = field(default_factory=list)
-    expected_count: int | None = None
-    expected_reasoning: int | None = None  # ids before the think-end, where that count is established
-    think_end_at: int | None = None  # offset of the think-end in output_text
-    # Places whose field edge shows whitespace (evidence for the upstream's facts, facts.py).
-    shown: frozenset[str] = frozenset()
-    # Slots the upstream's facts closed (strip gaps, argument choices): kept to test a contradiction.
-    closed: list[Slot] = field(default_factory=list)
-
-
 _TOKEN_ID_FORM = re.compile(r"^token_id:(\d+)$")
-
-
-def _check_ids(ids: Sequence[int], profile: ReconstructProfile, what: str) -> DeadLetter | None:
-    bad = [i for i in ids if not 0 <= i < profile.vocab_size]
-    if bad:
-        return DeadLetter(
-            ID_OUT_OF_VOCAB,
-            f"{len(bad)} {what} id(s) outside the {profile.name} vocabulary ({profile.vocab_size}), e.g. {bad[0]}",
-        )
-    return None
 
 
 def _logprob_id(token: LogprobToken, profile: ReconstructProfile) -> int | None:
@@ -815,7 +692,7 @@ def reconstruct_batch(
     rule: Rule = SOUND,
 ) -> list[SampleReconstructed | DeadLetter]:
     """Rebuild many responses of one profile and provider convention, batching the tokenizer (no facts)."""
-    return reconstruct_with_facts(responses, profile, convention, None, rule=rule)[0]
+    return judge(responses, profile, convention, None, rule=rule)[0]
 
 
 def _close_gaps(plan: _Plan, kept: frozenset[str]) -> None:
@@ -872,31 +749,6 @@ def _withdrawn_places(plan: _Plan, book: FactBook, upstream: str | None) -> list
     places = {p for g in (*plan.gaps, *plan.closed) for p in g.places}
     return [f for f in book.withdrawn(upstream) if f.place in places]
 
-
-def reconstruct_with_facts(
-    responses: Sequence[ResponseReceived],
-    profile: ReconstructProfile,
-    convention: Convention,
-    book: FactBook | None,
-    *,
-    at: float = 0.0,
-    rule: Rule = SOUND,
-) -> tuple[list[SampleReconstructed | DeadLetter], list[ProviderFactRecorded]]:
-    """Rebuild a batch with the upstreams' facts (facts.py): the verdicts, and the facts established or withdrawn.
-
-    ``book`` is updated in place. Facts are established from the whole batch before any
-    sample is judged; then, in batch order, a gap at a place the answer's upstream is proven
-    to keep is closed, and an answer whose count shows whitespace missing at such a place
-    withdraws the fact (refused ``provider_fact_contradicted``, as are the upstream's later
-    answers that would have needed it). Under a convention that keeps whitespace, an upstream
-    whose answers show it strips gets a ``strips_at_edges`` fact and is judged as stripping
-    (verify.py). ``book=None``: no facts, each answer on its own evidence.
-    """
-    if book is not None and rule.verify_conventions and not convention.strips_whitespace:
-        from services.reconstruct.verify import verified
-
-        return verified(responses, profile, convention, book, at=at, rule=rule)
-    return judge(responses, profile, convention, book, at=at, rule=rule)
 
 
 def judge(
@@ -992,62 +844,3 @@ def reconstruct(
 ) -> SampleReconstructed | DeadLetter:
     """Rebuild one response: prompt ids, output ids, loss mask, or a dead-letter verdict."""
     return reconstruct_batch([response], profile, convention, rule=rule)[0]
-
-
-@dataclass
-class LineResult:
-    """The verdict on one line of an offline JSONL input (line numbers start at 1)."""
-
-    line: int
-    key: str
-    verdict: SampleReconstructed | DeadLetter
-
-
-Resolver = Callable[[ResponseReceived], "tuple[ReconstructProfile, Convention] | DeadLetter"]
-
-
-def reconstruct_lines(
-    lines: Iterable[bytes], resolve: Resolver, *, batch_size: int = 256, facts: FactBook | None = None
-) -> Iterator[LineResult]:
-    """Rebuild a JSONL stream of ``ResponseReceived``, in batches, in input order.
-
-    ``resolve`` picks the profile and provider convention of a response (or a dead-letter
-    verdict when they cannot be had). Blank lines are skipped; undecodable lines get their
-    schema reason code. With ``facts``, the upstreams' facts accumulate over the file as
-    they do over the stage's stream (facts.py).
-    """
-    pending: list[tuple[int, bytes]] = []
-    for number, raw in enumerate(lines, start=1):
-        if raw.strip():
-            pending.append((number, raw))
-        if len(pending) >= batch_size:
-            yield from _reconstruct_chunk(pending, resolve, facts)
-            pending = []
-    if pending:
-        yield from _reconstruct_chunk(pending, resolve, facts)
-
-
-def _reconstruct_chunk(
-    chunk: list[tuple[int, bytes]], resolve: Resolver, facts: FactBook | None
-) -> Iterator[LineResult]:
-    verdicts: dict[int, LineResult] = {}
-    groups: dict[tuple[int, str], tuple[ReconstructProfile, Convention, list[tuple[int, ResponseReceived]]]] = {}
-    for number, raw in chunk:
-        try:
-            response = decode(raw, ResponseReceived)
-        except SchemaError as exc:
-            verdicts[number] = LineResult(number, "", DeadLetter(exc.reason, exc.message))
-            continue
-        key = sample_key(response.dataset, response.sample_id)
-        resolved = resolve(response)
-        if isinstance(resolved, DeadLetter):
-            verdicts[number] = LineResult(number, key, resolved)
-            continue
-        profile, convention = resolved
-        groups.setdefault((id(profile), convention.name), (profile, convention, []))[2].append((number, response))
-    for profile, convention, members in groups.values():
-        batch, _ = reconstruct_with_facts([r for _, r in members], profile, convention, facts)
-        for (number, response), verdict in zip(members, batch, strict=True):
-            verdicts[number] = LineResult(number, sample_key(response.dataset, response.sample_id), verdict)
-    for number, _ in chunk:
-        yield verdicts[number]

@@ -28,12 +28,12 @@ import msgspec
 
 from schemas import ResponseReceived, ToolCall, ToolFunction
 from services.common.records import DeadLetter
-from services.reconstruct.core import (
+from services.reconstruct.plan import (
     EMPTY_RESPONSE,
     TEMPLATE_ERROR,
+    Plan,
     ReconstructProfile,
-    _check_ids,
-    _Plan,
+    check_ids,
     output_layout,
 )
 
@@ -126,7 +126,7 @@ def split_raw(text: str, profile: ReconstructProfile, prompt_state: str, *, call
     return RawParts(reasoning=reasoning, content=body, tool_calls=calls, closed=closed)
 
 
-def plan_raw(response: ResponseReceived, profile: ReconstructProfile) -> _Plan | DeadLetter:
+def plan_raw(response: ResponseReceived, profile: ReconstructProfile) -> Plan | DeadLetter:
     """The reconstruction plan of a completions-mode response (see the module docstring)."""
     prompt_text = response.sent_prompt
     if not prompt_text:  # a record from before the prompt travelled along: render it again
@@ -148,11 +148,11 @@ def plan_raw(response: ResponseReceived, profile: ReconstructProfile) -> _Plan |
         response, reasoning=parts.reasoning, content=parts.content, tool_calls=parts.tool_calls
     )
     if response.native_output_ids:
-        bad = _check_ids(response.native_output_ids, profile, "native output")
+        bad = check_ids(response.native_output_ids, profile, "native output")
         if bad is not None:
             return bad
-        return _Plan(derived, prompt_text, None, list(response.native_output_ids), "native")
+        return Plan(derived, prompt_text, None, list(response.native_output_ids), "native")
     if not text:
         return DeadLetter(EMPTY_RESPONSE, "the completions response has no text")
     layout = output_layout(profile, prompt_text, reasoning=parts.reasoning, closed=parts.closed, finished=finished)
-    return _Plan(derived, prompt_text, text + (eot if finished else ""), None, "reencode", layout)
+    return Plan(derived, prompt_text, text + (eot if finished else ""), None, "reencode", layout)

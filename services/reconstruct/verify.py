@@ -28,8 +28,10 @@ from dataclasses import replace
 from schemas import ProviderFactRecorded, ResponseReceived, SampleReconstructed, sample_key
 from services.common.records import DeadLetter
 from services.profiles.conventions import CONVENTIONS, Convention
-from services.reconstruct.core import _STRIP, SOUND, ReconstructProfile, Rule, _Plan, _plan, judge
+from services.reconstruct.core import _STRIP, SOUND, Rule, _plan, judge
 from services.reconstruct.facts import FactBook, upstream_of
+from services.reconstruct.plan import Plan as _Plan
+from services.reconstruct.plan import ReconstructProfile
 from services.reconstruct.restore import restore
 
 __all__ = ["EDGE_IDS", "MIN_EVIDENCE", "STRIP_SHARE", "stripping", "verified"]
@@ -45,6 +47,30 @@ STRIP_SHARE = 1 / 4
 
 Verdicts = list[SampleReconstructed | DeadLetter]
 
+
+
+def reconstruct_with_facts(
+    responses: Sequence[ResponseReceived],
+    profile: ReconstructProfile,
+    convention: Convention,
+    book: FactBook | None,
+    *,
+    at: float = 0.0,
+    rule: Rule = SOUND,
+) -> tuple[list[SampleReconstructed | DeadLetter], list[ProviderFactRecorded]]:
+    """Rebuild a batch with the upstreams' facts (facts.py): the verdicts, and the facts established or withdrawn.
+
+    ``book`` is updated in place. Facts are established from the whole batch before any
+    sample is judged; then, in batch order, a gap at a place the answer's upstream is proven
+    to keep is closed, and an answer whose count shows whitespace missing at such a place
+    withdraws the fact (refused ``provider_fact_contradicted``, as are the upstream's later
+    answers that would have needed it). Under a convention that keeps whitespace, an upstream
+    whose answers show it strips gets a ``strips_at_edges`` fact and is judged as stripping
+    (below). ``book=None``: no facts, each answer on its own evidence.
+    """
+    if book is not None and rule.verify_conventions and not convention.strips_whitespace:
+        return verified(responses, profile, convention, book, at=at, rule=rule)
+    return judge(responses, profile, convention, book, at=at, rule=rule)
 
 def stripping(convention: Convention) -> Convention:
     """``convention`` for an upstream its answers contradicted: it may lose what any known upstream loses.

@@ -12,7 +12,7 @@ from services.common.logs import LogLevelOption
 
 def _parse_range(text: str, option: str) -> tuple[int, int]:
     """``"40-200"`` (or ``"100"``) as an inclusive token range."""
-    from services.cli import fail
+    from services.common.cli import fail
 
     low, sep, high = text.partition("-")
     try:
@@ -27,7 +27,7 @@ def _parse_range(text: str, option: str) -> tuple[int, int]:
 
 def _parse_rates(items: list[str]) -> dict[str, float]:
     """``name=rate`` pairs as a dict."""
-    from services.cli import fail
+    from services.common.cli import fail
 
     rates: dict[str, float] = {}
     for item in items:
@@ -125,7 +125,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         """Serve an OpenRouter-shaped provider simulator (ground-truth ids, fault injection)."""
         import asyncio
 
-        from services.cli import fail, settings_from
+        from services.common.cli import fail, settings_from
         from services.common.logs import setup_logging
         from services.common.service import run_service
         from services.simulator.app import SimulatorOptions, create_app, get_profile

@@ -18,7 +18,7 @@ def run_sink(
     log_level: LogLevelOption = None,
 ) -> None:
     """Write accepted samples to DIR/<dataset>/part-NNNNN.jsonl, each key once, fsynced before commit."""
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.common.service import run_from_cli
     from services.sink.app import create_app
 

@@ -84,7 +84,7 @@ class RowMetadata(msgspec.Struct, kw_only=True):
     # The answer was cut at the token limit (finish_reason "length"), accepted by the
     # dataset's accept_truncated: exact ids up to the cut. Default: rows written before it.
     truncated: bool = False
-    # Multi-turn regeneration (issue 26): the conversation and the regenerated turn (from 0) a
+    # Multi-turn regeneration: the conversation and the regenerated turn (from 0) a
     # row is; "" and -1 for a single-turn prompt (defaults: rows of older sinks still decode).
     conversation_id: str = ""
     turn: int = NOT_REPORTED

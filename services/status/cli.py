@@ -20,7 +20,7 @@ def status_command(
 
     from rich.live import Live
 
-    from services.cli import settings_from
+    from services.common.cli import settings_from
     from services.common.console import data_console
     from services.status.app import collect
     from services.status.core import StatusSnapshot, render

@@ -83,7 +83,7 @@ class StatusSnapshot:
     # The local inference worker's rate limits, from its metrics endpoint (None: not reachable).
     rate_limits: list[RateLimitRow] | None = None
     rate_limits_source: str = ""
-    # Multi-turn regeneration (issue 26): the latest state per conversation key.
+    # Multi-turn regeneration: the latest state per conversation key.
     conversations: dict[str, ConversationProgressed] = field(default_factory=dict)
     # Upstreams declared (or defaulted) lossless whose answers showed they strip: strips_at_edges facts.
     strips: dict[str, ProviderFactRecorded] = field(default_factory=dict)

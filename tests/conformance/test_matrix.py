@@ -35,8 +35,9 @@ from services.common.config import AuditThresholds, load_settings
 from services.common.kafka import DeadLetter
 from services.profiles import Profile, load_profile
 from services.profiles.conventions import CONVENTIONS, Convention
-from services.reconstruct.core import reconstruct_batch, reconstruct_with_facts
+from services.reconstruct.core import reconstruct_batch
 from services.reconstruct.facts import FactBook
+from services.reconstruct.verify import reconstruct_with_facts
 from tests.conformance import truth as T
 from tests.unit.test_profiles import KIMI_GOOD
 

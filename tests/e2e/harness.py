@@ -55,6 +55,7 @@ __all__ = [
     "cli",
     "dead_letters",
     "budget_caught_up",
+    "stage_caught_up",
     "free_port",
     "free_port_block",
     "pipeline_config",
@@ -273,11 +274,12 @@ class Pipeline:
         from services.budget.app import create_app as budget_app
         from services.continuation.app import create_app as continuation_app
         from services.inference.app import create_app as inference_app
+        from services.probe.app import probe_first
         from services.reconstruct.app import create_app as reconstruct_app
         from services.sink.app import create_app as sink_app
 
         apps: dict[str, Callable[[Settings], Any]] = {
-            "inference": inference_app,
+            "inference": lambda settings: inference_app(settings, probe=probe_first),
             "reconstruct": reconstruct_app,
             "audit": audit_app,
             "sink": sink_app,
@@ -469,6 +471,23 @@ async def budget_caught_up(settings: Settings) -> BudgetSnapshot | None:
     if all(latest.offsets.get(f"responses:{p}", 0) >= end for p, end in ends.items()):
         return latest
     return None
+
+
+async def stage_caught_up(settings: Settings, stage: str) -> bool:
+    """Whether the consumer group of ``stage`` has committed every record of its input topic (a
+    stage commits only what it has handled and whose outputs the broker acknowledged)."""
+    from schemas import topology
+
+    topic = settings.kafka.topic(topology.STAGE_INPUT[stage])
+    ends = await end_offsets(settings, topic)
+    admin = make_admin(settings.kafka)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(settings.kafka.group(topology.GROUPS[stage]))
+    finally:
+        await admin.close()
+    done = {tp.partition: meta.offset for tp, meta in committed.items() if tp.topic == topic}
+    return all(done.get(partition, 0) >= end for partition, end in ends.items())
 
 
 # Simulator faults after which the provider billed nothing (the request is sent again).

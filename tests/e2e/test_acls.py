@@ -47,7 +47,7 @@ from services.simulator.app import SimulatorOptions, start_simulator
 from services.sink.app import create_app as sink_app
 from tests.e2e.harness import LocalBroker, Pipeline, cli, dead_letters, read_all, run_cli, sink_rows, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_broker]
 
 ADMIN = "draftstream"  # kafka.sh's KAFKA_SASL_USER: the super user
 INTRUDER = "intruder"  # reads samples in the audit group, may not write accepted

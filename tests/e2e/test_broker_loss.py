@@ -113,6 +113,7 @@ class Publisher:
 
 
 @pytest.mark.e2e
+@pytest.mark.own_broker
 @pytest.mark.timeout(1200)
 async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, report: Callable[..., str]) -> None:
     run_dir = tmp_path / "run"

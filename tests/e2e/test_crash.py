@@ -183,6 +183,7 @@ async def run_crash(tmp_path: Path, report: Callable[..., str], per_dataset: int
 
 
 @pytest.mark.e2e
+@pytest.mark.own_broker
 @pytest.mark.timeout(900)
 async def test_crash_everything_once_nothing_lost(tmp_path: Path, report: Callable[..., str]) -> None:
     """1,500 prompts, three datasets, every service SIGKILLed once, the broker restarted once."""
@@ -190,6 +191,7 @@ async def test_crash_everything_once_nothing_lost(tmp_path: Path, report: Callab
 
 
 @pytest.mark.e2e
+@pytest.mark.own_broker
 @pytest.mark.chaos
 @pytest.mark.timeout(3600)
 async def test_crash_soak(tmp_path: Path, report: Callable[..., str]) -> None:

@@ -53,6 +53,7 @@ from tests.e2e.harness import (
     prompt_value,
     read_all,
     small_prompt,
+    stage_caught_up,
     wait_until,
 )
 
@@ -153,7 +154,8 @@ async def test_republishing_the_same_prompts_pays_nothing_and_writes_no_row(
             return len((await read_all(settings, samples_topic))[samples_topic]) >= 2 * samples_first
 
         await pipeline.wait(downstream_done, 120, "the re-sent responses rebuilt again")
-        await asyncio.sleep(1.0)  # let audit and sink take the last batch
+        for stage in ("audit", "sink"):  # the re-sent samples audited, their accepted records written
+            await pipeline.wait(lambda stage=stage: stage_caught_up(settings, stage), 60, f"{stage} caught up")
         counted = budget.ledger.scopes["global"].responses  # type: ignore[attr-defined]
     finally:
         await pipeline.stop()

@@ -27,7 +27,7 @@ from services.publish.app import publish
 from services.simulator.app import SimulatorOptions, start_simulator
 from tests.e2e.harness import LocalBroker, Pipeline, Processes, cli, free_port, read_all, run_cli, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_broker]
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "services" / "demo" / "data"

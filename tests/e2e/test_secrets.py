@@ -24,6 +24,7 @@ from services.common.kafka import make_admin
 from tests.e2e.harness import (
     Processes,
     accepted_keys,
+    budget_caught_up,
     cli,
     dead_letters,
     free_port,
@@ -134,8 +135,8 @@ async def test_no_secret_leaves_the_system(
             return len(set(accepted_keys(out_dir)) | dead) >= expected
 
         await wait_until(accounted, timeout=240, interval=1.0, message="every prompt accounted for")
-        # Let the budget checkpoint once more so budget-state holds the final totals.
-        await asyncio.sleep(1.5)
+        # The budget's checkpoint on budget-state holds the final totals before the commands read it.
+        await wait_until(lambda: budget_caught_up(settings), timeout=60, message="the budget's final checkpoint")
         async with httpx.AsyncClient(timeout=10) as http:
             for name, port in {**ports, "simulator": sim_metrics}.items():
                 emitted[f"metrics {name}"] = (await http.get(f"http://127.0.0.1:{port}/metrics")).content

@@ -27,8 +27,9 @@ from schemas import ResponseReceived, SampleReconstructed
 from services.audit.core import audit_batch
 from services.common.records import DeadLetter
 from services.profiles.conventions import CONVENTIONS
-from services.reconstruct.core import COUNT_TRUSTED, SOUND, Rule, reconstruct_with_facts
+from services.reconstruct.core import COUNT_TRUSTED, SOUND, Rule
 from services.reconstruct.facts import FactBook, upstream_of
+from services.reconstruct.verify import reconstruct_with_facts
 from tests.conformance.test_matrix import THRESHOLDS, profile_for
 from tests.fuzz import answers as A
 

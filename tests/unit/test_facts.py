@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from schemas import ProviderFactRecorded, ResponseReceived, decode, encode
 from services.profiles.conventions import CONVENTIONS
-from services.reconstruct.core import reconstruct_batch, reconstruct_lines, reconstruct_with_facts
+from services.reconstruct.core import reconstruct_batch
 from services.reconstruct.facts import FACT_CONTRADICTED, FactBook, upstream_of
+from services.reconstruct.offline import reconstruct_lines
+from services.reconstruct.verify import reconstruct_with_facts
 from tests.unit.test_profiles import deepseek
 from tests.unit.test_reconstruct import R1_EOS, TOOLS, dead, ok, r1_ids, response, tc
 

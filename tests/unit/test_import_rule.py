@@ -111,21 +111,30 @@ def test_the_hook_names_the_chain_of_a_leak() -> None:
 
 # --- which way the house's imports run --------------------------------------------------------
 #
-# services/common is below every stage and below the CLI: it imports neither (a runner is handed
-# its settings, a command registry is not imported). A stage's CLI imports its own stage, the
-# shared modules (services.common, services.profiles, services.control) and the root CLI, never
-# another stage: what one command needs from another stage is handed over by services.cli, the
-# one module above them all (publish --dry-run's pricing from the estimate stage).
+# schemas is the floor: it imports nothing of services. services/common is below every stage and
+# below the CLI: it imports neither (a runner is handed its settings, a command registry is not
+# imported). services.cli, the root command, is the roof: nothing imports it. A stage's CLI
+# imports its own stage and the shared modules (services.common, services.profiles,
+# services.control), never another stage: what one command needs from another stage is wired by
+# services.cli into click's context (services.common.cli.Hooks: publish --dry-run's pricing from
+# the estimate stage, the probe the inference worker runs).
 
 SERVICES = REPO / "services"
-STAGES = tuple(sorted(p.name for p in SERVICES.iterdir() if (p / "app.py").exists() or (p / "cli.py").exists()))
+STAGES = tuple(
+    sorted(
+        p.name
+        for p in SERVICES.iterdir()
+        if p.name != "common" and ((p / "app.py").exists() or (p / "cli.py").exists())
+    )
+)
 
 
-def imported_modules(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import in ``path``, at any depth (functions, TYPE_CHECKING blocks)."""
+def imported_modules(path: Path, root: Path | None = None) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path`` (under ``root``, default the repository), at any
+    depth (functions, TYPE_CHECKING blocks)."""
     import ast
 
-    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    package = ".".join(path.relative_to(root or REPO).with_suffix("").parts[:-1])
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if isinstance(node, ast.Import):
@@ -147,10 +156,14 @@ def _under(module: str, package: str) -> bool:
 def upward_imports(path: Path) -> list[str]:
     """The imports of ``path`` that run the wrong way (see above), as ``file:line: module``."""
     where = path.relative_to(REPO)
-    if where.parts[:2] == ("services", "common"):
+    if where.parts[0] == "schemas":
+        banned = ["services"]
+    elif where.parts[:2] == ("services", "common"):
         banned = ["services.cli", *(f"services.{s}" for s in STAGES)]
     elif where.name == "cli.py" and len(where.parts) == 3 and where.parts[1] in STAGES:
-        banned = [f"services.{s}" for s in STAGES if s != where.parts[1]]
+        banned = ["services.cli", *(f"services.{s}" for s in STAGES if s != where.parts[1])]
+    elif where.parts[0] == "services" and where != Path("services", "cli.py"):
+        banned = ["services.cli"]
     else:
         return []
     first: dict[int, str] = {}  # one finding per import statement: its first wrong module
@@ -166,8 +179,8 @@ def test_the_stages_are_found() -> None:
 
 
 def test_common_imports_no_stage_and_no_cli_and_no_stage_cli_imports_another_stage() -> None:
-    files = [*sorted((SERVICES / "common").rglob("*.py")), *sorted(SERVICES.glob("*/cli.py"))]
-    assert len(files) > 20
+    files = [*sorted(SERVICES.rglob("*.py")), *sorted((REPO / "schemas").rglob("*.py"))]
+    assert len(files) > 100
     wrong = [line for path in files for line in upward_imports(path)]
     assert wrong == [], "imports that run up the house:\n" + "\n".join(wrong)
 
@@ -183,9 +196,114 @@ def test_the_direction_check_can_fail(tmp_path: Path, monkeypatch: pytest.Monkey
     (fake / "publish" / "cli.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.estimate.core import X\n"
         "from services.common import console\nfrom services.publish import app\n"
+        "def run():\n    from services.cli import fail\n"
     )
+    (fake / "publish" / "app.py").write_text("from services.common.cli import fail\nfrom services import cli\n")
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "schemas" / "wire.py").write_text("import msgspec\nfrom services.common.records import DeadLetter\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     assert upward_imports(fake / "common" / "runner.py") == [
         "services/common/runner.py:2: services.cli", "services/common/runner.py:3: services.audit"
     ]
-    assert upward_imports(fake / "publish" / "cli.py") == ["services/publish/cli.py:3: services.estimate.core"]
+    assert upward_imports(fake / "publish" / "cli.py") == [
+        "services/publish/cli.py:3: services.estimate.core", "services/publish/cli.py:7: services.cli"
+    ]
+    assert upward_imports(fake / "publish" / "app.py") == ["services/publish/app.py:2: services.cli"]
+    assert upward_imports(tmp_path / "schemas" / "wire.py") == ["schemas/wire.py:2: services.common.records"]
+
+
+# --- no circles ---------------------------------------------------------------------------------
+#
+# Two modules that import each other, at any depth (a lazy import in a function or one under
+# TYPE_CHECKING counts too), are one job split in two or a third module missing.
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Every module of services/ and schemas/ under ``root`` by dotted name (a package by its own)."""
+    found: dict[str, Path] = {}
+    for top in ("services", "schemas"):
+        for path in sorted((root / top).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module → the modules of the house it imports (``from pkg import mod`` names ``pkg`` and ``pkg.mod``)."""
+    files = module_files(root)
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        targets: set[str] = set()
+        for _, module in imported_modules(path, root):
+            target = known(module)
+            if target is not None and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component: list[str] = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_two_modules_import_each_other() -> None:
+    graph = import_graph(REPO)
+    assert len(graph) > 100 and "services.common.cli" in graph["services.cli"]
+    assert circles(graph) == [], "modules in a circle of imports: " + "; ".join(" <-> ".join(c) for c in circles(graph))
+
+
+def test_the_circle_check_can_fail(tmp_path: Path) -> None:
+    """A lazy import back, a relative one, and a package re-exporting a module that imports it, all close circles."""
+    services = tmp_path / "services"
+    (services / "inference").mkdir(parents=True)
+    (services / "probe").mkdir()
+    (services / "profiles").mkdir()
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "schemas" / "__init__.py").write_text("")
+    (services / "__init__.py").write_text("")
+    (services / "inference" / "app.py").write_text("def start():\n    from services.probe.app import probe_first\n")
+    (services / "probe" / "app.py").write_text("from ..inference import app\n")
+    (services / "profiles" / "__init__.py").write_text("from services.profiles.spec import Profile\n")
+    (services / "profiles" / "spec.py").write_text("from services.profiles import loading\n")
+    (services / "profiles" / "loading.py").write_text("import schemas\n")
+    assert circles(import_graph(tmp_path)) == [
+        ["services.inference.app", "services.probe.app"],
+        ["services.profiles", "services.profiles.spec"],
+    ]

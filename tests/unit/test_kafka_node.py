@@ -1,4 +1,4 @@
-"""services.common.kafka_node / kafka_cluster (what deploy/kafka/kafka.sh runs): config rendering,
+"""services.local_kafka (what deploy/kafka/kafka.sh runs): config rendering,
 cluster ids, formatting decisions and readiness, without a JVM or a broker.
 
 Outside truth: the server.properties template, Kafka's own wire format as aiokafka encodes it,
@@ -17,15 +17,18 @@ import pytest
 from aiokafka.protocol.api import RequestHeader_v1
 from aiokafka.protocol.metadata import MetadataRequest_v1, MetadataResponse_v1
 
-from services.common import kafka_cluster as kc
-from services.common import kafka_node as kn
+from services.local_kafka import cluster as kc
+from services.local_kafka import jvm as kjvm
+from services.local_kafka import options as kopts
+from services.local_kafka import props as kprops
+from services.local_kafka import readiness as kready
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka.sh"
-TEMPLATE = (kn.DEPLOY_DIR / "server.properties").read_text(encoding="utf-8")
+TEMPLATE = (kopts.DEPLOY_DIR / "server.properties").read_text(encoding="utf-8")
 
 
-def _opts(tmp_path: Path, **env: str) -> kn.Options:
-    return kn.Options.from_env({"KAFKA_RUN_DIR": str(tmp_path), **env})
+def _opts(tmp_path: Path, **env: str) -> kopts.Options:
+    return kopts.Options.from_env({"KAFKA_RUN_DIR": str(tmp_path), **env})
 
 
 def _props_last_wins(text: str) -> dict[str, str]:
@@ -43,7 +46,7 @@ def _props_last_wins(text: str) -> dict[str, str]:
 
 def test_sasl_ssl_listener_users_and_keystore(tmp_path: Path) -> None:
     opts = _opts(tmp_path, KAFKA_SASL_SSL_PORT="29194", KAFKA_SASL_USERS="alice:a-1 bob:b.2")
-    text = kn.render_config(TEMPLATE, opts, port=29192, controller_port=29193, data_dir=tmp_path / "data",
+    text = kprops.render_config(TEMPLATE, opts, port=29192, controller_port=29193, data_dir=tmp_path / "data",
                             storepass="sp")
     props = _props_last_wins(text)
     assert props["listeners"] == "PLAINTEXT://127.0.0.1:29192,CONTROLLER://127.0.0.1:29193,SASL_SSL://127.0.0.1:29194"
@@ -61,7 +64,7 @@ def test_sasl_ssl_listener_users_and_keystore(tmp_path: Path) -> None:
 def test_authorizer_overrides_the_template_and_logs_the_broker_in(tmp_path: Path) -> None:
     opts = _opts(tmp_path, KAFKA_SASL_SSL_PORT="29194", KAFKA_AUTHORIZER="on", KAFKA_SASL_USER="admin",
                  KAFKA_SASL_PASSWORD="pw")
-    props = _props_last_wins(kn.render_config(TEMPLATE, opts, port=1, controller_port=2, data_dir=tmp_path,
+    props = _props_last_wins(kprops.render_config(TEMPLATE, opts, port=1, controller_port=2, data_dir=tmp_path,
                                               storepass="sp"))
     assert props["authorizer.class.name"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
     assert props["super.users"] == "User:admin"
@@ -98,7 +101,7 @@ def test_kafka_sh_config_renders_sasl_through_the_entry_point(tmp_path: Path) ->
 )
 def test_values_that_would_break_jaas_or_scram_are_refused(tmp_path: Path, env: dict[str, str],
                                                          message: str) -> None:
-    with pytest.raises(kn.KafkaScriptError, match=message):
+    with pytest.raises(kopts.KafkaScriptError, match=message):
         _opts(tmp_path, **env).check_sasl()
 
 
@@ -133,18 +136,18 @@ def test_an_id_starting_with_a_dash_is_drawn_again() -> None:
     dash = bytes([0xF8]) + bytes(15)  # 111110 00...: base64url '-' first
     plain = bytes(range(16))
     assert base64.urlsafe_b64encode(dash).startswith(b"-")
-    cluster_id = kn.new_cluster_id(iter([dash, dash, plain]))
+    cluster_id = kprops.new_cluster_id(iter([dash, dash, plain]))
     assert base64.urlsafe_b64decode(cluster_id + "==") == plain
     assert len(cluster_id) == 22
 
 
 def test_format_passes_the_id_as_one_argument_and_the_quorum_option(tmp_path: Path) -> None:
     opts = _opts(tmp_path)
-    single = kn.format_args(opts, tmp_path / "p", "-dashed", static_quorum=False)
+    single = kprops.format_args(opts, tmp_path / "p", "-dashed", static_quorum=False)
     assert single == ["kafka.tools.StorageTool", "format", "--cluster-id=-dashed", "--config", str(tmp_path / "p"),
                       "--standalone"]
-    assert "--standalone" not in kn.format_args(opts, tmp_path / "p", "x", static_quorum=True)
-    sasl = kn.format_args(_opts(tmp_path, KAFKA_SASL_SSL_PORT="1", KAFKA_SASL_USERS="alice:a"), tmp_path / "p", "x",
+    assert "--standalone" not in kprops.format_args(opts, tmp_path / "p", "x", static_quorum=True)
+    sasl = kprops.format_args(_opts(tmp_path, KAFKA_SASL_SSL_PORT="1", KAFKA_SASL_USERS="alice:a"), tmp_path / "p", "x",
                           static_quorum=False)
     scram = [sasl[i + 1] for i, arg in enumerate(sasl) if arg == "--add-scram"]
     assert scram == ["SCRAM-SHA-256=[name=draftstream,password=draftstream-secret]",
@@ -154,7 +157,7 @@ def test_format_passes_the_id_as_one_argument_and_the_quorum_option(tmp_path: Pa
 
 # --- formatting decisions ---------------------------------------------------------------
 
-STAMP = kn.FormatStamp(controller="127.0.0.1:29193", scram="s1", cluster_id="C1")
+STAMP = kprops.FormatStamp(controller="127.0.0.1:29193", scram="s1", cluster_id="C1")
 
 
 @pytest.mark.parametrize(
@@ -170,10 +173,10 @@ STAMP = kn.FormatStamp(controller="127.0.0.1:29193", scram="s1", cluster_id="C1"
         (STAMP, True, {"cluster_id": "C2"}, "belongs to another cluster"),
     ],
 )
-def test_format_decision(have: kn.FormatStamp | None, exists: bool, want: dict[str, str],
+def test_format_decision(have: kprops.FormatStamp | None, exists: bool, want: dict[str, str],
                          expected: str | None) -> None:
     args = {"controller": "127.0.0.1:29193", "scram": "", "cluster_id": "", **want}
-    reason = kn.format_decision(have, exists, **args)
+    reason = kprops.format_decision(have, exists, **args)
     if expected is None or expected == "":
         assert reason == expected
     else:
@@ -181,16 +184,16 @@ def test_format_decision(have: kn.FormatStamp | None, exists: bool, want: dict[s
 
 
 def test_format_stamp_round_trips_and_scram_digest_hides_the_password(tmp_path: Path) -> None:
-    assert kn.FormatStamp.loads(STAMP.dumps()) == STAMP
-    assert kn.scram_digest(_opts(tmp_path)) == ""
-    digest = kn.scram_digest(_opts(tmp_path, KAFKA_SASL_SSL_PORT="1", KAFKA_SASL_PASSWORD="hunter2"))
+    assert kprops.FormatStamp.loads(STAMP.dumps()) == STAMP
+    assert kprops.scram_digest(_opts(tmp_path)) == ""
+    digest = kprops.scram_digest(_opts(tmp_path, KAFKA_SASL_SSL_PORT="1", KAFKA_SASL_PASSWORD="hunter2"))
     assert len(digest) == 64 and "hunter2" not in digest
-    assert digest != kn.scram_digest(_opts(tmp_path, KAFKA_SASL_SSL_PORT="1", KAFKA_SASL_PASSWORD="hunter3"))
+    assert digest != kprops.scram_digest(_opts(tmp_path, KAFKA_SASL_SSL_PORT="1", KAFKA_SASL_PASSWORD="hunter3"))
 
 
 def test_cds_archive_of_a_recording() -> None:
-    assert kn.cds_archive_of("/l/.cds/kafka-21.0.2_13.jsa.4242.partial") == "/l/.cds/kafka-21.0.2_13.jsa"
-    assert kn.cds_archive_of("/l/.cds/kafka-21.0.2_13.jsa.4242.node2.partial") == "/l/.cds/kafka-21.0.2_13.jsa"
+    assert kprops.cds_archive_of("/l/.cds/kafka-21.0.2_13.jsa.4242.partial") == "/l/.cds/kafka-21.0.2_13.jsa"
+    assert kprops.cds_archive_of("/l/.cds/kafka-21.0.2_13.jsa.4242.node2.partial") == "/l/.cds/kafka-21.0.2_13.jsa"
 
 
 # --- readiness --------------------------------------------------------------------------
@@ -202,7 +205,7 @@ def _framed(response: MetadataResponse_v1, correlation_id: int = 1) -> bytes:
 
 
 def test_metadata_request_is_what_kafka_reads() -> None:
-    frame = kn.metadata_request()
+    frame = kready.metadata_request()
     assert int.from_bytes(frame[:4], "big") == len(frame) - 4
     request = MetadataRequest_v1(topics=[])  # an empty list: no topics, just brokers and controller
     header = RequestHeader_v1(request, correlation_id=1, client_id="draftstream-kafka-sh")
@@ -221,13 +224,13 @@ def test_metadata_request_is_what_kafka_reads() -> None:
 )
 def test_metadata_ready(brokers: list[tuple[int, str, int, str | None]], controller: int, ready: bool) -> None:
     response = MetadataResponse_v1(brokers=brokers, controller_id=controller, topics=[])
-    assert kn.metadata_ready(_framed(response), 29192) is ready
+    assert kready.metadata_ready(_framed(response), 29192) is ready
 
 
 def test_a_truncated_answer_is_an_error() -> None:
     frame = _framed(MetadataResponse_v1(brokers=[(1, "127.0.0.1", 29192, None)], controller_id=1, topics=[]))
     with pytest.raises(Exception, match="unpack"):
-        kn.metadata_ready(frame[:14], 29192)
+        kready.metadata_ready(frame[:14], 29192)
 
 
 class _FakeMetadataServer:
@@ -260,8 +263,8 @@ class _FakeMetadataServer:
 def test_probe_ready_over_a_real_socket(kwargs: dict[str, object], ready: bool) -> None:
     server = _FakeMetadataServer(**kwargs)  # type: ignore[arg-type]
     try:
-        assert kn.port_open("127.0.0.1", server.port)
-        assert kn.probe_ready("127.0.0.1", server.port) is ready
+        assert kready.port_open("127.0.0.1", server.port)
+        assert kready.probe_ready("127.0.0.1", server.port) is ready
     finally:
         server.sock.close()
 
@@ -269,8 +272,8 @@ def test_probe_ready_over_a_real_socket(kwargs: dict[str, object], ready: bool) 
 def test_nothing_listening_is_not_ready() -> None:
     with socket.create_server(("127.0.0.1", 0)) as sock:
         port = sock.getsockname()[1]
-    assert not kn.port_open("127.0.0.1", port)
-    assert not kn.probe_ready("127.0.0.1", port)
+    assert not kready.port_open("127.0.0.1", port)
+    assert not kready.probe_ready("127.0.0.1", port)
 
 
 # --- jars and the class-data archive ----------------------------------------------------
@@ -279,32 +282,32 @@ def test_nothing_listening_is_not_ready() -> None:
 def test_libs_are_ready_when_filled_from_this_pom_or_by_hand(tmp_path: Path) -> None:
     libs = tmp_path / "libs"
     libs.mkdir()
-    jvm = kn.Jvm(_opts(tmp_path, DRAFTSTREAM_HOME=str(tmp_path)))
+    jvm = kjvm.Jvm(_opts(tmp_path, DRAFTSTREAM_HOME=str(tmp_path)))
     assert jvm.opts.libs_dir == tmp_path / ".run" / "kafka" / "libs"
     assert not jvm.libs_ready()  # nothing fetched there yet
-    ours = kn.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs)))
+    ours = kjvm.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs)))
     (libs / "kafka_2.13-4.4.0.jar").write_bytes(b"")
     assert ours.libs_ready()  # filled by hand: no marker of ours
-    pom_sha = hashlib.sha256((kn.DEPLOY_DIR / "pom.xml").read_bytes()).hexdigest()
-    (libs / kn.LIBS_MARKER).write_text("0" * 64 + "\n")
+    pom_sha = hashlib.sha256((kopts.DEPLOY_DIR / "pom.xml").read_bytes()).hexdigest()
+    (libs / kopts.LIBS_MARKER).write_text("0" * 64 + "\n")
     assert not ours.libs_ready()  # fetched for another pom: fetch again
-    (libs / kn.LIBS_MARKER).write_text(pom_sha + "\n")
+    (libs / kopts.LIBS_MARKER).write_text(pom_sha + "\n")
     assert ours.libs_ready()
 
 
 def test_cds_uses_the_archive_records_it_or_stays_off(tmp_path: Path) -> None:
     libs = tmp_path / "libs"
-    jvm = kn.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs)))
+    jvm = kjvm.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs)))
     jvm.vm_id = "17.0.15_6"
     flags, partial = jvm.cds_opts(".node2")
     assert partial.startswith(f"{libs}/.cds/kafka-17.0.15_6.jsa.") and partial.endswith(".node2.partial")
     assert flags[0] == f"-XX:ArchiveClassesAtExit={partial}"
-    assert kn.cds_archive_of(partial) == str(jvm.cds_archive)
+    assert kprops.cds_archive_of(partial) == str(jvm.cds_archive)
     jvm.cds_archive.write_bytes(b"archive")
     assert jvm.cds_opts("") == ([f"-XX:SharedArchiveFile={jvm.cds_archive}", "-Xlog:cds=off",
                                  "-Xlog:cds+dynamic=off"], "")
     jvm.cds_archive.unlink()
-    assert kn.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs), KAFKA_CDS="reuse")).cds_opts("") == ([], "")
-    off = kn.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs), KAFKA_CDS="off"))
+    assert kjvm.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs), KAFKA_CDS="reuse")).cds_opts("") == ([], "")
+    off = kjvm.Jvm(_opts(tmp_path, KAFKA_LIBS_DIR=str(libs), KAFKA_CDS="off"))
     off.vm_id = "17.0.15_6"
     assert off.cds_opts("") == ([], "")

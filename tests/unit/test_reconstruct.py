@@ -35,7 +35,8 @@ from services.common.config import load_settings
 from services.common.kafka import DeadLetter
 from services.profiles import Profile, load_profile
 from services.profiles.conventions import CONVENTIONS, Convention
-from services.reconstruct.core import reconstruct, reconstruct_batch, reconstruct_lines
+from services.reconstruct.core import reconstruct, reconstruct_batch
+from services.reconstruct.offline import reconstruct_lines
 from tests.unit.test_profiles import KIMI_GOOD, deepseek, kimi, qwen
 
 VLLM = CONVENTIONS["vllm"]

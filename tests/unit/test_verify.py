@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from schemas import ResponseReceived, SampleReconstructed
 from services.profiles.conventions import CONVENTIONS
-from services.reconstruct.core import COUNT_TRUSTED, reconstruct_with_facts
+from services.reconstruct.core import COUNT_TRUSTED
 from services.reconstruct.facts import STRIPS_PLACE, FactBook, fact_key
+from services.reconstruct.verify import reconstruct_with_facts
 from tests.unit.test_profiles import deepseek
 from tests.unit.test_reconstruct import R1_EOS, r1_ids, response
 

@@ -693,7 +693,7 @@ class _HttpProvider:
         completion endpoint is there, the check passes as ``unknown`` and the first real
         request decides. Whether it is there costs nothing to ask: a ``GET`` of the path
         the requests are POSTed to answers 405 (or any status but 404) on a server that
-        serves it, and 404 under a wrong base URL, which is an outage as before.
+        serves it, and 404 under a wrong base URL, which is an outage.
         """
         got = await self._get(url)
         if not isinstance(got, ProviderCheck) and got.status_code in MODELS_NOT_IMPLEMENTED:

@@ -56,8 +56,8 @@ Environment (all optional):
                          exists), "off"
   JAVA_HOME              which JVM to use (default: `java` on PATH)
 
-Run as ``python -m services.common.kafka_cluster COMMAND [--nodes N] [--node I]`` (what
-``deploy/kafka/kafka.sh`` does). One node's parts live in ``services.common.kafka_node``.
+Run as ``python -m services.local_kafka COMMAND [--nodes N] [--node I]`` (what
+``deploy/kafka/kafka.sh`` does). One node's parts live in the other modules of ``services.local_kafka``.
 """
 
 from __future__ import annotations
@@ -73,28 +73,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from services.common.kafka_node import (
-    DEPLOY_DIR,
-    FormatStamp,
-    Jvm,
-    KafkaScriptError,
-    Node,
-    NodePaths,
-    Options,
-    check_port,
-    die,
-    format_decision,
-    jvm_tool_lines,
-    log,
-    new_cluster_id,
-    parse_state,
-    port_open,
-    run_dir_lock,
-    single_node,
-    start_single,
-    status_single,
-    write_private,
-)
+from services.local_kafka.files import NodePaths, run_dir_lock, write_private
+from services.local_kafka.jvm import Jvm
+from services.local_kafka.node import Node, jvm_tool_lines, single_node, start_single, status_single
+from services.local_kafka.options import DEPLOY_DIR, KafkaScriptError, Options, check_port, die, log
+from services.local_kafka.props import FormatStamp, format_decision, new_cluster_id, parse_state
+from services.local_kafka.readiness import port_open
 
 __all__ = [
     "ClusterShape",
