@@ -175,7 +175,7 @@ class Ramp:
         if self.started is None:
             self.started = now
         doublings = (now - self.started) / RAMP_DOUBLING_S
-        if RAMP_START * 2.0**doublings >= RAMP_END:
+        if doublings >= math.log2(RAMP_END / RAMP_START):  # (2 ** doublings would overflow later on)
             self.over = True
             return None
         return int(RAMP_START * 2.0**doublings)
