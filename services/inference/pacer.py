@@ -199,6 +199,7 @@ class Pacer:
     ramp: Ramp = field(default_factory=Ramp)
     key_scope: str = "key"
     starts: deque[float] = field(default_factory=deque)  # start times within MEASURE_S, while unpaced
+    paced: bool = False  # some estimate has a rate (until then nothing is paced: the fast path)
 
     def estimate(self, scope: str | None) -> RateEstimate:
         """The estimate of ``scope`` (None: the key's own), made on first sight."""
@@ -218,6 +219,8 @@ class Pacer:
         return min(rates) if rates else None
 
     def _sync(self, now: float) -> None:
+        if not self.paced:
+            return
         rate = self.rate
         if rate != self.bucket.rate:
             self.bucket.set_rate(rate, now)
@@ -252,6 +255,8 @@ class Pacer:
 
     def answered(self, upstream: str | None, now: float) -> None:
         """An answer: the key's estimate grows, and the upstream's that served it."""
+        if not self.paced:
+            return
         self.estimate(None).answered(now)
         if upstream:
             self.estimate(upstream).answered(now)
@@ -262,6 +267,7 @@ class Pacer:
         """Request ``seq`` got a 429 (naming ``upstream``, stating ``stated_rps``); True when the pace was cut."""
         sent_rate = self.bucket.rate if self.bucket.rate is not None else self._started_rate(now)
         self.ramp.over = True
+        self.paced = True
         estimate = self.estimate(upstream)
         if stated_rps is None and self.stated_fresh(upstream, now):
             # The rate was stated and this refusal states none: another limit (requests open at
@@ -286,6 +292,7 @@ class Pacer:
         """The key's limit as the provider states it (``GET /key`` at pre-flight, headers of an answer)."""
         if limit_rps is not None:
             self.estimate(None).state(limit_rps, now)
+            self.paced = True
             self._sync(now)
 
     def resume_at(self, at: float) -> None:
