@@ -47,7 +47,7 @@ MIN_RATE_RPS = 0.2
 STATED_HOLD_S = 5.0
 """How long a limit the provider stated caps the estimate (a limit that is raised is found after it)."""
 RAMP_START = 4
-RAMP_DOUBLING_S = 0.25
+RAMP_DOUBLING_S = 0.1
 RAMP_END = 1 << 20
 MEASURE_S = 1.0
 """A refusal with nothing known cuts from the rate requests were started at over this long."""
@@ -178,7 +178,7 @@ class Ramp:
         if doublings >= math.log2(RAMP_END / RAMP_START):  # (2 ** doublings would overflow later on)
             self.over = True
             return None
-        return int(RAMP_START * 2.0**doublings)
+        return int(RAMP_START * 2.0**doublings + _EPS)
 
     def wait_s(self, now: float, in_flight: int) -> float:
         """Seconds until the cap admits one more than ``in_flight``."""
