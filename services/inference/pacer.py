@@ -47,7 +47,7 @@ MIN_RATE_RPS = 0.2
 STATED_HOLD_S = 5.0
 """How long a limit the provider stated caps the estimate (a limit that is raised is found after it)."""
 RAMP_START = 4
-RAMP_DOUBLING_S = 0.25
+RAMP_DOUBLING_S = 0.1
 RAMP_END = 1 << 20
 MEASURE_S = 1.0
 """A refusal with nothing known cuts from the rate requests were started at over this long."""
@@ -175,10 +175,10 @@ class Ramp:
         if self.started is None:
             self.started = now
         doublings = (now - self.started) / RAMP_DOUBLING_S
-        if RAMP_START * 2.0**doublings >= RAMP_END:
+        if doublings >= math.log2(RAMP_END / RAMP_START):  # (2 ** doublings would overflow later on)
             self.over = True
             return None
-        return int(RAMP_START * 2.0**doublings)
+        return int(RAMP_START * 2.0**doublings + _EPS)
 
     def wait_s(self, now: float, in_flight: int) -> float:
         """Seconds until the cap admits one more than ``in_flight``."""
@@ -199,6 +199,7 @@ class Pacer:
     ramp: Ramp = field(default_factory=Ramp)
     key_scope: str = "key"
     starts: deque[float] = field(default_factory=deque)  # start times within MEASURE_S, while unpaced
+    paced: bool = False  # some estimate has a rate (until then nothing is paced: the fast path)
 
     def estimate(self, scope: str | None) -> RateEstimate:
         """The estimate of ``scope`` (None: the key's own), made on first sight."""
@@ -218,6 +219,8 @@ class Pacer:
         return min(rates) if rates else None
 
     def _sync(self, now: float) -> None:
+        if not self.paced:
+            return
         rate = self.rate
         if rate != self.bucket.rate:
             self.bucket.set_rate(rate, now)
@@ -252,6 +255,8 @@ class Pacer:
 
     def answered(self, upstream: str | None, now: float) -> None:
         """An answer: the key's estimate grows, and the upstream's that served it."""
+        if not self.paced:
+            return
         self.estimate(None).answered(now)
         if upstream:
             self.estimate(upstream).answered(now)
@@ -262,6 +267,7 @@ class Pacer:
         """Request ``seq`` got a 429 (naming ``upstream``, stating ``stated_rps``); True when the pace was cut."""
         sent_rate = self.bucket.rate if self.bucket.rate is not None else self._started_rate(now)
         self.ramp.over = True
+        self.paced = True
         estimate = self.estimate(upstream)
         if stated_rps is None and self.stated_fresh(upstream, now):
             # The rate was stated and this refusal states none: another limit (requests open at
@@ -286,6 +292,7 @@ class Pacer:
         """The key's limit as the provider states it (``GET /key`` at pre-flight, headers of an answer)."""
         if limit_rps is not None:
             self.estimate(None).state(limit_rps, now)
+            self.paced = True
             self._sync(now)
 
     def resume_at(self, at: float) -> None:

@@ -113,8 +113,9 @@ class ProviderThrottle:
                 raise
             self._woken -= 1
         seq = self.limits.start(self._clock())
-        if self._waiters:
-            self._wake()  # the next waiter's turn comes at the pace
+        pacer = self.limits.pacer
+        if self._waiters and (pacer.paced or not pacer.ramp.over):
+            self._wake()  # the next waiter's turn comes at the pace (or the ramp)
         try:
             if self._rpm is not None:
                 await self._rpm.acquire()

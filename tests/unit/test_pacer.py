@@ -205,3 +205,9 @@ def test_a_stated_open_cap_is_kept_by_the_window_not_bounced_off(limiter: Reques
     elapsed, refused = _run(limiter, prompts, latency=(0.5, 1.0))
     assert refused <= 0.1 * prompts, refused
     assert elapsed <= (prompts / allowed_rps + 1.0) / 0.9, elapsed
+
+
+def test_a_ramp_first_asked_long_after_it_started_is_over() -> None:
+    ramp = Ramp()
+    assert ramp.cap(0.0) == RAMP_START
+    assert ramp.cap(10_000.0) is None  # no float overflow of 2 ** (10,000 / 0.25)
