@@ -211,7 +211,10 @@ class ProviderCall:
                 if throttle.stalled():
                     await self._guard.halt_rate_limit()
             else:
-                throttle.release()
+                if failure.http_status is not None:  # a status came back: the rate limit admitted it
+                    throttle.answered(failure.upstream, None)
+                else:
+                    throttle.release()
                 tries.failed += 1
             if failure.retryable and (is_rate_limited(failure) or tries.failed < cfg.max_attempts):
                 RETRIES.labels(provider=provider.name, reason=failure.reason).inc()

@@ -72,6 +72,11 @@ def reconstruct_with_facts(
         return verified(responses, profile, convention, book, at=at, rule=rule)
     return judge(responses, profile, convention, book, at=at, rule=rule)
 
+
+def strips_scope(upstream: str, profile: str) -> str:
+    """Where the ``strips_at_edges`` evidence of ``upstream``'s answers rebuilt with ``profile`` is kept."""
+    return f"{upstream} (profile {profile})"
+
 def stripping(convention: Convention) -> Convention:
     """``convention`` for an upstream its answers contradicted: it may lose what any known upstream loses.
 
@@ -100,10 +105,20 @@ def verified(
     at: float = 0.0,
     rule: Rule = SOUND,
 ) -> tuple[Verdicts, list[ProviderFactRecorded]]:
-    """Judge a batch under a convention that keeps whitespace, upstreams caught stripping as stripping ones."""
+    """Judge a batch under a convention that keeps whitespace, upstreams caught stripping as stripping ones.
+
+    The evidence and the ``strips_at_edges`` fact are kept per upstream *and profile* (``scope``):
+    the evidence is a count missed, which a profile that is not the model's misses too, so a
+    corrected profile starts from evidence of its own instead of a fact its wrong predecessor made.
+    """
+
+    def scope(response: ResponseReceived) -> str | None:
+        upstream = upstream_of(response)
+        return None if upstream is None else strips_scope(upstream, profile.name)
+
     out: list[SampleReconstructed | DeadLetter | None] = [None] * len(responses)
     changes: list[ProviderFactRecorded] = []
-    kept = [i for i, r in enumerate(responses) if book.strips(upstream_of(r)) is None]
+    kept = [i for i, r in enumerate(responses) if book.strips(scope(r)) is None]
     suspects: list[tuple[_Plan, list[int]]] = []
     verdicts, found = judge([responses[i] for i in kept], profile, convention, book, at=at, rule=rule,
                             suspects=suspects)  # fmt: skip
@@ -111,11 +126,11 @@ def verified(
     for i, verdict in zip(kept, verdicts, strict=True):
         out[i] = verdict
     for i in kept:  # every answer a count can test counts towards the share
-        if _testable(responses[i]) and (upstream := upstream_of(responses[i])) is not None:
+        if _testable(responses[i]) and (upstream := scope(responses[i])) is not None:
             book.tally(upstream).seen += 1
     for plan, ids in suspects:
         response = plan.response
-        upstream = upstream_of(response)
+        upstream = scope(response)
         if upstream is None or book.strips(upstream) is not None:
             continue
         why = _strip_evidence(plan, ids, profile, convention)
@@ -129,7 +144,7 @@ def verified(
             record = book.record_strips(upstream, key, reason, at)
             if record is not None:
                 changes.append(record)
-    flagged = [i for i, r in enumerate(responses) if out[i] is None or book.strips(upstream_of(r)) is not None]
+    flagged = [i for i, r in enumerate(responses) if out[i] is None or book.strips(scope(r)) is not None]
     if flagged:
         verdicts, found = judge([responses[i] for i in flagged], profile, stripping(convention), book, at=at,
                                 rule=rule)  # fmt: skip
