@@ -72,11 +72,6 @@ def reconstruct_with_facts(
         return verified(responses, profile, convention, book, at=at, rule=rule)
     return judge(responses, profile, convention, book, at=at, rule=rule)
 
-
-def strips_scope(upstream: str, profile: str) -> str:
-    """Where the ``strips_at_edges`` evidence of ``upstream``'s answers rebuilt with ``profile`` is kept."""
-    return f"{upstream} (profile {profile})"
-
 def stripping(convention: Convention) -> Convention:
     """``convention`` for an upstream its answers contradicted: it may lose what any known upstream loses.
 
@@ -105,20 +100,10 @@ def verified(
     at: float = 0.0,
     rule: Rule = SOUND,
 ) -> tuple[Verdicts, list[ProviderFactRecorded]]:
-    """Judge a batch under a convention that keeps whitespace, upstreams caught stripping as stripping ones.
-
-    The evidence and the ``strips_at_edges`` fact are kept per upstream *and profile* (``scope``):
-    the evidence is a count missed, which a profile that is not the model's misses too, so a
-    corrected profile starts from evidence of its own instead of a fact its wrong predecessor made.
-    """
-
-    def scope(response: ResponseReceived) -> str | None:
-        upstream = upstream_of(response)
-        return None if upstream is None else strips_scope(upstream, profile.name)
-
+    """Judge a batch under a convention that keeps whitespace, upstreams caught stripping as stripping ones."""
     out: list[SampleReconstructed | DeadLetter | None] = [None] * len(responses)
     changes: list[ProviderFactRecorded] = []
-    kept = [i for i, r in enumerate(responses) if book.strips(scope(r)) is None]
+    kept = [i for i, r in enumerate(responses) if book.strips(upstream_of(r)) is None]
     suspects: list[tuple[_Plan, list[int]]] = []
     verdicts, found = judge([responses[i] for i in kept], profile, convention, book, at=at, rule=rule,
                             suspects=suspects)  # fmt: skip
@@ -126,12 +111,18 @@ def verified(
     for i, verdict in zip(kept, verdicts, strict=True):
         out[i] = verdict
     for i in kept:  # every answer a count can test counts towards the share
-        if _testable(responses[i]) and (upstream := scope(responses[i])) is not None:
+        if _testable(responses[i]) and (upstream := upstream_of(responses[i])) is not None:
             book.tally(upstream).seen += 1
+    prompts = iter(profile.encode_prompt_batch([plan.prompt_text for plan, _ in suspects]))
     for plan, ids in suspects:
         response = plan.response
-        upstream = scope(response)
+        upstream = upstream_of(response)
+        prompt_count = len(next(prompts))
         if upstream is None or book.strips(upstream) is not None:
+            continue
+        if response.usage.prompt_tokens is not None and response.usage.prompt_tokens != prompt_count:
+            # The prompt was not rendered as the model's server counts it: the profile is not the
+            # model's, and its output counts say nothing about what the server strips.
             continue
         why = _strip_evidence(plan, ids, profile, convention)
         if why is None or not _testable(response):
@@ -144,7 +135,7 @@ def verified(
             record = book.record_strips(upstream, key, reason, at)
             if record is not None:
                 changes.append(record)
-    flagged = [i for i, r in enumerate(responses) if out[i] is None or book.strips(scope(r)) is not None]
+    flagged = [i for i, r in enumerate(responses) if out[i] is None or book.strips(upstream_of(r)) is not None]
     if flagged:
         verdicts, found = judge([responses[i] for i in flagged], profile, stripping(convention), book, at=at,
                                 rule=rule)  # fmt: skip

@@ -36,7 +36,6 @@ from tests.unit.test_profiles import deepseek
 from tests.unit.test_verify import (
     COINCIDENT_CONTENT,
     COINCIDENT_REASONING,
-    SCOPE,
     _stripped,
     telling_answers,
 )
@@ -57,7 +56,7 @@ async def test_a_stripping_server_declared_lossless_is_caught_recorded_and_shown
     try:
         # Keys spread over partitions, whose order no one keeps: the telling answers first, then the other.
         await send_records(settings, RESPONSES_TOPIC, [*map(_r1, telling)])
-        await wait_until(lambda: worker.facts.book().strips(SCOPE) is not None, timeout=60,
+        await wait_until(lambda: worker.facts.book().strips("openai/m") is not None, timeout=60,
                          message="the strips_at_edges fact")  # fmt: skip
         await send_records(settings, RESPONSES_TOPIC, [_r1(coincident)])
         await wait_until(lambda: worker.processed >= 4, timeout=60, message="every answer processed")
@@ -69,7 +68,7 @@ async def test_a_stripping_server_declared_lossless_is_caught_recorded_and_shown
         await worker.close()
     facts = {k.decode(): decode(v, ProviderFactRecorded) for k, v in (await read_compacted(
         settings.kafka, settings.kafka.topic(PROVIDER_FACTS_TOPIC))).values.items()}  # fmt: skip
-    fact = facts["openai/m (profile deepseek-r1)|strips_at_edges"]
+    fact = facts["openai/m|strips_at_edges"]
     evidence = fact.evidence.encode()
     assert evidence in {b"math:telling0", b"math:telling1", b"math:telling2"} and "content_start" in fact.reason
     reasons = {letter.key: header(letter.headers, DLQ_HEADERS.REASON) for letter in dead}
@@ -85,7 +84,7 @@ async def test_a_stripping_server_declared_lossless_is_caught_recorded_and_shown
 
 
     snapshot = await collect(settings)
-    assert snapshot.strips[SCOPE].evidence == fact.evidence
+    assert snapshot.strips["openai/m"].evidence == fact.evidence
     console = Console(record=True, width=240)
     console.print(render(snapshot))
     shown = console.export_text()

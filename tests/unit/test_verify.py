@@ -12,11 +12,9 @@ from schemas import ResponseReceived, SampleReconstructed
 from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import COUNT_TRUSTED
 from services.reconstruct.facts import STRIPS_PLACE, FactBook, fact_key
-from services.reconstruct.verify import reconstruct_with_facts, strips_scope
+from services.reconstruct.verify import reconstruct_with_facts
 from tests.unit.test_profiles import deepseek
 from tests.unit.test_reconstruct import R1_EOS, r1_ids, response
-
-SCOPE = strips_scope("openai/m", "deepseek-r1")  # where its strips_at_edges evidence is kept
 
 VLLM = CONVENTIONS["vllm"]
 
@@ -55,14 +53,14 @@ def test_answers_off_their_count_by_an_edge_strip_record_strips_at_edges() -> No
     # Judged under the claim, it misses its count (the audit's usage_matches refuses it) ...
     assert isinstance(verdict, SampleReconstructed)
     assert len(verdict.output_ids) != first.usage.completion_tokens
-    assert changes == [] and book.strips(SCOPE) is None  # ... and one answer is not enough
+    assert changes == [] and book.strips("openai/m") is None  # ... and one answer is not enough
     verdicts, changes = reconstruct_with_facts(rest, deepseek(), VLLM, book, at=5.0)
     assert not any(isinstance(v, SampleReconstructed) for v in verdicts)
     (fact,) = [c for c in changes if c.place == STRIPS_PLACE]
-    assert fact_key(fact.upstream, fact.place) == "openai/m (profile deepseek-r1)|strips_at_edges"
+    assert fact_key(fact.upstream, fact.place) == "openai/m|strips_at_edges"
     assert fact.evidence == "math:t1"  # the second answer of evidence, among three testable ones
     assert "2 of 3 answers" in fact.reason and "content_start" in fact.reason
-    assert book.strips(SCOPE) is fact
+    assert book.strips("openai/m") is fact
 
 
 def test_a_wrong_count_or_a_rare_miss_is_not_a_strip() -> None:
@@ -77,8 +75,8 @@ def test_a_wrong_count_or_a_rare_miss_is_not_a_strip() -> None:
         lossless.append(response(sample_id=f"l{k}", reasoning=TELLING_REASONING, content=text, completion=len(truth_k)))
     telling = telling_answers()
     _, changes = reconstruct_with_facts([wrong, wrong, wrong, *lossless, *telling[:2]], deepseek(), VLLM, book)
-    assert changes == [] and book.strips(SCOPE) is None
-    assert len(book.tally(SCOPE).evidence) == 2 and book.tally(SCOPE).seen == 13
+    assert changes == [] and book.strips("openai/m") is None
+    assert len(book.tally("openai/m").evidence) == 2 and book.tally("openai/m").seen == 13
 
 
 def test_a_coincident_answer_after_the_catch_is_refused() -> None:
@@ -139,5 +137,5 @@ def test_the_probe_reports_an_upstream_caught_stripping_before_the_main_run() ->
     answers = judge(load_settings(None), answers_in, book)
     assert [a.accepted for a in answers] == [False] * 4
     assert answers[0].reason == "whitespace_ambiguous"
-    fact = book.strips(SCOPE)
+    fact = book.strips("openai/m")
     assert fact is not None and fact.evidence == "math:t1"
