@@ -1,7 +1,7 @@
 """The local Kafka launcher: one node, or a local cluster of them (KRaft: broker and controller
 in one JVM each), without Docker.
 
-What ``deploy/kafka/kafka.sh`` used to do in bash for one node: resolve the jars with
+For one node (what ``deploy/kafka/kafka.sh`` calls): resolve the jars with
 Maven once, render ``server.properties`` from ``deploy/kafka/server.properties`` (with the
 SASL_SSL listener and the ACL settings when asked), make the local CA, decide whether the
 storage must be (re-)formatted, start ``kafka.Kafka`` in the background, wait until a
