@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-PYTEST_WORKERS ?= auto
+PYTEST_WORKERS ?=
 
 .PHONY: help setup system-deps asyncapi-deps asyncapi demo test test-fast test-unit engines conformance fuzz lint bench bench-quick bench-scale chaos kafka-up kafka-down schemas clean
 
@@ -45,7 +45,7 @@ test-fast: setup system-deps ## The inner loop: unit (in parallel) and integrati
 	@PYTEST_WORKERS=$(PYTEST_WORKERS) bash deploy/run-tests.sh --fast
 
 test-unit: setup ## Unit tests only (no broker), in parallel
-	$(PY) -m pytest tests/unit -q -n $(PYTEST_WORKERS)
+	$(PY) -m pytest tests/unit -q -n $(or $(PYTEST_WORKERS),auto)
 
 ENGINES := .run/engines/.installed
 $(ENGINES): deploy/engines/requirements.txt deploy/engines/build.sh | $(VENV)/.installed
