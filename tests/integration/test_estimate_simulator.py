@@ -12,7 +12,7 @@ import httpx
 
 from services.common.config import DatasetSettings, Settings
 from services.estimate.app import DatasetFiles, estimate_files
-from services.inference.adapters.providers import chat_request_body
+from services.inference.adapters.request_bodies import chat_request_body
 from services.profiles import load_profile, profile_spec
 from services.publish.app import Rejection, iter_prompts
 from services.publish.core import NormaliseOptions

@@ -17,7 +17,7 @@ import pytest
 
 from schemas import Message, PromptPublished, ResponseReceived, SampleReconstructed
 from services.common.records import DeadLetter
-from services.inference.adapters.providers import parse_openai, parse_openrouter
+from services.inference.adapters.wire import parse_openai, parse_openrouter
 from services.profiles import load_profile
 from services.profiles.conventions import convention_for
 from services.reconstruct.core import reconstruct

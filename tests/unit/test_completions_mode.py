@@ -22,7 +22,9 @@ from schemas import Message, PromptPublished, ResponseReceived, SampleReconstruc
 from services.audit.core import audit_batch
 from services.common.config import AuditThresholds, Settings, load_settings
 from services.common.records import DeadLetter
-from services.inference.adapters.providers import make_http_client, make_provider, parse_completions
+from services.inference.adapters.providers import make_provider
+from services.inference.adapters.transport import make_http_client
+from services.inference.adapters.wire import parse_completions
 from services.inference.core import ProviderFailure, request_hash
 from services.inference.guard import ProviderGuard
 from services.profiles import load_profile

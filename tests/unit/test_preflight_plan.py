@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from services.cli import app
 from services.common.config import load_settings
 from services.common.plan import OTHERS, plan_line
-from services.inference.adapters.providers import make_http_client, make_provider
+from services.inference.adapters.providers import make_provider
+from services.inference.adapters.transport import make_http_client
 from services.inference.guard import ProviderGuard
 from services.simulator.app import SimulatorOptions, start_simulator
 from tests.unit.test_completions_mode import _Halts
