@@ -39,30 +39,27 @@ from services.common.config import Settings
 from services.common.metrics import SIMULATOR_CONTENT_FAULTS, SIMULATOR_REQUESTS
 from services.simulator.billing import Billing
 from services.simulator.core import (
-    CONTENT_FAULTS,
-    PARSERS,
-    TRANSIENT_FAULTS,
-    ChatRequest,
     Generation,
     GenerationParams,
-    ProfileLike,
-    RequestError,
     answer_cost,
     build_completion_body,
     build_response_body,
-    choose_content_faults,
-    choose_transient_fault,
-    compile_chat_template,
     error_body,
     generate,
-    parse_completion_request,
-    parse_fault_header,
-    parse_request,
-    profile_prompt_text,
-    prompt_digest,
-    render_chat_template,
 )
+from services.simulator.faults import (
+    CONTENT_FAULTS,
+    TRANSIENT_FAULTS,
+    choose_content_faults,
+    choose_transient_fault,
+    parse_fault_header,
+    prompt_digest,
+)
+from services.simulator.formats import PARSERS
 from services.simulator.limits import OverCap, RequestLimiter, retry_after_text
+from services.simulator.profile_like import ProfileLike
+from services.simulator.prompts import compile_chat_template, profile_prompt_text, render_chat_template
+from services.simulator.request import ChatRequest, RequestError, parse_completion_request, parse_request
 from services.simulator.shapes import shaped
 
 __all__ = [

@@ -161,7 +161,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         if min(latency, jitter, retry_after, timeout_sleep, price_per_token) < 0:
             fail("latency, jitter, retry-after, timeout-sleep and price must not be negative")
         if chat_template_file is not None:
-            from services.simulator.core import compile_chat_template
+            from services.simulator.prompts import compile_chat_template
 
             try:
                 compile_chat_template(chat_template_file.read_text(encoding="utf-8"))

@@ -47,7 +47,8 @@ from services.simulator.app import (
     provider_app,
     serve_app,
 )
-from services.simulator.core import ProfileLike, error_body
+from services.simulator.core import error_body
+from services.simulator.profile_like import ProfileLike
 
 __all__ = [
     "HABITS",

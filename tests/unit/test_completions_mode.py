@@ -32,7 +32,8 @@ from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import reconstruct_batch
 from services.reconstruct.raw import plan_raw
 from services.simulator.app import SimulatorOptions, start_simulator
-from services.simulator.core import parse_completion_request, raw_completion_text
+from services.simulator.core import raw_completion_text
+from services.simulator.request import parse_completion_request
 from tests.conformance import truth as T
 
 CHAT_TEMPLATES = T.reference_dir() / "chat-templates"
