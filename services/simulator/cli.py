@@ -128,7 +128,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from services.common.cli import fail, settings_from
         from services.common.logs import setup_logging
         from services.common.service import run_service
-        from services.simulator.app import SimulatorOptions, create_app, get_profile
+        from services.simulator.app import create_app
+        from services.simulator.options import SimulatorOptions, get_profile
 
         try:
             options = SimulatorOptions(

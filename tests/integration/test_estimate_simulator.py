@@ -16,7 +16,8 @@ from services.inference.adapters.request_bodies import chat_request_body
 from services.profiles import load_profile, profile_spec
 from services.publish.app import Rejection, iter_prompts
 from services.publish.core import NormaliseOptions
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 
 DEMO = Path(__file__).resolve().parents[2] / "services" / "demo" / "data"
 

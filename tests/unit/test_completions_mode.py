@@ -31,8 +31,9 @@ from services.profiles import load_profile
 from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import reconstruct_batch
 from services.reconstruct.raw import plan_raw
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
 from services.simulator.core import raw_completion_text
+from services.simulator.options import SimulatorOptions
 from services.simulator.request import parse_completion_request
 from tests.conformance import truth as T
 
