@@ -209,7 +209,8 @@ async def bare_requests(settings: Any, n: int) -> list[tuple[bytes, dict[str, st
     import msgspec
 
     from schemas import Message, PromptPublished, sample_key
-    from services.inference.adapters.providers import KEY_HEADER, make_provider
+    from services.inference.adapters.http_provider import KEY_HEADER
+    from services.inference.adapters.providers import make_provider
 
     provider = make_provider(settings, httpx.AsyncClient())
     dataset = settings.dataset(DATASET)

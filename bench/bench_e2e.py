@@ -55,7 +55,7 @@ from bench.common import (
     write_config,
     write_prompts,
 )
-from services.inference.adapters.providers import make_http_client
+from services.inference.adapters.transport import make_http_client
 
 DATASET = "bench"
 BATCH = 64
@@ -167,7 +167,8 @@ async def reference_round(
     from schemas import Message, PromptPublished
     from services.audit.core import audit_batch
     from services.common.kafka import DeadLetter
-    from services.inference.adapters.providers import chat_request_body, parse_openrouter
+    from services.inference.adapters.request_bodies import chat_request_body
+    from services.inference.adapters.wire import parse_openrouter
     from services.inference.core import response_event
     from services.profiles import load_profile
     from services.profiles.conventions import convention_for

@@ -28,7 +28,8 @@ async def measure(quick: bool) -> list[Result]:
     from services.budget.leases import CAPPED_PREFIX
     from services.control import read_control_state
     from services.inference.app import create_app as create_worker
-    from services.simulator.app import SimulatorOptions, start_simulator
+    from services.simulator.app import start_simulator
+    from services.simulator.options import SimulatorOptions
 
     cap, workers, concurrency, prompts = (600_000, 1, 64, 120) if quick else (3_000_000, 2, 256, 700)
     prefix = unique_prefix("headroom")

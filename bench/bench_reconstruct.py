@@ -48,7 +48,8 @@ def make_responses(profile: Any, n: int, low: int, high: int, seed: int = 7) -> 
     The true ids are the simulator's truth, kept beside the responses (never in them).
     """
     from schemas import Message, PromptPublished, ResponseReceived, Usage
-    from services.simulator.core import ChatRequest, GenerationParams, generate
+    from services.simulator.core import GenerationParams, generate
+    from services.simulator.request import ChatRequest
 
     rng = random.Random(seed)  # noqa: S311 - benchmark data, not crypto
     out = []

@@ -21,7 +21,7 @@ from services.common.config import DatasetSettings, Settings
 from services.common.errors import CommandError
 from services.continuation.core import turn_points
 from services.estimate.core import Caps, DatasetEstimate, EstimateReport, Observed, build_report
-from services.inference.adapters.providers import sends_tools
+from services.inference.adapters.request_bodies import sends_tools
 from services.inference.core import request_max_tokens
 from services.publish.core import NormaliseOptions
 from services.publish.reading import PublishError, Rejection, check_arguments, iter_prompts

@@ -57,7 +57,8 @@ from services.common.kafka import (
 from services.common.metrics import HALTED
 from services.common.service import release
 from services.common.topics import Record
-from services.inference.adapters.providers import Provider, make_http_client, make_provider
+from services.inference.adapters.providers import Provider, make_provider
+from services.inference.adapters.transport import make_http_client
 from services.inference.answers import Answerer
 from services.inference.calls import ProviderCall
 from services.inference.core import GROUP_ID, STAGE, dataset_of_topic

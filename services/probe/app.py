@@ -35,7 +35,8 @@ from services.common.kafka import ensure_topics, make_producer
 from services.common.records import DeadLetter
 from services.common.service import release
 from services.common.topics import Record, read_to_end
-from services.inference.adapters.providers import Provider, make_http_client, make_provider
+from services.inference.adapters.providers import Provider, make_provider
+from services.inference.adapters.transport import make_http_client
 from services.inference.answers import Answerer
 from services.inference.calls import ProviderCall
 from services.inference.core import request_hash, request_max_tokens, store_key

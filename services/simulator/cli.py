@@ -128,7 +128,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from services.common.cli import fail, settings_from
         from services.common.logs import setup_logging
         from services.common.service import run_service
-        from services.simulator.app import SimulatorOptions, create_app, get_profile
+        from services.simulator.app import create_app
+        from services.simulator.options import SimulatorOptions, get_profile
 
         try:
             options = SimulatorOptions(
@@ -161,7 +162,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         if min(latency, jitter, retry_after, timeout_sleep, price_per_token) < 0:
             fail("latency, jitter, retry-after, timeout-sleep and price must not be negative")
         if chat_template_file is not None:
-            from services.simulator.core import compile_chat_template
+            from services.simulator.prompts import compile_chat_template
 
             try:
                 compile_chat_template(chat_template_file.read_text(encoding="utf-8"))

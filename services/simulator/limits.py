@@ -3,7 +3,7 @@
 What a paid API does to a key: beyond ``rps`` requests a second (``burst`` of them at once)
 or ``max_open`` requests being answered at the same time, a request is refused with HTTP
 429 and a ``Retry-After``. The clock is a parameter (monotonic seconds), so the limiter is
-tested on its own; :mod:`services.simulator.app` asks it once per chat request.
+tested on its own; :mod:`services.simulator.server` asks it once per chat request.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ named upstreams first, in that order, ``provider.only`` / ``provider.ignore`` fi
 and with ``provider.allow_fallbacks = false`` no other upstream is tried when those fail
 (https://openrouter.ai/docs/features/provider-routing). The reply names the upstream that
 answered in ``provider``. This router does the same over simulator upstreams, each a
-:class:`~services.simulator.app.SimulatorServer` with its own options, so a test can route a
+:class:`~services.simulator.server.SimulatorServer` with its own options, so a test can route a
 dataset to a lossy upstream and then pin a lossless one:
 
 - ``lossless``: text exactly as generated, logprobs when asked, every token counted;
@@ -37,17 +37,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from services.simulator.app import (
-    KEY_HEADER,
-    RunningServer,
-    SimulatorOptions,
-    SimulatorServer,
-    _Stats,
-    get_profile,
-    provider_app,
-    serve_app,
-)
-from services.simulator.core import ProfileLike, error_body
+from services.simulator.core import error_body
+from services.simulator.options import SimulatorOptions, get_profile
+from services.simulator.profile_like import ProfileLike
+from services.simulator.server import KEY_HEADER, SimulatorServer
+from services.simulator.serving import RunningServer, provider_app, serve_app
+from services.simulator.stats import Stats
 
 __all__ = [
     "HABITS",
@@ -161,7 +156,7 @@ class RouterServer:
         self.servers = {u.name: SimulatorServer(u.options, profile) for u in upstreams}
         self.profile = profile
         self.rng = random.Random(seed)  # noqa: S311 - routing, not crypto
-        self.stats = _Stats()
+        self.stats = Stats()
         self.chosen: Counter[str] = Counter()
         self.key_upstreams: dict[str, list[str]] = {}
 

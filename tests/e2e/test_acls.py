@@ -43,7 +43,8 @@ from services.common.topics import ready_partitions
 from services.inference.app import create_app as inference_app
 from services.publish.app import publish
 from services.reconstruct.app import create_app as reconstruct_app
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
 from tests.e2e.harness import LocalBroker, Pipeline, cli, dead_letters, read_all, run_cli, sink_rows, wait_until
 

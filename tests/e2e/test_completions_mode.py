@@ -29,7 +29,8 @@ from services.audit.app import create_app as audit_app
 from services.common.kafka import ensure_topics
 from services.inference.app import create_app as inference_app
 from services.reconstruct.app import create_app as reconstruct_app
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
 from tests.conformance import truth as T
 from tests.e2e.harness import Pipeline, dead_letters, read_all, sink_rows

@@ -20,7 +20,8 @@ import pytest
 from schemas import ResponseReceived, SampleAudited, decode, encode, sample_key
 from services.common.config import load_settings
 from services.common.kafka import ensure_topics
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.e2e.harness import Pipeline, dead_letters, produce, read_all, small_prompt
 
 pytestmark = pytest.mark.e2e

@@ -34,7 +34,8 @@ from services.common.kafka import ensure_topics
 from services.demo.run import DATA
 from services.export.app import export
 from services.publish.app import publish
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
 from tests.conformance import truth as T
 from tests.e2e.harness import Pipeline, dead_letters, read_all

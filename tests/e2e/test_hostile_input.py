@@ -26,7 +26,8 @@ from services.common.kafka import ensure_topics
 from services.inference.app import InferenceWorker
 from services.inference.app import create_app as inference_app
 from services.reconstruct.app import create_app as reconstruct_app
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
 from tests.e2e.harness import Pipeline, accepted_keys, dead_letters, produce, prompt_value
 from tests.e2e.hostile_corpus import CONTROL_POISON, corpus

@@ -41,7 +41,8 @@ from services.inference.app import InferenceWorker
 from services.inference.app import create_app as inference_app
 from services.inference.core import OUTAGE_ACTOR, PREFLIGHT_ACTOR
 from services.reconstruct.app import create_app as reconstruct_app
-from services.simulator.app import RunningSimulator, SimulatorOptions, start_simulator
+from services.simulator.app import RunningSimulator, start_simulator
+from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
 from services.status.app import collect
 from services.status.core import render

@@ -47,7 +47,8 @@ from services.dlq.app import replay
 from services.dlq.core import Filters
 from services.publish.app import publish
 from services.publish.core import NormaliseOptions, normalise
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.conformance import truth as T
 from tests.e2e.harness import Pipeline, dead_letters, read_all, sink_rows
 from tests.e2e.test_multi_turn import TOOLBOX, conversation_states, regenerated_history, sharegpt_rows, write_jsonl

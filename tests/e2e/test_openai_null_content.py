@@ -21,7 +21,8 @@ import pytest
 from schemas import SampleAudited, decode
 from services.common.kafka import ensure_topics
 from services.publish.app import publish
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.conformance import truth as T
 from tests.e2e.harness import Pipeline, accepted_keys, dead_letters, produce, read_all
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from services.cli import app
 from services.common.kafka import ensure_topics
 from services.probe.app import run_probe
-from services.simulator.app import SimulatorOptions
+from services.simulator.options import SimulatorOptions
 from services.simulator.router import habit_upstreams, start_router
 from tests.e2e.harness import produce, prompt_value
 

@@ -16,7 +16,8 @@ import pytest
 
 from services.common.kafka import ensure_topics
 from services.probe.app import PROBE_ACTOR, run_probe
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.e2e.harness import Pipeline, produce, prompt_value
 
 pytestmark = pytest.mark.e2e

@@ -33,7 +33,8 @@ from services.common.kafka import ensure_topics
 from services.control import publish_control, read_control_state
 from services.dlq.app import replay
 from services.dlq.core import Filters
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.e2e.harness import Pipeline, dead_letters, produce, prompt_value, read_all
 from tests.e2e.test_replay_fixes import restart
 

@@ -34,7 +34,8 @@ from services.dlq.app import replay
 from services.dlq.core import Filters
 from services.inference.app import create_app as inference_app
 from services.reconstruct.app import create_app as reconstruct_app
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
 from tests.e2e.harness import (
     DeadLetterRecord,

@@ -25,7 +25,7 @@ from services.control import publish_control, read_control_state
 from services.dlq.app import replay
 from services.dlq.core import Filters
 from services.inference.app import create_app as inference_app
-from services.simulator.app import SimulatorOptions
+from services.simulator.options import SimulatorOptions
 from services.simulator.router import habit_upstreams, start_router
 from tests.e2e.harness import Pipeline, dead_letters, prompt_value, read_all
 from tests.e2e.test_quality_halt import assert_halted_in_time, run_until_quality_halt

@@ -24,7 +24,8 @@ from services.common.config import Settings, load_settings
 from services.common.kafka import ensure_topics
 from services.inference.app import create_app as inference_app
 from services.publish.app import publish
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.e2e.harness import LocalBroker, Pipeline, Processes, cli, free_port, read_all, run_cli, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_broker]

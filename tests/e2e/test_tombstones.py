@@ -18,7 +18,8 @@ import pytest
 from schemas import DLQ_HEADERS
 from services.common.kafka import ensure_topics, header
 from services.dlq.app import replay
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.e2e.harness import Pipeline, dead_letters, produce, read_all
 
 pytestmark = pytest.mark.e2e

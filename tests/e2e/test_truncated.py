@@ -23,7 +23,8 @@ import pytest
 from services.common.kafka import ensure_topics
 from services.export.app import export
 from services.publish.app import publish
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from services.status.app import collect
 from tests.e2e.harness import Pipeline, dead_letters, sink_rows
 from tests.e2e.test_pipeline_truth import write_prompts

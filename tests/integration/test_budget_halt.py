@@ -101,7 +101,8 @@ async def test_cap_stops_both_workers_for_that_dataset_only(
     settings_factory: Callable[..., Settings],
 ) -> None:
     from services.inference.app import create_app as create_worker
-    from services.simulator.app import SimulatorOptions, start_simulator
+    from services.simulator.app import start_simulator
+    from services.simulator.options import SimulatorOptions
 
     sim = await start_simulator(SimulatorOptions(latency_s=0.5, reasoning_tokens=(20, 50), content_tokens=(10, 30)))
     settings = settings_factory(
@@ -261,7 +262,8 @@ async def test_cli_global_halt_stops_every_worker_and_resume_finishes_the_run(
     settings_factory: Callable[..., Settings],
 ) -> None:
     from services.inference.app import create_app as create_worker
-    from services.simulator.app import SimulatorOptions, start_simulator
+    from services.simulator.app import start_simulator
+    from services.simulator.options import SimulatorOptions
 
     total = 60
     sim = await start_simulator(SimulatorOptions(latency_s=0.3, reasoning_tokens=(10, 30), content_tokens=(5, 20)))

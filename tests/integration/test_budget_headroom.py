@@ -86,7 +86,8 @@ async def long_answers(
 
     The worst case in flight (workers x concurrency x max_tokens) is above the cap.
     """
-    from services.simulator.app import SimulatorOptions, start_simulator
+    from services.simulator.app import start_simulator
+    from services.simulator.options import SimulatorOptions
 
     assert workers * concurrency * MAX_TOKENS > CAP
     sim = await start_simulator(SimulatorOptions(latency_s=latency_s, **LONG))  # type: ignore[arg-type]
@@ -245,7 +246,8 @@ async def test_a_dataset_short_of_headroom_waits_unpaused_and_its_fetched_prompt
 
     from aiokafka.consumer.fetcher import PartitionRecords
 
-    from services.simulator.app import SimulatorOptions, start_simulator
+    from services.simulator.app import start_simulator
+    from services.simulator.options import SimulatorOptions
 
     sim = await start_simulator(SimulatorOptions(latency_s=0.05))
     try:

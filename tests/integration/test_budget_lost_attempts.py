@@ -65,7 +65,8 @@ async def long_run(
     settings_factory: Callable[..., Settings], *, key_usage: bool
 ) -> AsyncIterator[tuple[Any, Settings]]:
     """The simulator (slow, long answers) and a capped dataset of :data:`PROMPTS` prompts."""
-    from services.simulator.app import SimulatorOptions, start_simulator
+    from services.simulator.app import start_simulator
+    from services.simulator.options import SimulatorOptions
 
     sim = await start_simulator(
         SimulatorOptions(latency_s=1.0, latency_jitter_s=1.5, price_per_token=PRICE, **LONG)  # type: ignore[arg-type]

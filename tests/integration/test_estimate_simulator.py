@@ -12,11 +12,12 @@ import httpx
 
 from services.common.config import DatasetSettings, Settings
 from services.estimate.app import DatasetFiles, estimate_files
-from services.inference.adapters.providers import chat_request_body
+from services.inference.adapters.request_bodies import chat_request_body
 from services.profiles import load_profile, profile_spec
 from services.publish.app import Rejection, iter_prompts
 from services.publish.core import NormaliseOptions
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 
 DEMO = Path(__file__).resolve().parents[2] / "services" / "demo" / "data"
 

@@ -42,7 +42,8 @@ from services.common.kafka import ensure_topics, header, make_consumer, make_pro
 from services.common.topics import ready_partitions
 from services.inference.app import InferenceWorker, create_app
 from services.profiles import load_profile
-from services.simulator.app import RunningSimulator, SimulatorOptions, start_simulator
+from services.simulator.app import RunningSimulator, start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.kafka_fixture import wait_until
 
 pytestmark = pytest.mark.kafka

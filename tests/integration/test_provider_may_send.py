@@ -16,10 +16,12 @@ from aiohttp import web
 
 from schemas import Message, PromptPublished
 from services.common.config import Settings, load_settings
-from services.inference.adapters.providers import Provider, make_http_client, make_provider
+from services.inference.adapters.providers import Provider, make_provider
+from services.inference.adapters.transport import make_http_client
 from services.inference.core import NotSent, ProviderFailure
 from services.profiles import load_profile
-from services.simulator.app import RunningSimulator, SimulatorOptions, start_simulator
+from services.simulator.app import RunningSimulator, start_simulator
+from services.simulator.options import SimulatorOptions
 
 PROFILE = load_profile("qwen3")
 

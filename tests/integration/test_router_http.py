@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.simulator.app import KEY_HEADER, SimulatorOptions
+from services.simulator.options import SimulatorOptions
 from services.simulator.router import (
     RouteError,
     RunningRouter,
@@ -24,6 +24,7 @@ from services.simulator.router import (
     habit_upstreams,
     start_router,
 )
+from services.simulator.server import KEY_HEADER
 
 UPSTREAMS = [Upstream("a"), Upstream("b"), Upstream("c")]
 

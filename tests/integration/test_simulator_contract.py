@@ -17,11 +17,13 @@ import pytest
 
 from schemas import Message, PromptPublished, ResponseReceived, SampleReconstructed
 from services.common.records import DeadLetter
-from services.inference.adapters.providers import parse_openai, parse_openrouter
+from services.inference.adapters.wire import parse_openai, parse_openrouter
 from services.profiles import load_profile
 from services.profiles.conventions import convention_for
 from services.reconstruct.core import reconstruct
-from services.simulator.app import KEY_HEADER, RunningSimulator, SimulatorOptions, start_simulator
+from services.simulator.app import RunningSimulator, start_simulator
+from services.simulator.options import SimulatorOptions
+from services.simulator.server import KEY_HEADER
 
 PROFILE = load_profile("qwen3")
 TOOL: dict[str, Any] = {

@@ -26,7 +26,9 @@ import pytest
 
 from schemas import Message
 from services.profiles import load_profile
-from services.simulator.app import KEY_HEADER, RunningSimulator, SimulatorOptions, start_simulator
+from services.simulator.app import RunningSimulator, start_simulator
+from services.simulator.options import SimulatorOptions
+from services.simulator.server import KEY_HEADER
 from tests.kafka_fixture import wait_until
 
 PROFILE = load_profile("qwen3")

@@ -22,15 +22,19 @@ from schemas import Message, PromptPublished, ResponseReceived, SampleReconstruc
 from services.audit.core import audit_batch
 from services.common.config import AuditThresholds, Settings, load_settings
 from services.common.records import DeadLetter
-from services.inference.adapters.providers import make_http_client, make_provider, parse_completions
+from services.inference.adapters.providers import make_provider
+from services.inference.adapters.transport import make_http_client
+from services.inference.adapters.wire import parse_completions
 from services.inference.core import ProviderFailure, request_hash
 from services.inference.guard import ProviderGuard
 from services.profiles import load_profile
 from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import reconstruct_batch
 from services.reconstruct.raw import plan_raw
-from services.simulator.app import SimulatorOptions, start_simulator
-from services.simulator.core import parse_completion_request, raw_completion_text
+from services.simulator.app import start_simulator
+from services.simulator.core import raw_completion_text
+from services.simulator.options import SimulatorOptions
+from services.simulator.request import parse_completion_request
 from tests.conformance import truth as T
 
 CHAT_TEMPLATES = T.reference_dir() / "chat-templates"

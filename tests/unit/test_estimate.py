@@ -22,7 +22,7 @@ from services.estimate.core import (
     cap_checks,
     expected_completion,
 )
-from services.inference.adapters.providers import chat_request_body
+from services.inference.adapters.request_bodies import chat_request_body
 from services.publish.app import Rejection, iter_prompts
 from services.publish.core import NormaliseOptions
 from tests.conformance import truth

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.simulator.app import SimulatorOptions
 from services.simulator.limits import RequestLimiter
+from services.simulator.options import SimulatorOptions
 from services.simulator.shapes import ScheduledLimiter, WindowLimiter, parse_schedule
 from tests.unit.test_pacer import _run
 

@@ -11,9 +11,11 @@ from typer.testing import CliRunner
 from services.cli import app
 from services.common.config import load_settings
 from services.common.plan import OTHERS, plan_line
-from services.inference.adapters.providers import make_http_client, make_provider
+from services.inference.adapters.providers import make_provider
+from services.inference.adapters.transport import make_http_client
 from services.inference.guard import ProviderGuard
-from services.simulator.app import SimulatorOptions, start_simulator
+from services.simulator.app import start_simulator
+from services.simulator.options import SimulatorOptions
 from tests.unit.test_completions_mode import _Halts
 
 DEMO = Path(__file__).resolve().parents[2] / "services" / "demo" / "data"

@@ -11,19 +11,17 @@ import pytest
 
 from schemas import Message, PromptPublished
 from services.common.config import DatasetSettings, Settings, load_settings
+from services.inference.adapters.http_provider import KEY_HEADER
 from services.inference.adapters.providers import (
-    KEY_HEADER,
     SIMULATOR_FAULT_HEADER,
     OpenAIProvider,
     OpenRouterProvider,
     SGLangProvider,
     SimulatorProvider,
-    make_http_client,
     make_provider,
-    parse_openai,
-    parse_openrouter,
-    parse_sglang,
 )
+from services.inference.adapters.transport import make_http_client
+from services.inference.adapters.wire import parse_openai, parse_openrouter, parse_sglang
 from services.inference.core import ProviderFailure
 from services.profiles import load_profile
 

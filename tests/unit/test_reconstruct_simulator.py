@@ -15,7 +15,8 @@ from services.common.kafka import DeadLetter
 from services.profiles import load_profile
 from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import reconstruct_batch
-from services.simulator.core import ChatRequest, GenerationParams, generate
+from services.simulator.core import GenerationParams, generate
+from services.simulator.request import ChatRequest
 
 TOOLS = [
     {

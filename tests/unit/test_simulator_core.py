@@ -24,26 +24,18 @@ from hypothesis import strategies as st
 
 from services.common.config import load_settings
 from services.profiles import Profile, load_profile
-from services.simulator.core import (
-    BAD_USAGE_OFFSET,
+from services.simulator.core import BAD_USAGE_OFFSET, GenerationParams, build_response_body, generate, usage_counts
+from services.simulator.faults import (
     CONTENT_FAULTS,
-    ChatRequest,
-    GenerationParams,
-    RequestError,
-    build_response_body,
     choose_content_faults,
     choose_transient_fault,
-    compile_chat_template,
-    generate,
-    noncanonical_same_length,
-    noncanonical_split,
     parse_fault_header,
-    parse_raw_output,
-    parse_request,
     prompt_digest,
-    render_chat_template,
-    usage_counts,
 )
+from services.simulator.formats import parse_raw_output
+from services.simulator.noncanonical import noncanonical_same_length, noncanonical_split
+from services.simulator.prompts import compile_chat_template, render_chat_template
+from services.simulator.request import ChatRequest, RequestError, parse_request
 
 PROFILE = load_profile("qwen3")  # cached by services.profiles: loaded once per session
 # Qwen3's ids (tokenizer_config.json, TOKENS.md).
@@ -701,7 +693,8 @@ def test_answer_tokens_draw_seeds_shaped_lengths_with_mostly_reasoning() -> None
     import math
 
     from services.profiles import load_profile
-    from services.simulator.core import ChatRequest, GenerationParams, generate
+    from services.simulator.core import GenerationParams, generate
+    from services.simulator.request import ChatRequest
 
     profile = load_profile("qwen3")
     params = GenerationParams(answer_tokens=(500, 4000))

@@ -8,9 +8,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from services.simulator.app import SimulatorOptions
 from services.simulator.cli import _parse_range, _parse_rates
-from services.simulator.core import CONTENT_FAULTS, PARSERS, TRANSIENT_FAULTS
+from services.simulator.faults import CONTENT_FAULTS, TRANSIENT_FAULTS
+from services.simulator.formats import PARSERS
+from services.simulator.options import SimulatorOptions
 
 
 def test_defaults_match_the_documented_api() -> None:
