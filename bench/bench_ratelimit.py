@@ -4,8 +4,8 @@ The simulator (its own process) limits the key the way paid APIs do, one shape p
 answering in 0.5-1.0 s (``Retry-After: 1`` for the open cap, the time to the next token or
 window for a rate):
 
-- ``bucket``: a token bucket of 20 requests/s with a burst of 5, at most 16 open (issue 41's
-  case); the limit is the bucket's rate.
+- ``bucket``: a token bucket of 20 requests/s with a burst of 5, at most 16 open (how most
+  APIs limit a key); the limit is the bucket's rate.
 - ``window``: a fixed window of requests (600 a minute; 100 in 10 s at ``--quick``) reset at
   each window's start; the limit is the window's count over its length (the first window is
   partial, the run starts anywhere in it: over 2.5 windows that may favour the run).
@@ -18,7 +18,7 @@ One inference worker (its own process) with the default config (``provider.concu
 200 answers a second at the simulator, from its first request to the last answer) over the
 limit, refusals (429) per admitted request, and dead letters; ``halved`` also the time from
 the halving until the goodput over the next 5 s is at least 0.9 of the halved limit (the
-re-convergence time) and the goodput over the halved stretch after it. Targets (issue 41):
+re-convergence time) and the goodput over the halved stretch after it. Targets:
 goodput >= 0.9 of the limit, refused/admitted <= 0.1 for the bucket, re-converged within
 30 s, no dead letter.
 """
