@@ -25,17 +25,18 @@ from schemas import (
     encode_forwarding,
     topology,
 )
-from services.audit.core import AuditProfile, audit_batch, failure_message
+from services.audit.core import audit_batch, failure_message
 from services.common.config import AuditThresholds, Settings
 from services.common.kafka import DeadLetter, Outgoing
 from services.common.metrics import ACCEPTED, AUDIT_CHECKS
 from services.common.stage import Result, RunnerService, StageRunner
+from services.profiles import ProfileLike
 
 log = logging.getLogger(__name__)
 
 STAGE = "audit"
 
-ProfileLoader = Callable[[str], AuditProfile]
+ProfileLoader = Callable[[str], ProfileLike]
 
 
 class UnknownProfile(Exception):
@@ -48,10 +49,10 @@ class UnknownProfile(Exception):
 
 def default_profile_loader(settings: Settings) -> ProfileLoader:
     """Load profiles through services.profiles (each loaded once, then cached)."""
-    cache: dict[str, AuditProfile] = {}
+    cache: dict[str, ProfileLike] = {}
     failed: dict[str, UnknownProfile] = {}  # a profile that failed to load is not retried per batch
 
-    def load(name: str) -> AuditProfile:
+    def load(name: str) -> ProfileLike:
         if name in failed:
             raise failed[name]
         if name not in cache:
