@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from services.common.config import ProfileSettings, Settings
 
 
+# Where the fetched tokenizers are when no settings name a folder (relative to the working folder).
+_DEFAULT_TOKENIZERS = Path(".run/tokenizers")
+
+
 def _package_dir(module: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
@@ -64,7 +68,7 @@ def _deepseek_v4_backend(_: Path | None) -> TokenizerBackend:
 
 
 def _deepseek_v3_r1_backend(cache: Path | None) -> TokenizerBackend:
-    folder = (cache or Path(".run/tokenizers")) / "deepseek-v3-r1"
+    folder = (cache or _DEFAULT_TOKENIZERS) / "deepseek-v3-r1"
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ProfileError(
@@ -148,28 +152,38 @@ def _spec_from_settings(name: str, cfg: ProfileSettings, base: ProfileSpec | Non
     return replace(base, **updates)
 
 
-_CACHE: dict[tuple[str, str, str], Profile] = {}
+# One entry per (name, its configuration, the tokenizers folder): the verified profile, or the
+# error that stops it loading (a load that failed is not repeated: its files are a deployment's,
+# read at start; a fixed tokenizer is picked up by a restart).
+_CACHE: dict[tuple[str, str, str], Profile | ProfileError] = {}
 _CACHE_LOCK = threading.Lock()
 
 
 def load_profile(name: str, settings: Settings | None = None) -> Profile:
-    """Load and verify a profile, cached per (name, its configuration).
+    """Load and verify a profile, cached per (name, its configuration), failures included.
 
     ``settings.profiles[name]`` defines a user profile or refines a built-in one (a
     ``[profiles.kimi-k2-thinking]`` section only needs ``tokenizer``; ``thinking = false``
     switches thinking off where the model can). Raises :class:`ProfileError`
-    (``unknown_profile``, ``tokenizer_missing``, ``special_token_mismatch``, ``invalid_profile``).
+    (``unknown_profile``, ``tokenizer_missing``, ``special_token_mismatch``, ``invalid_profile``),
+    the same one again for the same name and configuration without loading anything.
     """
     cfg = settings.profiles.get(name) if settings is not None else None
     cache_dir = Path(settings.tokenizers_dir) if settings is not None else None
-    cache_key = (name, cfg.model_dump_json() if cfg is not None else "", str(cache_dir))
+    folder = (cache_dir or _DEFAULT_TOKENIZERS).absolute()
+    cache_key = (name, cfg.model_dump_json() if cfg is not None else "", str(folder))
     with _CACHE_LOCK:
         cached = _CACHE.get(cache_key)
-        if cached is not None:
-            return cached
-        profile = _build(name, cfg, cache_dir)
-        _CACHE[cache_key] = profile
-        return profile
+        if cached is None:
+            try:
+                cached = _build(name, cfg, cache_dir)
+            except ProfileError as exc:
+                _CACHE[cache_key] = exc
+                raise
+            _CACHE[cache_key] = cached
+    if isinstance(cached, ProfileError):
+        raise ProfileError(cached.reason, cached.message) from cached.__cause__
+    return cached
 
 
 def _build(name: str, cfg: ProfileSettings | None, cache_dir: Path | None) -> Profile:
