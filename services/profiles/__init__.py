@@ -19,6 +19,10 @@ loads that model's vocabulary, and declares the model's formats as facts (source
 Built in, named after the models: ``qwen3`` (the default), ``qwen3-thinking-2507``,
 ``deepseek-r1``, ``deepseek-v3.1``, ``deepseek-v3``, ``deepseek-v4``, ``kimi-k2``,
 ``kimi-k2-thinking``, ``kimi-k2.5``. Users add their own as ``[profiles.<name>]``.
+
+This package re-exports its modules' public names: ``spec`` (the declarations), ``catalogue``
+(the built-ins), ``profile`` (a loaded profile), ``toolcalls`` (native tool-call text),
+``loading`` (by name, one cache) and ``protocol`` (the face the stages type against).
 """
 
 from services.profiles.catalogue import (
