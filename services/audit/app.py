@@ -25,17 +25,18 @@ from schemas import (
     encode_forwarding,
     topology,
 )
-from services.audit.core import AuditProfile, audit_batch, failure_message
+from services.audit.core import audit_batch, failure_message
 from services.common.config import AuditThresholds, Settings
 from services.common.kafka import DeadLetter, Outgoing
 from services.common.metrics import ACCEPTED, AUDIT_CHECKS
 from services.common.stage import Result, RunnerService, StageRunner
+from services.profiles import ProfileError, ProfileLike, load_profile
 
 log = logging.getLogger(__name__)
 
 STAGE = "audit"
 
-ProfileLoader = Callable[[str], AuditProfile]
+ProfileLoader = Callable[[str], ProfileLike]
 
 
 class UnknownProfile(Exception):
@@ -47,22 +48,13 @@ class UnknownProfile(Exception):
 
 
 def default_profile_loader(settings: Settings) -> ProfileLoader:
-    """Load profiles through services.profiles (each loaded once, then cached)."""
-    cache: dict[str, AuditProfile] = {}
-    failed: dict[str, UnknownProfile] = {}  # a profile that failed to load is not retried per batch
+    """Load profiles through services.profiles (whose cache keeps each profile, or its load error, once)."""
 
-    def load(name: str) -> AuditProfile:
-        if name in failed:
-            raise failed[name]
-        if name not in cache:
-            from services.profiles import ProfileError, load_profile
-
-            try:
-                cache[name] = load_profile(name, settings)
-            except ProfileError as exc:
-                failed[name] = UnknownProfile(getattr(exc, "reason", "unknown_profile"), str(exc))
-                raise failed[name] from None
-        return cache[name]
+    def load(name: str) -> ProfileLike:
+        try:
+            return load_profile(name, settings)
+        except ProfileError as exc:
+            raise UnknownProfile(exc.reason, str(exc)) from None
 
     return load
 

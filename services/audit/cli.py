@@ -45,7 +45,7 @@ def audit_file(
     from rich.table import Table
 
     from services.audit.app import default_profile_loader
-    from services.audit.core import offline_audit
+    from services.audit.offline import offline_audit
     from services.common.cli import fail, settings_from
     from services.common.console import data_console
 

@@ -43,7 +43,7 @@ from schemas import (
     topology,
 )
 from services.budget.adapters.key_usage import REPORTING_KINDS, KeyUsageReader
-from services.budget.core import Caps, Counted, Ledger
+from services.budget.core import Ledger
 from services.budget.lease_desk import LeaseDesk
 from services.budget.quality import (
     QUALITY_ACTOR,
@@ -53,6 +53,7 @@ from services.budget.quality import (
     dead_letter_verdict,
     dollars_per_accepted,
 )
+from services.budget.totals import Caps, Counted
 from services.common.acls import used_topics
 from services.common.config import Settings
 from services.common.halts import HaltFollower

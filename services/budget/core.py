@@ -23,9 +23,8 @@ docs/money-safety.md.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
@@ -42,6 +41,7 @@ from schemas import (
     sample_key,
 )
 from services.budget.reconcile import KeyUsage, lost_hold, may_release
+from services.budget.totals import Caps, Counted, ScopeTotals, caps_raised, copy_tally, totals_from_snapshot
 
 # What one answer counts lives in services.budget.usage; re-exported for the modules that read it here.
 from services.budget.usage import CHARS_PER_TOKEN as CHARS_PER_TOKEN
@@ -58,74 +58,6 @@ BUDGET_ACTOR = "budget"
 _ANSWERED_MEMORY = 200_000
 
 State = Literal["running", "soft-limit", "halted"]
-
-
-@dataclass(frozen=True)
-class Caps:
-    """The caps of one scope; ``None`` means uncapped in that unit."""
-
-    completion_tokens: int | None = None
-    usd: float | None = None
-
-
-@dataclass(frozen=True)
-class Counted:
-    """What one response added to its dataset, for metrics."""
-
-    dataset: str
-    prompt_tokens: int
-    completion_tokens: int
-    reasoning_tokens: int
-    cost_usd: float
-    estimated: bool
-    priced: bool
-
-
-def _copy_tally(tally: dict[str, dict[str, int]] | None) -> dict[str, dict[str, int]] | None:
-    return None if tally is None else {stage: dict(reasons) for stage, reasons in tally.items()}
-
-
-@dataclass
-class ScopeTotals:
-    """Running totals of one scope (a dataset or ``global``)."""
-
-    scope: str
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    reasoning_tokens: int = 0
-    cost_usd: float = 0.0
-    requests: int = 0
-    responses: int = 0
-    responses_without_usage: int = 0
-    # Attempts sent and not answered, by their attempt key; only kept on dataset scopes.
-    inflight: dict[str, HeldAttempt] = field(default_factory=dict)
-    # Lost attempts whose prompt a later attempt answered (each counted once).
-    repaid: set[str] = field(default_factory=set)
-    lost_repaid: int = 0
-    # Keys of the lost attempts (an index into ``inflight``; a key no longer there was answered).
-    lost: set[str] = field(default_factory=set)
-
-    def lost_items(self) -> list[tuple[str, HeldAttempt]]:
-        """The lost attempts still held, by key (the index is pruned of answered ones as it goes)."""
-        gone = [k for k in self.lost if k not in self.inflight or not self.inflight[k].lost]
-        self.lost.difference_update(gone)
-        return [(k, self.inflight[k]) for k in self.lost]
-    # Keys of requests admitted under a lease (services.budget.leases bounds those, not a halt).
-    leased: set[str] = field(default_factory=set)
-    # Offsets below which this scope already counted records (from its snapshot).
-    floor: dict[str, int] = field(default_factory=dict)
-    # Caps recorded in the last snapshot (to tell a raised cap at restart).
-    previous_caps: Caps | None = None
-    # Only on ``global``: dead letters read (stage -> reason -> count), truncated answers accepted
-    # per dataset; None when restored from a snapshot written before tallies (never tallied then).
-    dead_letters: dict[str, dict[str, int]] | None = field(default_factory=dict)
-    accepted_truncated: dict[str, int] | None = field(default_factory=dict)
-    window: deque[tuple[float, float, int]] = field(default_factory=deque)
-    first_event_at: float | None = None
-
-    def counts(self, position: str, offset: int) -> bool:
-        """Whether a record at ``position``/``offset`` is new to this scope."""
-        return offset >= self.floor.get(position, 0)
 
 
 class Ledger:
@@ -175,24 +107,7 @@ class Ledger:
     def restore(self, snapshots: Iterable[BudgetSnapshot], now: float) -> dict[str, int]:
         """Load checkpointed totals; returns the offsets to seek to (``"<topic>:<p>"``)."""
         for snap in snapshots:
-            totals = ScopeTotals(
-                scope=snap.scope,
-                prompt_tokens=snap.prompt_tokens,
-                completion_tokens=snap.completion_tokens,
-                reasoning_tokens=snap.reasoning_tokens,
-                cost_usd=snap.cost_usd,
-                requests=snap.requests,
-                responses=snap.responses,
-                responses_without_usage=snap.responses_without_usage,
-                inflight=_restored_attempts(snap, now),
-                lost={k for k, held in snap.attempts.items() if held.lost},
-                lost_repaid=snap.lost_repaid,
-                floor=dict(snap.offsets),
-                previous_caps=Caps(snap.cap_completion_tokens, snap.cap_usd),
-                dead_letters=_copy_tally(snap.dead_letters),
-                accepted_truncated=None if snap.accepted_truncated is None else dict(snap.accepted_truncated),
-            )
-            self.scopes[snap.scope] = totals
+            self.scopes[snap.scope] = totals_from_snapshot(snap, now)
             if snap.scope == GLOBAL_SCOPE:
                 self.key_usage.restore(snap.key_usage_base_usd, snap.key_unexplained_usd)
         seek = dict(self.scopes[GLOBAL_SCOPE].floor)
@@ -218,7 +133,7 @@ class Ledger:
             totals = self.scopes.get(scope)
             if totals is None or totals.previous_caps is None:
                 continue
-            if _raised(totals.previous_caps, self.caps(scope)):
+            if caps_raised(totals.previous_caps, self.caps(scope)):
                 self._resume_candidates.add(scope)
         return self._resumes(now)
 
@@ -638,7 +553,7 @@ class Ledger:
             projected_usd=projected_usd,
             projected_completion_tokens=projected_tokens,
             updated_at=now,
-            dead_letters=_copy_tally(totals.dead_letters) if scope == GLOBAL_SCOPE else None,
+            dead_letters=copy_tally(totals.dead_letters) if scope == GLOBAL_SCOPE else None,
             accepted_truncated=(
                 dict(totals.accepted_truncated)
                 if scope == GLOBAL_SCOPE and totals.accepted_truncated is not None
@@ -682,21 +597,3 @@ class Ledger:
 def _prompt_of(attempt: str) -> str:
     """The ``<dataset>:<sample_id>`` of an attempt key."""
     return attempt.rpartition("#")[0]
-
-
-def _restored_attempts(snap: BudgetSnapshot, now: float) -> dict[str, HeldAttempt]:
-    """A snapshot's held attempts (older snapshots carry only ``inflight``: started now, by nobody known)."""
-    if snap.attempts:
-        return {k: msgspec.structs.replace(held) for k, held in snap.attempts.items()}
-    return {k: HeldAttempt(max_tokens=v, started_at=now) for k, v in snap.inflight.items()}
-
-
-def _raised(previous: Caps, current: Caps) -> bool:
-    """Whether ``current`` allows more than ``previous`` in some unit."""
-
-    def more(old: float | None, new: float | None) -> bool:
-        if old is None:
-            return False
-        return new is None or new > old
-
-    return more(previous.completion_tokens, current.completion_tokens) or more(previous.usd, current.usd)

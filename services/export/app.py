@@ -135,21 +135,18 @@ class SpecforgeTokenizers:
     """Per profile: decode ids to text, and encode text the way SpecForge's tokenizer call does."""
 
     settings: Settings | None
-    loaded: dict[str, Any] = field(default_factory=dict)
 
     def profile(self, name: str) -> Any:
-        """The verified profile ``name`` (loaded once)."""
-        if name not in self.loaded:
-            from services.profiles import ProfileError, load_profile
+        """The verified profile ``name`` (services.profiles caches it)."""
+        from services.profiles import ProfileError, load_profile
 
-            try:
-                self.loaded[name] = load_profile(name, self.settings)
-            except ProfileError as exc:
-                raise CommandError(
-                    f"rows of profile {name!r} need its tokenizer to be checked, and it cannot be loaded "
-                    f"({exc.reason}): {exc.message}"
-                ) from None
-        return self.loaded[name]
+        try:
+            return load_profile(name, self.settings)
+        except ProfileError as exc:
+            raise CommandError(
+                f"rows of profile {name!r} need its tokenizer to be checked, and it cannot be loaded "
+                f"({exc.reason}): {exc.message}"
+            ) from None
 
 
 class _PartWriter:

@@ -46,8 +46,8 @@ from services.probe.core import DatasetReport, Findings, ProbeAnswer, ProbeRun, 
 from services.profiles import Profile
 from services.profiles.conventions import Convention
 from services.reconstruct.app import ProfileCache
-from services.reconstruct.core import prompt_ids_of
 from services.reconstruct.facts import STRIPS_PLACE, FactBook
+from services.reconstruct.reencode import prompt_ids_of
 from services.reconstruct.verify import reconstruct_with_facts
 
 log = logging.getLogger(__name__)

@@ -58,17 +58,14 @@ def reconstruct_file(
             load_profile(profile, settings)
         except ProfileError as exc:
             fail(f"{exc.reason}: {exc.message}")
-    cache: dict[str, Profile | DeadLetter] = {}
 
     def resolve(response: ResponseReceived) -> tuple[Profile, Convention] | DeadLetter:
         name = profile or response.profile or settings.dataset(response.dataset).profile
-        if name not in cache:
-            try:
-                cache[name] = load_profile(name, settings)
-            except ProfileError as exc:
-                cache[name] = DeadLetter(exc.reason, exc.message)
-        loaded = cache[name]
-        return loaded if isinstance(loaded, DeadLetter) else (loaded, convention_of(settings, response))
+        try:
+            loaded = load_profile(name, settings)  # cached, a failure too
+        except ProfileError as exc:
+            return DeadLetter(exc.reason, exc.message)
+        return loaded, convention_of(settings, response)
 
     err = data_console(stderr=True)
     methods: Counter[str] = Counter()

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from schemas import ResponseReceived, SampleReconstructed, SchemaError, decode, sample_key
 from services.common.records import DeadLetter
+from services.profiles import ProfileLike
 from services.profiles.conventions import Convention
 from services.reconstruct.facts import FactBook
-from services.reconstruct.plan import ReconstructProfile
 from services.reconstruct.verify import reconstruct_with_facts
 
 __all__ = ["LineResult", "Resolver", "reconstruct_lines"]
@@ -23,7 +23,7 @@ class LineResult:
     verdict: SampleReconstructed | DeadLetter
 
 
-Resolver = Callable[[ResponseReceived], "tuple[ReconstructProfile, Convention] | DeadLetter"]
+Resolver = Callable[[ResponseReceived], "tuple[ProfileLike, Convention] | DeadLetter"]
 
 
 def reconstruct_lines(
@@ -51,7 +51,7 @@ def _reconstruct_chunk(
     chunk: list[tuple[int, bytes]], resolve: Resolver, facts: FactBook | None
 ) -> Iterator[LineResult]:
     verdicts: dict[int, LineResult] = {}
-    groups: dict[tuple[int, str], tuple[ReconstructProfile, Convention, list[tuple[int, ResponseReceived]]]] = {}
+    groups: dict[tuple[int, str], tuple[ProfileLike, Convention, list[tuple[int, ResponseReceived]]]] = {}
     for number, raw in chunk:
         try:
             response = decode(raw, ResponseReceived)

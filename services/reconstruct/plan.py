@@ -1,17 +1,17 @@
 """A response half-way through reconstruction, and what every way of planning it shares: the
-profile's face, the output's layout under its prompt, the vocabulary check. ``core`` plans
-chat responses, ``raw`` completions-mode ones; both build a :class:`Plan`.
+output's layout under its prompt, the vocabulary check, the reason codes and the places where
+a provider can lose text. ``reencode`` plans chat responses, ``raw`` completions-mode ones;
+both build a :class:`Plan`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from schemas import Message, ResponseReceived, ToolCall
+from schemas import ResponseReceived
 from services.common.records import DeadLetter
-from services.profiles import PromptState
+from services.profiles import ProfileLike
 from services.reconstruct.restore import Slot
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "TEMPLATE_ERROR",
     "Layout",
     "Plan",
-    "ReconstructProfile",
     "check_ids",
     "output_layout",
 ]
@@ -28,69 +27,24 @@ __all__ = [
 EMPTY_RESPONSE = "empty_response"
 ID_OUT_OF_VOCAB = "id_out_of_vocab"
 TEMPLATE_ERROR = "chat_template_error"
+INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"
+SPECIAL_TOKEN_IN_TEXT = "special_token_in_text"  # noqa: S105 - a reason code
+LOGPROBS_UNMAPPABLE = "logprobs_unmappable"
+UNEXPECTED_REASONING = "unexpected_reasoning"
+TOOL_ARGUMENTS_RESERIALIZED = "tool_arguments_reserialized"
+WHITESPACE_STRIPPED = "whitespace_stripped"
+WHITESPACE_AMBIGUOUS = "whitespace_ambiguous"
+TOOL_TEXT_LOST = "tool_call_text_lost"
+LOSS_UNVERIFIABLE = "lossy_text_unverifiable"
+TRUNCATED_TAIL_LOST = "truncated_tail_lost"
+TRUNCATED_TAIL_AMBIGUOUS = "truncated_tail_ambiguous"
+THINK_LAYOUT_AMBIGUOUS = "think_layout_ambiguous"
 
-
-class ReconstructProfile(Protocol):
-    """The part of ``services.profiles.Profile`` reconstruction uses."""
-
-    name: str
-    end_of_turn: str
-    end_of_turn_id: int
-    think_start: str | None
-    think_start_id: int | None
-    think_end: str | None
-    think_end_id: int | None
-    tool_tokens: dict[str, int]
-    tool_format: str
-    vocab_size: int
-    special_ids: frozenset[int]
-
-    @property
-    def special_strings(self) -> tuple[str, ...]:
-        """Every control string of the profile."""
-        ...
-
-    def thinks(self) -> bool:
-        """Whether the model produces a think block under this profile."""
-        ...
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode model text: specials parsed, no BOS, no normalising."""
-        ...
-
-    def encode_prompt_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode prompts as the server does."""
-        ...
-
-    def id_of_bytes(self, b: bytes) -> int | None:
-        """The id whose bytes are exactly ``b``."""
-        ...
-
-    def id_of_token_string(self, s: str) -> int | None:
-        """The id of a raw vocabulary string."""
-        ...
-
-    def token_strings(self, ids: list[int]) -> list[str]:
-        """Raw vocabulary strings of ids."""
-        ...
-
-    def render_prompt(
-        self, messages: Sequence[Message], tools: list[dict[str, object]] | None, *, reasoning: bool = False
-    ) -> str:
-        """The chat-templated prompt over the messages as sent (history reasoning with ``reasoning``)."""
-        ...
-
-    def prompt_state(self, prompt_text: str) -> PromptState:
-        """Whether the prompt opened the think block, closed it, or left it alone."""
-        ...
-
-    def tool_call_pieces(self, calls: Sequence[ToolCall]) -> list[str | tuple[str]]:
-        """Native text of structured tool calls with its gaps."""
-        ...
-
-    def partial_char_prefixes(self) -> frozenset[bytes]:
-        """Visible byte strings some token extends with an incomplete character."""
-        ...
+# Where a provider can lose text (for messages): stripped field edges, around tool blocks,
+# re-serialised tool arguments.
+WHERE_STRIP = "strip"
+WHERE_TOOL = "tool"
+WHERE_ARGS = "arguments"
 
 
 @dataclass(frozen=True)
@@ -103,7 +57,7 @@ class Layout:
 
 
 def output_layout(
-    profile: ReconstructProfile, prompt_text: str, *, reasoning: str, closed: bool, finished: bool
+    profile: ProfileLike, prompt_text: str, *, reasoning: str, closed: bool, finished: bool
 ) -> Layout:
     """The think tokens an output holds, from the prompt's state and the profile's facts.
 
@@ -143,7 +97,7 @@ class Plan:
     closed: list[Slot] = field(default_factory=list)
 
 
-def check_ids(ids: Sequence[int], profile: ReconstructProfile, what: str) -> DeadLetter | None:
+def check_ids(ids: Sequence[int], profile: ProfileLike, what: str) -> DeadLetter | None:
     """A dead letter when any id lies outside the profile's vocabulary."""
     bad = [i for i in ids if not 0 <= i < profile.vocab_size]
     if bad:

@@ -28,11 +28,11 @@ import msgspec
 
 from schemas import ResponseReceived, ToolCall, ToolFunction
 from services.common.records import DeadLetter
+from services.profiles import ProfileLike
 from services.reconstruct.plan import (
     EMPTY_RESPONSE,
     TEMPLATE_ERROR,
     Plan,
-    ReconstructProfile,
     check_ids,
     output_layout,
 )
@@ -104,7 +104,7 @@ def _tool_calls(tool_format: str, text: str, call_id: str) -> tuple[str, list[To
     return (text[:start], calls) if calls else (text, [])
 
 
-def split_raw(text: str, profile: ReconstructProfile, prompt_state: str, *, call_id: str = "call") -> RawParts:
+def split_raw(text: str, profile: ProfileLike, prompt_state: str, *, call_id: str = "call") -> RawParts:
     """Reasoning, content and tool calls of a raw output under a prompt in ``prompt_state``.
 
     The think block is the prompt's (``open``) or the model's own when the text begins with
@@ -126,7 +126,7 @@ def split_raw(text: str, profile: ReconstructProfile, prompt_state: str, *, call
     return RawParts(reasoning=reasoning, content=body, tool_calls=calls, closed=closed)
 
 
-def plan_raw(response: ResponseReceived, profile: ReconstructProfile) -> Plan | DeadLetter:
+def plan_raw(response: ResponseReceived, profile: ProfileLike) -> Plan | DeadLetter:
     """The reconstruction plan of a completions-mode response (see the module docstring)."""
     prompt_text = response.sent_prompt
     if not prompt_text:  # a record from before the prompt travelled along: render it again

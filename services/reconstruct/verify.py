@@ -27,11 +27,14 @@ from dataclasses import replace
 
 from schemas import ProviderFactRecorded, ResponseReceived, SampleReconstructed, sample_key
 from services.common.records import DeadLetter
+from services.profiles import ProfileLike
 from services.profiles.conventions import CONVENTIONS, Convention
-from services.reconstruct.core import _STRIP, SOUND, Rule, _plan, judge
+from services.reconstruct.core import judge
 from services.reconstruct.facts import FactBook, upstream_of
+from services.reconstruct.plan import WHERE_STRIP
 from services.reconstruct.plan import Plan as _Plan
-from services.reconstruct.plan import ReconstructProfile
+from services.reconstruct.proof import SOUND, Rule
+from services.reconstruct.reencode import plan_chat
 from services.reconstruct.restore import restore
 
 __all__ = ["EDGE_IDS", "MIN_EVIDENCE", "STRIP_SHARE", "stripping", "verified"]
@@ -51,7 +54,7 @@ Verdicts = list[SampleReconstructed | DeadLetter]
 
 def reconstruct_with_facts(
     responses: Sequence[ResponseReceived],
-    profile: ReconstructProfile,
+    profile: ProfileLike,
     convention: Convention,
     book: FactBook | None,
     *,
@@ -93,7 +96,7 @@ def stripping(convention: Convention) -> Convention:
 
 def verified(
     responses: Sequence[ResponseReceived],
-    profile: ReconstructProfile,
+    profile: ProfileLike,
     convention: Convention,
     book: FactBook,
     *,
@@ -152,7 +155,7 @@ def _testable(response: ResponseReceived) -> bool:
             and response.finish_reason != "length" and response.usage.completion_tokens is not None)  # fmt: skip
 
 
-def _strip_evidence(plan: _Plan, ids: list[int], profile: ReconstructProfile, convention: Convention) -> str | None:
+def _strip_evidence(plan: _Plan, ids: list[int], profile: ProfileLike, convention: Convention) -> str | None:
     """Why this answer shows whitespace lost at a field edge its convention says is kept, or None."""
     response = plan.response
     count = response.usage.completion_tokens
@@ -168,10 +171,10 @@ def _strip_evidence(plan: _Plan, ids: list[int], profile: ReconstructProfile, co
     # Nothing the convention admits explains the count. Blamed on the edges that show no whitespace (the
     # whitespace a strip takes is not bounded to a candidate list, so no candidate has to fit): a
     # wrong blame only makes the upstream's later answers refused where nothing proves them.
-    strip_plan = _plan(response, profile, stripping(convention))
+    strip_plan = plan_chat(response, profile, stripping(convention))
     if isinstance(strip_plan, DeadLetter):
         return None
-    edges = sorted({p for gap in strip_plan.gaps if gap.where == _STRIP for p in gap.places})
+    edges = sorted({p for gap in strip_plan.gaps if gap.where == WHERE_STRIP for p in gap.places})
     if not edges or abs(target - len(ids)) > EDGE_IDS * len(edges):
         return None  # more than whitespace at those edges could cost: a wrong count, which the audit refuses
     return (f"{len(ids)} ids rebuilt under {convention.name}, usage.completion_tokens says {target}, and nothing "

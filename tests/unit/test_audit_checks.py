@@ -15,7 +15,7 @@ from schemas import (
     ToolFunction,
     Usage,
 )
-from services.audit import core
+from services.audit import checks, core
 from services.audit.core import audit, audit_batch, mismatch_fraction, parse_tool_tokens
 from services.common.config import AuditThresholds
 from tests.unit.test_audit_support import deepseek, kimi, replacement_id
@@ -104,11 +104,11 @@ def test_good_sample_passes_every_check(profile: Any) -> None:
     assert audited.passed, audited.results
     assert audited.reasons == []
     ran = {r.code for r in audited.results}
-    assert {core.ENDS_WITH_END_OF_TURN, core.ONE_THINK_END, core.THINK_END_BEFORE_END_OF_TURN,
-            core.ONE_END_OF_TURN, core.NO_THINK_START, core.ROUNDTRIP, core.REASONING_NONEMPTY,
-            core.USAGE_MATCHES, core.FINISH_STOP, core.NO_REPLACEMENT_CHAR, core.CONTENT_NONEMPTY,
-            core.IDS_IN_VOCAB, core.LOSS_MASK} <= ran
-    assert result(audited, core.ROUNDTRIP).message == "exact"
+    assert {checks.ENDS_WITH_END_OF_TURN, checks.ONE_THINK_END, checks.THINK_END_BEFORE_END_OF_TURN,
+            checks.ONE_END_OF_TURN, checks.NO_THINK_START, checks.ROUNDTRIP, checks.REASONING_NONEMPTY,
+            checks.USAGE_MATCHES, checks.FINISH_STOP, checks.NO_REPLACEMENT_CHAR, checks.CONTENT_NONEMPTY,
+            checks.IDS_IN_VOCAB, checks.LOSS_MASK} <= ran
+    assert result(audited, checks.ROUNDTRIP).message == "exact"
 
 
 def test_ends_with_end_of_turn_fails_on_wrong_id(profile: Any) -> None:
@@ -118,25 +118,25 @@ def test_ends_with_end_of_turn_fails_on_wrong_id(profile: Any) -> None:
     sample.output_ids[-1] = wrong
     audited = run(sample, profile)
     assert not audited.passed
-    assert audited.reasons[0] == core.ENDS_WITH_END_OF_TURN
-    assert core.ONE_END_OF_TURN in audited.reasons
+    assert audited.reasons[0] == checks.ENDS_WITH_END_OF_TURN
+    assert checks.ONE_END_OF_TURN in audited.reasons
 
 
 def test_one_end_of_turn_fails_on_two(profile: Any) -> None:
     eot = profile.end_of_turn_id
     audited = run(make(profile, extra_ids=[eot, *profile.encode("again")]), profile,
                   AuditThresholds(usage_offset=0, disabled_checks=("roundtrip",)))
-    assert result(audited, core.ENDS_WITH_END_OF_TURN).passed
-    assert not result(audited, core.ONE_END_OF_TURN).passed
-    assert audited.reasons == [core.ONE_END_OF_TURN]
+    assert result(audited, checks.ENDS_WITH_END_OF_TURN).passed
+    assert not result(audited, checks.ONE_END_OF_TURN).passed
+    assert audited.reasons == [checks.ONE_END_OF_TURN]
 
 
 def test_one_think_end_fails_on_two_and_on_none(profile: Any) -> None:
     two = run(make(profile, extra_ids=[profile.think_end_id]), profile)
-    assert core.ONE_THINK_END in two.reasons
+    assert checks.ONE_THINK_END in two.reasons
     ids = [*profile.encode("hello"), profile.end_of_turn_id]
     none = run(make(profile, output_ids=ids), profile)
-    assert core.ONE_THINK_END in none.reasons
+    assert checks.ONE_THINK_END in none.reasons
 
 
 def test_no_think_end_when_the_prompt_closed_the_block(profile: Any) -> None:
@@ -148,9 +148,9 @@ def test_no_think_end_when_the_prompt_closed_the_block(profile: Any) -> None:
     assert audited.passed, audited.results
     # The prompt opened the block: a finished answer must close it.
     opened = run(make(profile, reasoning="", output_ids=ids), profile, t)
-    assert opened.reasons == [core.ONE_THINK_END]
+    assert opened.reasons == [checks.ONE_THINK_END]
     stray = [profile.think_end_id, *ids]
-    assert core.ONE_THINK_END in run(make(profile, reasoning="", output_ids=stray, prompt_text=closed), profile,
+    assert checks.ONE_THINK_END in run(make(profile, reasoning="", output_ids=stray, prompt_text=closed), profile,
                                      AuditThresholds(usage_offset=0, require_reasoning=False,
                                                      roundtrip_tolerance=1.0)).reasons
 
@@ -159,14 +159,14 @@ def test_think_end_before_end_of_turn(profile: Any) -> None:
     eot, te = profile.end_of_turn_id, profile.think_end_id
     ids = [*profile.encode("abc"), eot, *profile.encode("hello"), te, eot]
     audited = run(make(profile, output_ids=ids), profile)
-    assert not result(audited, core.THINK_END_BEFORE_END_OF_TURN).passed
-    assert result(run(make(profile), profile), core.THINK_END_BEFORE_END_OF_TURN).passed
+    assert not result(audited, checks.THINK_END_BEFORE_END_OF_TURN).passed
+    assert result(run(make(profile), profile), checks.THINK_END_BEFORE_END_OF_TURN).passed
 
 
 def test_no_think_start_in_output_when_the_prompt_opened_it(profile: Any) -> None:
     good = make(profile)
     audited = run(make(profile, output_ids=[profile.think_start_id, *good.output_ids]), profile)
-    assert audited.reasons == [core.NO_THINK_START]
+    assert audited.reasons == [checks.NO_THINK_START]
 
 
 def test_think_start_first_when_the_model_opens_the_block() -> None:
@@ -180,7 +180,7 @@ def test_think_start_first_when_the_model_opens_the_block() -> None:
     assert not missing.passed
     twice = run(make(p, output_ids=[p.think_start_id, p.think_start_id, *good.output_ids],
                      prompt_text="<assistant>"), p, AuditThresholds(usage_offset=0, roundtrip_tolerance=1.0))
-    assert core.NO_THINK_START in twice.reasons
+    assert checks.NO_THINK_START in twice.reasons
 
 
 def test_roundtrip_catches_non_canonical_split_and_reports_exactness(profile: Any) -> None:
@@ -188,32 +188,32 @@ def test_roundtrip_catches_non_canonical_split_and_reports_exactness(profile: An
     assert split != profile.encode("hello")  # a longer, non-canonical spelling of the same text
     ids = [*profile.encode("ok"), profile.think_end_id, *split, profile.end_of_turn_id]
     audited = run(make(profile, reasoning="ok", output_ids=ids), profile)
-    rt = result(audited, core.ROUNDTRIP)
+    rt = result(audited, checks.ROUNDTRIP)
     assert not rt.passed
     assert rt.message.startswith("not exact")
     assert rt.value is not None and rt.value > 0.05
     # A large tolerance lets it through, but still reports that it was not exact.
     loose = run(make(profile, reasoning="ok", output_ids=ids), profile,
                 AuditThresholds(usage_offset=0, roundtrip_tolerance=1.0))
-    assert result(loose, core.ROUNDTRIP).passed
-    assert result(loose, core.ROUNDTRIP).message.startswith("not exact")
+    assert result(loose, checks.ROUNDTRIP).passed
+    assert result(loose, checks.ROUNDTRIP).message.startswith("not exact")
 
 
 def test_reasoning_nonempty(profile: Any) -> None:
     audited = run(make(profile, reasoning=""), profile)
-    assert audited.reasons == [core.REASONING_NONEMPTY]
+    assert audited.reasons == [checks.REASONING_NONEMPTY]
     off = run(make(profile, reasoning=""), profile, AuditThresholds(usage_offset=0, require_reasoning=False))
     assert off.passed
 
 
 def test_content_nonempty(profile: Any) -> None:
     audited = run(make(profile, content=""), profile)
-    assert audited.reasons == [core.CONTENT_NONEMPTY]
+    assert audited.reasons == [checks.CONTENT_NONEMPTY]
 
 
 def test_finish_stop(profile: Any) -> None:
-    assert run(make(profile, finish="length"), profile).reasons == [core.FINISH_STOP]
-    assert run(make(profile, finish=None), profile).reasons == [core.FINISH_STOP]
+    assert run(make(profile, finish="length"), profile).reasons == [checks.FINISH_STOP]
+    assert run(make(profile, finish=None), profile).reasons == [checks.FINISH_STOP]
     relaxed = AuditThresholds(usage_offset=0, require_stop=False)
     assert run(make(profile, finish="length"), profile, relaxed).passed
 
@@ -222,47 +222,48 @@ def test_accept_truncated_passes_only_an_answer_cut_at_the_token_limit(profile: 
     accepting = AuditThresholds(usage_offset=0, accept_truncated=True)
     cut = run(make(profile, finish="length"), profile, accepting)
     assert cut.passed, cut.reasons
-    assert result(cut, core.FINISH_STOP).passed and result(cut, core.FINISH_STOP).message == core.TRUNCATED_ACCEPTED
+    stop = result(cut, checks.FINISH_STOP)
+    assert stop.passed and stop.message == checks.TRUNCATED_ACCEPTED
     # Only "length": an answer that ended otherwise still fails, and the default still refuses a cut one.
-    assert run(make(profile, finish=None), profile, accepting).reasons == [core.FINISH_STOP]
-    assert run(make(profile, finish="length"), profile).reasons == [core.FINISH_STOP]
+    assert run(make(profile, finish=None), profile, accepting).reasons == [checks.FINISH_STOP]
+    assert run(make(profile, finish="length"), profile).reasons == [checks.FINISH_STOP]
     assert AuditThresholds().accept_truncated is False
 
 
 def test_no_replacement_char(profile: Any) -> None:
     bad = replacement_id(profile)
     audited = run(make(profile, extra_ids=[bad]), profile, AuditThresholds(usage_offset=0, roundtrip_tolerance=1))
-    assert core.NO_REPLACEMENT_CHAR in audited.reasons
-    assert result(audited, core.NO_REPLACEMENT_CHAR).value == 1.0
+    assert checks.NO_REPLACEMENT_CHAR in audited.reasons
+    assert result(audited, checks.NO_REPLACEMENT_CHAR).value == 1.0
 
 
 def test_ids_in_vocab_dead_letters_without_decoding(profile: Any) -> None:
     good = make(profile)
     audited = run(make(profile, output_ids=[profile.vocab_size + 5, *good.output_ids]), profile)
-    assert audited.reasons[0] == core.IDS_IN_VOCAB
+    assert audited.reasons[0] == checks.IDS_IN_VOCAB
     codes = {r.code for r in audited.results}
-    assert core.ROUNDTRIP not in codes and core.NO_REPLACEMENT_CHAR not in codes
+    assert checks.ROUNDTRIP not in codes and checks.NO_REPLACEMENT_CHAR not in codes
 
 
 def test_loss_mask_consistent(profile: Any) -> None:
     sample = make(profile)
     audited = run(make(profile, loss_mask=[1] * (len(sample.prompt_ids) + len(sample.output_ids))), profile)
-    assert audited.reasons == [core.LOSS_MASK]
+    assert audited.reasons == [checks.LOSS_MASK]
 
 
 def test_usage_exact_offset_390_vs_325_is_corrupt(profile: Any) -> None:
     tail = [profile.think_end_id, *profile.encode("hello"), profile.end_of_turn_id]
     ids = [profile.encode("a")[0]] * (390 - len(tail)) + tail
     audited = run(make(profile, output_ids=ids, completion=325), profile, AuditThresholds(usage_offset=0))
-    usage = result(audited, core.USAGE_MATCHES)
+    usage = result(audited, checks.USAGE_MATCHES)
     assert not usage.passed
     assert usage.value == -65
-    assert core.USAGE_MATCHES in audited.reasons
+    assert checks.USAGE_MATCHES in audited.reasons
     # A configured offset of +1 (the provider counts one more token, say) is matched exactly.
     n = len(make(profile).output_ids)
     one = make(profile, completion=n + 1)
     assert run(one, profile, AuditThresholds(usage_offset=1)).passed
-    assert run(one, profile, AuditThresholds(usage_offset=0)).reasons == [core.USAGE_MATCHES]
+    assert run(one, profile, AuditThresholds(usage_offset=0)).reasons == [checks.USAGE_MATCHES]
     assert run(one, profile, AuditThresholds(usage_offset=0, usage_tolerance=1)).passed
 
 
@@ -270,19 +271,19 @@ def test_a_one_token_error_on_every_sample_is_dead_lettered_not_learned(profile:
     """A reconstruction that loses one token on every sample never becomes "the convention"."""
     lossy = [make(profile, completion=len(make(profile).output_ids) + 1) for _ in range(40)]
     verdicts = audit_batch(lossy, profile, AuditThresholds())
-    assert [v.reasons for v in verdicts] == [[core.USAGE_MATCHES]] * 40
-    assert all("configured offset 0" in result(v, core.USAGE_MATCHES).message for v in verdicts)
+    assert [v.reasons for v in verdicts] == [[checks.USAGE_MATCHES]] * 40
+    assert all("configured offset 0" in result(v, checks.USAGE_MATCHES).message for v in verdicts)
     # And the other way round: one token too many on every sample.
     extra = [make(profile, completion=len(make(profile).output_ids) - 1) for _ in range(40)]
-    assert all(v.reasons == [core.USAGE_MATCHES] for v in audit_batch(extra, profile, AuditThresholds()))
+    assert all(v.reasons == [checks.USAGE_MATCHES] for v in audit_batch(extra, profile, AuditThresholds()))
 
 
 def test_prompt_count_mismatch_is_dead_lettered(profile: Any) -> None:
     n = len(make(profile).prompt_ids)
-    assert result(run(make(profile, prompt_tokens=n), profile), core.PROMPT_MATCHES).passed
+    assert result(run(make(profile, prompt_tokens=n), profile), checks.PROMPT_MATCHES).passed
     audited = run(make(profile, prompt_tokens=n + 70), profile)
-    assert audited.reasons == [core.PROMPT_MATCHES]
-    assert "usage.prompt_tokens" in result(audited, core.PROMPT_MATCHES).message
+    assert audited.reasons == [checks.PROMPT_MATCHES]
+    assert "usage.prompt_tokens" in result(audited, checks.PROMPT_MATCHES).message
     assert run(make(profile, prompt_tokens=n + 1), profile, AuditThresholds(prompt_usage_offset=1)).passed
 
 
@@ -292,13 +293,13 @@ def test_server_prompt_ids_must_equal_the_rendered_ones(profile: Any) -> None:
     other = [*good.prompt_ids[:-1], good.prompt_ids[-1] + 1]
     # Same length, different id: only the server's ids can catch it, not a count.
     audited = run(make(profile, native_prompt=other, prompt_tokens=len(other)), profile)
-    assert audited.reasons == [core.PROMPT_MATCHES]
+    assert audited.reasons == [checks.PROMPT_MATCHES]
 
 
 def test_usage_absent_is_not_checked(profile: Any) -> None:
     audited = run(make(profile, completion=None), profile)
     assert audited.passed
-    assert "not checked" in result(audited, core.USAGE_MATCHES).message
+    assert "not checked" in result(audited, checks.USAGE_MATCHES).message
 
 
 def test_tool_calls_well_formed_pass(profile: Any) -> None:
@@ -307,25 +308,25 @@ def test_tool_calls_well_formed_pass(profile: Any) -> None:
                   finish="tool_calls")
     audited = run(sample, profile)
     assert audited.passed, audited.results
-    assert result(audited, core.TOOL_CALLS_WELL_FORMED).value == 1.0
+    assert result(audited, checks.TOOL_CALLS_WELL_FORMED).value == 1.0
 
 
 def test_tool_tokens_without_offered_tools_fail(profile: Any) -> None:
     audited = run(make(profile, extra_ids=tool_ids(profile)), profile)
-    assert audited.reasons == [core.TOOL_CALLS_WELL_FORMED]
-    assert "offered no tools" in result(audited, core.TOOL_CALLS_WELL_FORMED).message
+    assert audited.reasons == [checks.TOOL_CALLS_WELL_FORMED]
+    assert "offered no tools" in result(audited, checks.TOOL_CALLS_WELL_FORMED).message
 
 
 def test_tool_tokens_unbalanced_fail(profile: Any) -> None:
     ids = tool_ids(profile)[:-2]  # drop the call end and the section end
     audited = run(make(profile, extra_ids=ids, tools=TOOLS), profile)
-    assert audited.reasons == [core.TOOL_CALLS_WELL_FORMED]
+    assert audited.reasons == [checks.TOOL_CALLS_WELL_FORMED]
 
 
 def test_tool_call_count_must_match_structured_calls(profile: Any) -> None:
     call = ToolCall(function=ToolFunction(name="add"), id="c1")
     audited = run(make(profile, extra_ids=tool_ids(profile, calls=2), tools=TOOLS, tool_calls=[call]), profile)
-    assert audited.reasons == [core.TOOL_CALLS_WELL_FORMED]
+    assert audited.reasons == [checks.TOOL_CALLS_WELL_FORMED]
 
 
 def test_native_ids_difference_is_reported_not_failed(profile: Any) -> None:
@@ -333,17 +334,17 @@ def test_native_ids_difference_is_reported_not_failed(profile: Any) -> None:
     native = [*good.output_ids[:-2], *profile.encode("xyz"), good.output_ids[-1]]
     audited = run(make(profile, native=native), profile)
     assert audited.passed
-    diff = result(audited, core.NATIVE_IDS_DIFF)
+    diff = result(audited, checks.NATIVE_IDS_DIFF)
     assert diff.passed and diff.value is not None and diff.value > 0
     same = run(make(profile, native=list(good.output_ids)), profile)
-    assert result(same, core.NATIVE_IDS_DIFF).value == 0.0
+    assert result(same, checks.NATIVE_IDS_DIFF).value == 0.0
 
 
 def test_disabled_checks_do_not_run(profile: Any) -> None:
     t = AuditThresholds(usage_offset=0, disabled_checks=("finish_stop",))
     audited = run(make(profile, finish="length"), profile, t)
     assert audited.passed
-    assert core.FINISH_STOP not in {r.code for r in audited.results}
+    assert checks.FINISH_STOP not in {r.code for r in audited.results}
 
 
 def test_profile_without_think_tokens_skips_think_checks() -> None:
@@ -355,8 +356,8 @@ def test_profile_without_think_tokens_skips_think_checks() -> None:
     audited = run(make(plain, reasoning="", output_ids=ids), plain)
     assert audited.passed, audited.results
     codes = {r.code for r in audited.results}
-    assert not codes & {core.ONE_THINK_END, core.THINK_END_BEFORE_END_OF_TURN, core.NO_THINK_START,
-                        core.REASONING_NONEMPTY}
+    assert not codes & {checks.ONE_THINK_END, checks.THINK_END_BEFORE_END_OF_TURN, checks.NO_THINK_START,
+                        checks.REASONING_NONEMPTY}
 
 
 def test_batch_equals_one_by_one(profile: Any) -> None:
@@ -386,4 +387,4 @@ def test_an_empty_think_block_the_model_opened_is_no_reasoning() -> None:
     p = kimi()
     ids = [p.think_start_id, *p.encode("\n\n"), p.think_end_id, *p.encode("hello"), p.end_of_turn_id]
     audited = run(make(p, reasoning="\n\n", output_ids=ids, prompt_text="<assistant>"), p)
-    assert audited.reasons == [core.REASONING_NONEMPTY]
+    assert audited.reasons == [checks.REASONING_NONEMPTY]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from schemas import encode
-from services.audit.core import offline_audit
+from services.audit.offline import offline_audit
 from services.cli import app
 from services.common.config import AuditThresholds
 from tests.unit.test_audit_checks import make

@@ -9,9 +9,10 @@ from __future__ import annotations
 import msgspec
 
 from schemas import GLOBAL_SCOPE, BudgetSnapshot, RequestStarted, decode, encode
-from services.budget.core import Caps, Ledger
+from services.budget.core import Ledger
 from services.budget.lost import lost_lines, snapshot_lost_lines
 from services.budget.reconcile import KeyUsage
+from services.budget.totals import Caps
 from tests.unit.test_budget_leases import EPOCH, MAX, Run
 
 PRICE = 2e-6  # USD per completion token

@@ -15,7 +15,8 @@ from schemas import (
     Resume,
     Usage,
 )
-from services.budget.core import BUDGET_ACTOR, Caps, Ledger, estimate_usage, price_usd
+from services.budget.core import BUDGET_ACTOR, Ledger, estimate_usage, price_usd
+from services.budget.totals import Caps
 
 
 def response(

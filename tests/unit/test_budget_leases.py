@@ -18,8 +18,9 @@ from schemas import (
     ResponseReceived,
     Usage,
 )
-from services.budget.core import Caps, Ledger
+from services.budget.core import Ledger
 from services.budget.leases import CAPPED_PREFIX, LeaseBook
+from services.budget.totals import Caps
 
 EPOCH = "e1"
 MAX = 16_384

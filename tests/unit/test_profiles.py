@@ -152,6 +152,34 @@ def test_kimi_refuses_wrong_im_end_tiktoken() -> None:
     assert "163586" in info.value.message and "163533" in info.value.message
 
 
+def test_one_cache_keeps_profiles_and_load_errors_per_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name under one configuration is built once, a failure too; another configuration is its own entry."""
+    from services.profiles import loading
+
+    builds: list[str] = []
+    build = loading._build
+
+    def counted(name: str, cfg: Any, cache_dir: Path | None) -> Profile:
+        builds.append(str(cfg.tokenizer if cfg is not None else None))
+        return build(name, cfg, cache_dir)
+
+    monkeypatch.setattr(loading, "_build", counted)
+    wrong = load_settings(None, profiles={"kimi-k2-cache": {"base": "kimi-k2", "tokenizer": str(KIMI_WRONG),
+                                                             "kind": "tiktoken"}})
+    good = load_settings(None, profiles={"kimi-k2-cache": {"base": "kimi-k2", "tokenizer": str(KIMI_GOOD),
+                                                            "kind": "tiktoken"}})
+    errors = []
+    for _ in range(2):
+        with pytest.raises(ProfileError) as info:
+            load_profile("kimi-k2-cache", wrong)
+        errors.append((info.value.reason, info.value.message))
+    assert errors[0] == errors[1] and errors[0][0] == "special_token_mismatch"
+    first = load_profile("kimi-k2-cache", good)
+    assert load_profile("kimi-k2-cache", good) is first
+    assert first.end_of_turn_id == 163586
+    assert builds == [str(KIMI_WRONG), str(KIMI_GOOD)]
+
+
 def _hf_tokenizer_json(specials: dict[int, str]) -> dict[str, Any]:
     """A byte-level tokenizers JSON: 256 byte tokens (id = byte) plus specials at given ids.
 
