@@ -13,8 +13,8 @@ from typing import Any
 from aiohttp import web
 
 from services.common.config import Settings
+from services.profiles import ProfileLike
 from services.simulator.options import SimulatorOptions, get_profile
-from services.simulator.profile_like import ProfileLike
 from services.simulator.server import SimulatorServer
 from services.simulator.serving import RunningServer, serve_app
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from schemas import ToolCall
+from services.profiles import ProfileLike
 from services.simulator.faults import CONTENT_FAULTS, prompt_digest
 from services.simulator.formats import PARSERS, native_tool_calls, parse_raw_output, write_raw_output
 from services.simulator.noncanonical import noncanonical_same_length, noncanonical_split
-from services.simulator.profile_like import ProfileLike
 from services.simulator.prompts import ThinkBlock, profile_prompt_text, think_block_of
 from services.simulator.request import ChatRequest, RequestError
 from services.simulator.text import offered_tools, sized_text, tool_call_args

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from schemas import ToolCall, ToolFunction
-from services.simulator.profile_like import ProfileLike
+from services.profiles import ProfileLike
 from services.simulator.prompts import ThinkBlock
 
 # Server parsers the simulator emulates: current vLLM (no whitespace stripped), and SGLang

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from services.simulator.profile_like import ProfileLike
+from services.profiles import ProfileLike
 
 
 def _special_ids(profile: ProfileLike) -> set[int]:

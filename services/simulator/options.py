@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.config import Settings
+from services.profiles import ProfileLike
 from services.simulator.core import (
     GenerationParams,
 )
@@ -17,7 +18,6 @@ from services.simulator.faults import (
 )
 from services.simulator.formats import PARSERS
 from services.simulator.limits import RequestLimiter
-from services.simulator.profile_like import ProfileLike
 from services.simulator.shapes import shaped
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 
 from schemas import Message
-from services.simulator.profile_like import ProfileLike
+from services.profiles import ProfileLike
 from services.simulator.request import ChatRequest, RequestError
 
 # Where the think block of an answer opens: the model writes the think-start itself

@@ -37,9 +37,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from services.profiles import ProfileLike
 from services.simulator.core import error_body
 from services.simulator.options import SimulatorOptions, get_profile
-from services.simulator.profile_like import ProfileLike
 from services.simulator.server import KEY_HEADER, SimulatorServer
 from services.simulator.serving import RunningServer, provider_app, serve_app
 from services.simulator.stats import Stats

@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from services.common.metrics import SIMULATOR_CONTENT_FAULTS, SIMULATOR_REQUESTS
+from services.profiles import ProfileLike
 from services.simulator.core import (
     Generation,
     answer_cost,
@@ -48,7 +49,6 @@ from services.simulator.faults import (
 )
 from services.simulator.limits import RequestLimiter, retry_after_text
 from services.simulator.options import SimulatorOptions
-from services.simulator.profile_like import ProfileLike
 from services.simulator.prompts import compile_chat_template, profile_prompt_text, render_chat_template
 from services.simulator.request import ChatRequest, RequestError, parse_completion_request, parse_request
 from services.simulator.serving import provider_app

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from services.simulator.profile_like import ProfileLike
+from services.profiles import ProfileLike
 from services.simulator.request import ChatRequest
 from services.simulator.tables import CODE, OPENERS, PUNCT, UNICODE, WORDS
 

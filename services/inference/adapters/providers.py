@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from schemas import PromptPublished
 from services.common.config import DatasetSettings, Settings
@@ -260,17 +260,10 @@ ProfileLoader = Callable[[str], PromptEncoder]
 
 
 def default_profile_loader(settings: Settings) -> ProfileLoader:
-    """Load profiles through services.profiles, once per name."""
-    cache: dict[str, PromptEncoder] = {}
-
-    def load(name: str) -> PromptEncoder:
-        if name not in cache:
-            # Imported by name: services.profiles is optional until a sglang provider needs it.
-            profiles = importlib.import_module("services.profiles")
-            cache[name] = profiles.load_profile(name, settings)
-        return cache[name]
-
-    return load
+    """Load profiles through services.profiles (its cache keeps each one, or its load error)."""
+    # Imported by name: services.profiles is optional until a sglang provider needs it.
+    profiles = importlib.import_module("services.profiles")
+    return lambda name: cast(PromptEncoder, profiles.load_profile(name, settings))
 
 
 class SGLangProvider(PreflightProvider):
