@@ -15,7 +15,7 @@ DRAFT: Final = "https://json-schema.org/draft/2020-12/schema"
 _DOUBLE_MAX: Final = sys.float_info.max
 
 CONTRACT: Final = (
-    "Generated from the msgspec Structs in schemas/__init__.py; schemas.decode accepts exactly "
+    "Generated from the msgspec Structs of the schemas package; schemas.decode accepts exactly "
     "the records this schema accepts (see docs/contracts.md). Records are UTF-8 JSON without "
     "unpaired surrogates. An integer is any number with a zero fractional part, as in draft "
     "2020-12: 300, 300.0 and 3e2 are the same integer; numbers with a fraction or an exponent "
