@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.admin import RecordsToDelete
 
 from schemas import (
     DLQ_HEADERS,
@@ -54,6 +55,7 @@ __all__ = [
     "sink_rows",
     "cli",
     "dead_letters",
+    "delete_to_end",
     "budget_caught_up",
     "stage_caught_up",
     "free_port",
@@ -215,6 +217,19 @@ async def partitions_of(settings: Settings, *physical: str) -> list[TopicPartiti
     finally:
         await admin.close()
     return [TopicPartition(t, p) for t in physical for p in found.get(t, [])]
+
+
+async def delete_to_end(settings: Settings, topic: str) -> None:
+    """Delete every record now on a physical topic: its log start moves to its end."""
+    ends = await end_offsets(settings, topic)
+    marks = {TopicPartition(topic, p): RecordsToDelete(before_offset=end) for p, end in ends.items() if end}
+    admin = make_admin(settings.kafka)
+    await admin.start()
+    try:
+        if marks:
+            await admin.delete_records(marks, timeout_ms=10_000)
+    finally:
+        await admin.close()
 
 
 @dataclass(frozen=True)
