@@ -13,9 +13,11 @@ import os
 import random
 import signal
 import socket
+import subprocess  # noqa: S404 - runs our own CLI
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,7 @@ __all__ = [
     "read_all",
     "read_dead_letters",
     "run_cli",
+    "run_side_by_side",
     "small_prompt",
     "wait_http",
     "wait_until",
@@ -217,6 +220,18 @@ async def partitions_of(settings: Settings, *physical: str) -> list[TopicPartiti
     finally:
         await admin.close()
     return [TopicPartition(t, p) for t in physical for p in found.get(t, [])]
+
+
+def run_side_by_side(
+    commands: Mapping[str, list[str]], env: dict[str, str], timeout: float = 120
+) -> dict[str, subprocess.CompletedProcess[bytes]]:
+    """Run short commands at the same time (each is mostly an interpreter starting); each one's result."""
+    with ThreadPoolExecutor(max_workers=max(1, len(commands))) as pool:
+        futures = {
+            name: pool.submit(subprocess.run, args, env=env, capture_output=True, timeout=timeout)
+            for name, args in commands.items()
+        }
+    return {name: future.result() for name, future in futures.items()}
 
 
 async def delete_to_end(settings: Settings, topic: str) -> None:
