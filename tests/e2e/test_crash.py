@@ -187,6 +187,9 @@ async def run_crash(
 
 @pytest.mark.e2e
 @pytest.mark.own_broker
+# Alone: the kills are scheduled in seconds after the start; beside another test the services
+# start later, and the kills land before they have anything in flight.
+@pytest.mark.serial
 @pytest.mark.timeout(900)
 async def test_crash_everything_once_nothing_lost(tmp_path: Path, report: Callable[..., str]) -> None:
     """750 prompts over 20 s, three datasets, every service SIGKILLed once, the broker restarted once.
