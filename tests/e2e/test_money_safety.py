@@ -119,9 +119,7 @@ async def worker_running(settings: Settings, **kw: Any) -> AsyncIterator[tuple[I
 async def test_republishing_the_same_prompts_pays_nothing_and_writes_no_row(
     settings_factory: Callable[..., Settings], report: Callable[..., str]
 ) -> None:
-    # More than one batch (stage.batch_max 64) on each of the three partitions, so the re-sent
-    # prompts cross batch boundaries at every stage.
-    dataset, n = "again", 200
+    dataset, n = "again", 400
     sim = await start_simulator(SimulatorOptions(**FAST))
     settings = settings_factory(provider=provider(sim))
     out_dir = Path(settings.sink.out_dir)
