@@ -299,7 +299,8 @@ class Pipeline:
         return service
 
     async def start_stages(self, settings: Settings, *names: str) -> None:
-        """Start the named stages (inference, reconstruct, audit, sink, budget), in that order."""
+        """Start the named stages (inference, reconstruct, audit, sink, budget) at the same time, as
+        separate processes would; each runs once every one has started (or none, if one failed)."""
         from services.audit.app import create_app as audit_app
         from services.budget.app import create_app as budget_app
         from services.continuation.app import create_app as continuation_app
@@ -316,8 +317,17 @@ class Pipeline:
             "budget": budget_app,
             "continuation": continuation_app,
         }
-        for name in names:
-            await self.start(name, apps[name](settings))
+        services = {name: apps[name](settings) for name in names}
+        started = await asyncio.gather(*(service.start() for service in services.values()), return_exceptions=True)
+        failed = [outcome for outcome in started if isinstance(outcome, BaseException)]
+        if failed:
+            for service, outcome in zip(services.values(), started, strict=True):
+                if not isinstance(outcome, BaseException):
+                    await service.close()
+            raise failed[0]
+        for name, service in services.items():
+            self.services[name] = service
+            self.tasks[name] = asyncio.create_task(service.run(), name=name)
 
     def check_alive(self) -> None:
         """Raise if a service's run() ended (a crash) before it was asked to stop."""
