@@ -13,14 +13,17 @@ import os
 import random
 import signal
 import socket
+import subprocess  # noqa: S404 - runs our own CLI
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.admin import RecordsToDelete
 
 from schemas import (
     DLQ_HEADERS,
@@ -54,6 +57,7 @@ __all__ = [
     "sink_rows",
     "cli",
     "dead_letters",
+    "delete_to_end",
     "budget_caught_up",
     "stage_caught_up",
     "free_port",
@@ -64,6 +68,7 @@ __all__ = [
     "read_all",
     "read_dead_letters",
     "run_cli",
+    "run_side_by_side",
     "small_prompt",
     "wait_http",
     "wait_until",
@@ -217,6 +222,31 @@ async def partitions_of(settings: Settings, *physical: str) -> list[TopicPartiti
     return [TopicPartition(t, p) for t in physical for p in found.get(t, [])]
 
 
+def run_side_by_side(
+    commands: Mapping[str, list[str]], env: dict[str, str], timeout: float = 120
+) -> dict[str, subprocess.CompletedProcess[bytes]]:
+    """Run short commands at the same time (each is mostly an interpreter starting); each one's result."""
+    with ThreadPoolExecutor(max_workers=max(1, len(commands))) as pool:
+        futures = {
+            name: pool.submit(subprocess.run, args, env=env, capture_output=True, timeout=timeout)
+            for name, args in commands.items()
+        }
+    return {name: future.result() for name, future in futures.items()}
+
+
+async def delete_to_end(settings: Settings, topic: str) -> None:
+    """Delete every record now on a physical topic: its log start moves to its end."""
+    ends = await end_offsets(settings, topic)
+    marks = {TopicPartition(topic, p): RecordsToDelete(before_offset=end) for p, end in ends.items() if end}
+    admin = make_admin(settings.kafka)
+    await admin.start()
+    try:
+        if marks:
+            await admin.delete_records(marks, timeout_ms=10_000)
+    finally:
+        await admin.close()
+
+
 @dataclass(frozen=True)
 class DeadLetterRecord:
     """One dead letter, with its headers parsed; ``value`` None when the failed record was a tombstone."""
@@ -269,7 +299,8 @@ class Pipeline:
         return service
 
     async def start_stages(self, settings: Settings, *names: str) -> None:
-        """Start the named stages (inference, reconstruct, audit, sink, budget), in that order."""
+        """Start the named stages (inference, reconstruct, audit, sink, budget) at the same time, as
+        separate processes would; each runs once every one has started (or none, if one failed)."""
         from services.audit.app import create_app as audit_app
         from services.budget.app import create_app as budget_app
         from services.continuation.app import create_app as continuation_app
@@ -286,8 +317,17 @@ class Pipeline:
             "budget": budget_app,
             "continuation": continuation_app,
         }
-        for name in names:
-            await self.start(name, apps[name](settings))
+        services = {name: apps[name](settings) for name in names}
+        started = await asyncio.gather(*(service.start() for service in services.values()), return_exceptions=True)
+        failed = [outcome for outcome in started if isinstance(outcome, BaseException)]
+        if failed:
+            for service, outcome in zip(services.values(), started, strict=True):
+                if not isinstance(outcome, BaseException):
+                    await service.close()
+            raise failed[0]
+        for name, service in services.items():
+            self.services[name] = service
+            self.tasks[name] = asyncio.create_task(service.run(), name=name)
 
     def check_alive(self) -> None:
         """Raise if a service's run() ended (a crash) before it was asked to stop."""

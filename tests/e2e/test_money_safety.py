@@ -10,7 +10,7 @@ paid, at the simulator (``stats()["keys"]``: chat requests per ``<dataset>:<samp
   all accepted;
 - a bad profile, a wrong base URL, a missing key: 0 requests, a halt with the reason in
   ``status``;
-- the simulator down (connection refused) for ~20 s: a halt within ``outage_after``
+- the simulator down (connection refused) for ~8 s: a halt within ``outage_after``
   failures, an automatic resume, every prompt answered, no dead letter.
 """
 
@@ -147,9 +147,9 @@ async def test_republishing_the_same_prompts_pays_nothing_and_writes_no_row(
         samples_topic = settings.kafka.topic("samples")
         samples_first = len((await read_all(settings, samples_topic))[samples_topic])
 
-        # The same 400 prompts again, straight to the topic (no publish-side dedup).
+        # The same prompts again, straight to the topic (no publish-side dedup).
         await produce(settings, settings.kafka.prompts_topic(dataset), values)
-        await pipeline.wait(lambda: worker.answers.reused >= n, 120, "the 400 answered from the response store")
+        await pipeline.wait(lambda: worker.answers.reused >= n, 120, f"the {n} answered from the response store")
 
         async def downstream_done() -> bool:
             return len((await read_all(settings, samples_topic))[samples_topic]) >= 2 * samples_first
@@ -481,7 +481,8 @@ async def test_an_outage_halts_within_n_failures_and_resumes_by_itself(
             down_at = time.monotonic()
             await wait_until(lambda: worker.halted_scopes == ["global"], timeout=60, message="the outage halt")
             answered_at_halt = worker.answers.responded
-            await asyncio.sleep(max(0.0, 20.0 - (time.monotonic() - down_at)))  # ~20 s down
+            # ~8 s down: the probe (every 1 s) finds nobody seven times over.
+            await asyncio.sleep(max(0.0, 8.0 - (time.monotonic() - down_at)))
             assert worker.halted_scopes == ["global"]  # the probe found nobody: still halted
             second = await start_simulator(options, port=port)
 

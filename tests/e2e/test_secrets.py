@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import subprocess
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from tests.e2e.harness import (
     free_port,
     read_all,
     run_cli,
+    run_side_by_side,
     wait_http,
     wait_until,
 )
@@ -120,12 +120,15 @@ async def test_no_secret_leaves_the_system(
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{sim_port}/health", 60)
         for name in SERVICES:
             procs.start(name, cli("run", name, "--config", str(config)), env)
-        for name, path in datasets.items():
-            emitted[f"publish {name}"] = run_cli(
-                cli("publish", str(path), "--dataset", name, "--limit", str(PER_DATASET), "--config", str(config)),
-                env,
-                f"publish {name}",
-            ).encode()
+        published = await asyncio.to_thread(run_side_by_side, {
+            f"publish {name}": cli(
+                "publish", str(path), "--dataset", name, "--limit", str(PER_DATASET), "--config", str(config)
+            )
+            for name, path in datasets.items()
+        }, env)
+        for what, done in published.items():
+            assert done.returncode == 0, f"{what} failed ({done.returncode}):\n{done.stdout!r}\n{done.stderr!r}"
+            emitted[what] = done.stdout
         expected = PER_DATASET * len(datasets)
         out_dir = run_dir / "out"
 
@@ -143,15 +146,16 @@ async def test_no_secret_leaves_the_system(
             stats_response = await http.get(f"http://127.0.0.1:{sim_port}/_sim/stats")
         emitted["simulator stats"] = stats_response.content
         stats = stats_response.json()
-        for what, args in {
+        commands = {
             "budget": ["budget"],
             "status": ["status"],
             "dlq list": ["dlq", "list"],
             "config show": ["config", "show"],
-        }.items():
-            done = subprocess.run(  # noqa: S603 - our own CLI
-                cli(*args, "--config", str(config)), env=env, capture_output=True, timeout=120
-            )
+        }
+        shown = await asyncio.to_thread(
+            run_side_by_side, {what: cli(*args, "--config", str(config)) for what, args in commands.items()}, env
+        )
+        for what, done in shown.items():
             emitted[f"cli {what}"] = done.stdout + done.stderr
         assert b"**********" in emitted["cli config show"], "config show did not mask the secrets"
     finally:
@@ -166,8 +170,7 @@ async def test_no_secret_leaves_the_system(
         "missing input": cli("publish", str(run_dir / "missing.jsonl"), "-d", "x", "--config", str(config)),
         "bad option": cli("simulate-provider", "--fault-rate", "nonsense"),
     }
-    for what, args in failures.items():
-        done = subprocess.run(args, env=env, capture_output=True, timeout=120)  # noqa: S603
+    for what, done in (await asyncio.to_thread(run_side_by_side, failures, env)).items():
         assert done.returncode != 0, f"{what}: expected a failure"
         emitted[f"failing {what}"] = done.stdout + done.stderr
 
