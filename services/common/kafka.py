@@ -22,13 +22,16 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
+    InvalidTopicError,
     KafkaConnectionError,
     NodeNotReadyError,
     RequestTimedOutError,
     TopicAlreadyExistsError,
     TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
 )
 from aiokafka.protocol.api import Request, Response
+from aiokafka.protocol.metadata import MetadataRequest
 
 from schemas import DLQ_HEADERS, topology
 from services.common.config import KafkaSettings
@@ -176,8 +179,27 @@ def replication_for(brokers: int) -> int:
 
 async def cluster_replication_factor(admin: AIOKafkaAdminClient) -> int:
     """The replication factor for new topics, from the number of brokers the cluster reports."""
-    described = await admin.describe_cluster()
-    return replication_for(len(described.get("brokers") or ()))
+    # An empty topic list: the brokers without any topic's metadata (describe_cluster asks for all).
+    response = await admin._send_request(MetadataRequest([]))  # noqa: SLF001 - the client's own request path
+    return replication_for(len(response.to_object().get("brokers") or ()))
+
+
+_ABSENT = {UnknownTopicOrPartitionError.errno, TopicAuthorizationFailedError.errno, InvalidTopicError.errno}
+
+
+async def existing_topics(admin: AIOKafkaAdminClient, names: Iterable[str]) -> set[str]:
+    """Which of ``names`` exist and this principal may see, from the metadata of those topics only.
+
+    ``list_topics`` asks for every topic of the cluster, which costs a client more the more
+    topics the cluster holds (a second and more at a few thousand). The request never creates
+    a topic, whatever the broker's ``auto.create.topics.enable``.
+    """
+    wanted = list(dict.fromkeys(names))
+    if not wanted:
+        return set()
+    request = MetadataRequest(wanted, allow_auto_topic_creation=False)
+    response = await admin._send_request(request)  # noqa: SLF001 - the client's own request path
+    return {t["topic"] for t in response.to_object()["topics"] if t["error_code"] not in _ABSENT}
 
 
 def new_topic(kafka: KafkaSettings, logical: str, replication: int) -> NewTopic:
@@ -271,7 +293,7 @@ async def create_topics(
     admin = make_admin(kafka)
     await admin.start()
     try:
-        existing = set(await admin.list_topics())
+        existing = await existing_topics(admin, logical_of)
         missing = [name for physical, name in logical_of.items() if physical not in existing]
         if not missing:
             return []
@@ -510,6 +532,7 @@ __all__ = [
     "dead_letter_of",
     "describe_layout",
     "ensure_topics",
+    "existing_topics",
     "header",
     "make_admin",
     "make_consumer",

@@ -21,7 +21,7 @@ from aiokafka.errors import TopicAuthorizationFailedError
 
 from services.common.config import KafkaSettings
 from services.common.errors import CommandError
-from services.common.kafka import make_admin, make_consumer
+from services.common.kafka import existing_topics, make_admin, make_consumer
 
 DEFAULT_DEADLINE_S = 120.0
 
@@ -162,7 +162,7 @@ async def _read(
     admin = make_admin(kafka)
     try:
         await admin.start()  # inside the try: a broker that does not answer leaks no client
-        if topic not in set(await admin.list_topics()):
+        if topic not in await existing_topics(admin, [topic]):
             return None
         partitions = (await partitions_of(admin, [topic])).get(topic, [])
     finally:

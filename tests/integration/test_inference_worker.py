@@ -333,6 +333,7 @@ async def test_worker_killed_mid_run_loses_nothing(
     assert out.dead_letters() == []
 
 
+@pytest.mark.serial  # the halt is checked within a second of wall time: a busy CPU beside it delays the worker
 async def test_halt_stops_requests_within_a_second_and_resume_completes(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]
 ) -> None:
@@ -444,6 +445,7 @@ async def test_401_halts_globally_and_resumes_without_losing_the_prompt(
         await runner.cleanup()
 
 
+@pytest.mark.serial  # holds 1,000 requests open at once: it needs the CPU to itself
 async def test_holds_a_thousand_requests_in_flight_and_no_more(
     settings_factory: Callable[..., Settings], unused_tcp_port: int
 ) -> None:

@@ -174,9 +174,12 @@ def test_ctrl_c_on_the_cli_reports_the_rows_sent_and_a_rerun_sends_the_rest(sett
     """SIGINT to a real ``draftstream publish`` process mid-send: exit 130, the count printed is
     the count on the topic, and the same command again sends exactly the rest."""
     settings = settings_factory()
-    # Enough rows that sending lasts well past the first poll that sees it started (publish
-    # sends about 30,000 rows/s here; CI once saw all of 150,000 sent before the signal).
-    rows = 500_000
+    # The child is stopped (SIGSTOP) as soon as its first records are on the topic, and the
+    # SIGINT reaches it when it is continued: the signal arrives mid-send however fast the
+    # child sends or however slowly this process is scheduled, as long as the poll below
+    # sees the first records before the child has sent all 40 windows of 500 (it sees them at the
+    # first window here).
+    rows = 20_000
     path = big_file(tmp_path / "big.jsonl", rows)
     topic = settings.kafka.prompts_topic("sigint")
     env = {
@@ -185,22 +188,25 @@ def test_ctrl_c_on_the_cli_reports_the_rows_sent_and_a_rerun_sends_the_rest(sett
         "DRAFTSTREAM_KAFKA__TOPIC_PREFIX": settings.kafka.topic_prefix,
     }
     command = [sys.executable, "-m", "services.cli", "publish", str(path), "-d", "sigint"]
-    # The child hears SIGINT whatever the suite was started from (a background job of a
-    # shell without job control inherits SIGINT ignored, and Python keeps it ignored).
-    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.monotonic() + 120
-        while topic_size(settings, topic) < 1000:  # sending has started
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "publish never started sending"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    with TopicSize(settings, topic) as size:
+        # The child hears SIGINT whatever the suite was started from (a background job of a
+        # shell without job control inherits SIGINT ignored, and Python keeps it ignored).
+        proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.monotonic() + 120
+            while size() == 0:  # sending has started
+                assert proc.poll() is None, proc.communicate()[0]
+                assert time.monotonic() < deadline, "publish never started sending"
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGSTOP)
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGCONT)
+            output, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert proc.returncode == 130, output
     match = re.search(r"interrupted: (\d+) prompt\(s\) sent to (\S+), (\d+) not sent", output)
     assert match, output
@@ -215,28 +221,45 @@ def test_ctrl_c_on_the_cli_reports_the_rows_sent_and_a_rerun_sends_the_rest(sett
     assert len(asyncio.run(read_keys(settings.kafka, topic))) == rows
 
 
-def topic_size(settings, topic: str) -> int:
-    """Records on ``topic`` now (sum of its partitions' end offsets; 0 before it exists)."""
+class TopicSize:
+    """Records on a topic now (sum of its partitions' end offsets; 0 before it exists), asked
+    through one admin and one consumer kept open on a loop of their own, so each call is a
+    round trip or two to the broker, not a client start-up."""
 
-    async def size() -> int:
+    def __init__(self, settings, topic: str) -> None:
+        self.settings, self.topic = settings, topic
+        self.loop = asyncio.new_event_loop()
+        self.admin = self.consumer = None
+        self.parts: list = []
+
+    def __enter__(self) -> TopicSize:
+        self.loop.run_until_complete(self._start())
+        return self
+
+    async def _start(self) -> None:
+        from services.common.kafka import make_admin, make_consumer
+
+        self.admin = make_admin(self.settings.kafka)
+        self.consumer = make_consumer(self.settings.kafka, group_id=None)
+        await self.admin.start()
+        await self.consumer.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.run_until_complete(self.consumer.stop())
+        self.loop.run_until_complete(self.admin.close())
+        self.loop.close()
+
+    def __call__(self) -> int:
+        return self.loop.run_until_complete(self._size())
+
+    async def _size(self) -> int:
         from aiokafka import TopicPartition
 
-        from services.common.kafka import make_admin, make_consumer
         from services.common.topics import partitions_of
 
-        admin = make_admin(settings.kafka)
-        await admin.start()
-        try:
-            parts = (await partitions_of(admin, [topic])).get(topic, [])
-        finally:
-            await admin.close()
-        if not parts:
-            return 0
-        consumer = make_consumer(settings.kafka, group_id=None)
-        await consumer.start()
-        try:
-            return sum((await consumer.end_offsets([TopicPartition(topic, p) for p in parts])).values())
-        finally:
-            await consumer.stop()
-
-    return asyncio.run(size())
+        if not self.parts:
+            self.parts = [TopicPartition(self.topic, p)
+                          for p in (await partitions_of(self.admin, [self.topic])).get(self.topic, [])]
+            if not self.parts:
+                return 0
+        return sum((await self.consumer.end_offsets(self.parts)).values())

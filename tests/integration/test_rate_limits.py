@@ -90,13 +90,17 @@ async def test_a_rate_limited_provider_slows_the_run_and_dead_letters_nothing(
 async def test_429s_do_not_use_up_the_attempts_other_failures_have(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:
+    # 30 prompts: each is refused at least twice in a row with probability 0.6² = 0.36, so the
+    # check below that one was fails by chance once in 0.64^-30 ≈ 650,000 runs (the worker
+    # paces the random 429s to about 1.5 requests/s: each prompt costs a second or more).
+    n = 30
     sim, settings, prompts = await _limited(
-        settings_factory, sim_factory, "refused", 60, {"seed": 3, "rate_429": 0.6, "retry_after_s": 0.02},
+        settings_factory, sim_factory, "refused", n, {"seed": 3, "rate_429": 0.6, "retry_after_s": 0.02},
         max_attempts=2, concurrency=16,
     )
     await publish(settings, "refused", [(p.sample_id, encode(p)) for p in prompts])
     async with Collector(settings, "responses", "dead-letter") as out, running(settings):
-        await wait_until(lambda: len(out.finished_keys()) >= 60, timeout=120, message="60 outputs")
+        await wait_until(lambda: len(out.finished_keys()) >= n, timeout=120, message=f"{n} outputs")
     _all_answered(out, prompts)
     refusals = {k: v.count("429") for k, v in sim.stats()["key_faults"].items()}
     assert max(refusals.values()) >= 2, refusals  # more 429s than max_attempts, and still answered
