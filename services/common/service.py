@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -141,11 +142,15 @@ async def run_service(
     freeze_after_start()
     trimming = asyncio.create_task(_trim_every(memory.TRIM_EVERY_S)) if trim_memory else None
     quiet = getattr(running, "quiet", None)
-    collecting = asyncio.create_task(collect_when_quiet(quiet)) if _FREEZE_AFTER_START and callable(quiet) else None
+    collector = QuietCollector(quiet) if _FREEZE_AFTER_START and callable(quiet) else None
+    if collector is not None:
+        collector.start()
     try:
         await running.run()
     finally:
-        await release(collecting, trimming)
+        if collector is not None:
+            await asyncio.to_thread(collector.stop)
+        await release(trimming)
         await running.close()
         log.info("%s stopped", name)
 
@@ -183,17 +188,17 @@ def run_from_cli(
 # allocations (CPython's default: 700), a full collection after 50 x 100 of those.
 SERVICE_GC_THRESHOLDS = (50_000, 50, 100)
 
-# A service that says when it is quiet (:func:`collect_when_quiet`): the young generation every
+# A service that says when it is quiet (:class:`QuietCollector`): the young generation every
 # 5,000 allocations or every YOUNG_EVERY_S, whichever comes first; the older ones never by count.
 QUIET_GC_THRESHOLDS = (5_000, 1_000_000_000, 1_000_000_000)
-YOUNG_EVERY_S = 0.05
-"""How often :func:`collect_when_quiet` collects the young generation (and asks whether the service is quiet)."""
+YOUNG_EVERY_S = 0.025
+"""How often :class:`QuietCollector` collects the young generation (and asks whether the service is quiet)."""
 QUIET_FOR_S = 5.0
 """Quiet this long (an HTTP pool's idle connections closed meanwhile), a service is collected in full..."""
 QUIET_AFTER_YOUNG = 100
 """...when this many young collections ran since the last full one."""
-BUSY_COLLECT_AFTER = 3_000
-"""Young collections since the last full one after which :func:`collect_when_quiet` collects
+BUSY_COLLECT_AFTER = 6_000
+"""Young collections since the last full one after which :class:`QuietCollector` collects
 everything even while the service is busy (about 150 s: a bound on the memory cycles can hold)."""
 
 
@@ -232,8 +237,8 @@ def freeze_after_start() -> None:
         log.info("froze %d objects built at start-up out of the cycle collector's scans", gc.get_freeze_count())
 
 
-async def collect_when_quiet(quiet: Callable[[], bool]) -> None:
-    """Collect the young generation every :data:`YOUNG_EVERY_S`, the older ones when ``quiet()``.
+class QuietCollector:
+    """Collects the young generation every :data:`YOUNG_EVERY_S`, the older ones when ``quiet()``.
 
     A worker with thousands of requests in flight keeps their objects alive for seconds.
     CPython starts a young collection when allocations outnumber deallocations by its
@@ -241,22 +246,40 @@ async def collect_when_quiet(quiet: Callable[[], bool]) -> None:
     the new ones allocate: the young generation then grows, uncounted, to most of what is
     in flight, and its collection scans all of it (hundreds of ms) while holding the
     interpreter lock, the halt follower's thread included. Collected on a clock, the young
-    generation holds only what the last ``YOUNG_EVERY_S`` allocated. What survives is
-    freed by reference counting when its request ends; only cycles need an older
-    collection, which scans everything alive: it runs once the service has been
+    generation holds only what the last ``YOUNG_EVERY_S`` allocated. The clock is a thread
+    of its own: an event loop saturated by thousands of requests runs a timer late, by
+    as long as one of its iterations takes.
+
+    What survives is freed by reference counting when its request ends; only cycles need
+    an older collection, which scans everything alive: it runs once the service has been
     ``quiet()`` for :data:`QUIET_FOR_S` (little alive, a short collection), or, busy for
     long, after :data:`BUSY_COLLECT_AFTER` young collections, whatever it costs.
     """
-    gc.set_threshold(*QUIET_GC_THRESHOLDS)
-    loop = asyncio.get_running_loop()
-    quiet_since: float | None = None
-    try:
-        while True:
-            await asyncio.sleep(YOUNG_EVERY_S)
+
+    def __init__(self, quiet: Callable[[], bool]) -> None:
+        self._quiet = quiet
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cycle-collector", daemon=True)
+
+    def start(self) -> None:
+        """Take the collector's thresholds and start the clock."""
+        gc.set_threshold(*QUIET_GC_THRESHOLDS)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the clock (blocks for up to one tick) and give the count-based thresholds back."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        gc.set_threshold(*SERVICE_GC_THRESHOLDS)
+
+    def _run(self) -> None:
+        quiet_since: float | None = None
+        while not self._stopping.wait(YOUNG_EVERY_S):
             gc.collect(0)
             young = gc.get_count()[1]  # young collections since the last older one
-            now = loop.time()
-            if not quiet():
+            now = time.monotonic()
+            if not self._quiet():
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = now
@@ -265,8 +288,6 @@ async def collect_when_quiet(quiet: Callable[[], bool]) -> None:
             elif young >= BUSY_COLLECT_AFTER:
                 log.info("collecting every generation while busy (%d young collections since the last)", young)
                 gc.collect()
-    finally:
-        gc.set_threshold(*SERVICE_GC_THRESHOLDS)
 
 
 SLOW_COLLECTION_S = 0.05

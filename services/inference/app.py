@@ -121,7 +121,7 @@ class InferenceWorker:
 
     def quiet(self) -> bool:
         """Whether few prompts are in flight (halted, idle, or between bursts): a full cycle
-        collection is short now (``services.common.service.collect_when_quiet``)."""
+        collection is short now (``services.common.service.QuietCollector``)."""
         return len(self.inflight) <= max(QUIET_INFLIGHT, self.settings.provider.concurrency // 100)
 
     def assigned_partitions(self) -> set[TopicPartition]:

@@ -137,7 +137,8 @@ async def test_the_older_generations_are_collected_when_quiet_and_not_while_busy
     gone = weakref.ref(node)
     gc.collect(0)  # the node outlives a young collection: an older generation holds it now
     del node
-    task = asyncio.create_task(service.collect_when_quiet(lambda: state["quiet"]))
+    collector = service.QuietCollector(lambda: state["quiet"])
+    collector.start()
     try:
         await asyncio.sleep(0.2)
         assert gc.get_threshold() == service.QUIET_GC_THRESHOLDS
@@ -149,8 +150,7 @@ async def test_the_older_generations_are_collected_when_quiet_and_not_while_busy
             await asyncio.sleep(0.01)
         assert gone() is None
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        collector.stop()
     assert gc.get_threshold() == service.SERVICE_GC_THRESHOLDS
     gc.set_threshold(*before)
 
@@ -169,7 +169,8 @@ async def test_a_busy_service_is_collected_after_the_bound(monkeypatch: pytest.M
     gone = weakref.ref(node)
     gc.collect(0)
     del node
-    task = asyncio.create_task(service.collect_when_quiet(lambda: False))
+    collector = service.QuietCollector(lambda: False)
+    collector.start()
     try:
         for _ in range(300):
             if gone() is None:
@@ -177,6 +178,5 @@ async def test_a_busy_service_is_collected_after_the_bound(monkeypatch: pytest.M
             await asyncio.sleep(0.01)
         assert gone() is None
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        collector.stop()
         gc.set_threshold(*before)
