@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 QUIET_INFLIGHT = 16
-"""Prompts in flight at or below which the worker counts as quiet (or 1 % of its concurrency, if more)."""
+"""Requests at the provider at or below which the worker counts as quiet (or 1 % of its concurrency, if more)."""
 
 ProbeHook = Callable[[Settings, Answerer, ResponseStore, Provider, HaltFollower], Awaitable[object]]
 """``[inference] probe_first``: probes each dataset through the worker's own parts before it consumes
@@ -120,9 +120,10 @@ class InferenceWorker:
         return self.halts.scopes()
 
     def quiet(self) -> bool:
-        """Whether few prompts are in flight (halted, idle, or between bursts): a full cycle
-        collection is short now (``services.common.service.QuietCollector``)."""
-        return len(self.inflight) <= max(QUIET_INFLIGHT, self.settings.provider.concurrency // 100)
+        """Whether few requests are at the provider (halted, idle, or between bursts): a full
+        cycle collection is short now (``services.common.service.QuietCollector``). Prompts
+        held at the halt gate keep only their task alive."""
+        return self.inflight.at_provider <= max(QUIET_INFLIGHT, self.settings.provider.concurrency // 100)
 
     def assigned_partitions(self) -> set[TopicPartition]:
         """Prompt partitions this worker owns."""
