@@ -251,9 +251,9 @@ class QuietCollector:
     as long as one of its iterations takes.
 
     What survives is freed by reference counting when its request ends; only cycles need
-    an older collection, which scans everything alive: it runs once the service has been
-    ``quiet()`` for :data:`QUIET_FOR_S` (little alive, a short collection), or, busy for
-    long, after :data:`BUSY_COLLECT_AFTER` young collections, whatever it costs.
+    an older collection, which scans everything alive: it runs once in each spell of
+    ``quiet()`` that lasts :data:`QUIET_FOR_S` (little alive, a shorter collection), or,
+    busy (or idle) for long, after :data:`BUSY_COLLECT_AFTER` young collections.
     """
 
     def __init__(self, quiet: Callable[[], bool]) -> None:
@@ -275,16 +275,23 @@ class QuietCollector:
 
     def _run(self) -> None:
         quiet_since: float | None = None
+        collected = False  # this quiet spell had its full collection
         while not self._stopping.wait(YOUNG_EVERY_S):
             gc.collect(0)
             young = gc.get_count()[1]  # young collections since the last older one
             now = time.monotonic()
             if not self._quiet():
-                quiet_since = None
+                quiet_since, collected = None, False
             elif quiet_since is None:
                 quiet_since = now
-            if quiet_since is not None and now - quiet_since >= QUIET_FOR_S and young >= QUIET_AFTER_YOUNG:
+            if (
+                not collected
+                and quiet_since is not None
+                and now - quiet_since >= QUIET_FOR_S
+                and young >= QUIET_AFTER_YOUNG
+            ):
                 gc.collect()
+                collected = True
             elif young >= BUSY_COLLECT_AFTER:
                 log.info("collecting every generation while busy (%d young collections since the last)", young)
                 gc.collect()

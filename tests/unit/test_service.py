@@ -149,6 +149,18 @@ async def test_the_older_generations_are_collected_when_quiet_and_not_while_busy
                 break
             await asyncio.sleep(0.01)
         assert gone() is None
+        full: list[int] = []
+
+        def count(phase: str, info: dict[str, int]) -> None:
+            if phase == "stop" and info["generation"] == 2:
+                full.append(1)
+
+        gc.callbacks.append(count)
+        try:
+            await asyncio.sleep(0.3)  # the same quiet spell: its one full collection ran
+        finally:
+            gc.callbacks.remove(count)
+        assert full == []
     finally:
         collector.stop()
     assert gc.get_threshold() == service.SERVICE_GC_THRESHOLDS
