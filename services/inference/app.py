@@ -69,6 +69,9 @@ from services.inference.store import ResponseStore, open_store
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+QUIET_INFLIGHT = 16
+"""Requests at the provider at or below which the worker counts as quiet (or 1 % of its concurrency, if more)."""
+
 ProbeHook = Callable[[Settings, Answerer, ResponseStore, Provider, HaltFollower], Awaitable[object]]
 """``[inference] probe_first``: probes each dataset through the worker's own parts before it consumes
 (``services.probe.app.probe_first``, plugged in by whoever builds the worker, so this module never
@@ -116,6 +119,12 @@ class InferenceWorker:
     def halted_scopes(self) -> list[str]:
         """Scopes currently halted, as this worker sees them."""
         return self.halts.scopes()
+
+    def quiet(self) -> bool:
+        """Whether few requests are at the provider (halted, idle, or between bursts): a full
+        cycle collection is short now (``services.common.service.QuietCollector``). Prompts
+        held at the halt gate keep only their task alive."""
+        return self.inflight.at_provider <= max(QUIET_INFLIGHT, self.settings.provider.concurrency // 100)
 
     def assigned_partitions(self) -> set[TopicPartition]:
         """Prompt partitions this worker owns."""

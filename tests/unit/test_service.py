@@ -104,5 +104,92 @@ def test_a_slow_cycle_collection_is_logged_and_a_quick_one_is_not(caplog: pytest
             gc.callbacks.append(service._SLOW.on_phase)  # noqa: SLF001
         gc.enable()
     lines = [r.getMessage() for r in caplog.records if "cycle collection of generation 2" in r.getMessage()]
-    assert len(lines) == 1 and re.fullmatch(r"cycle collection of generation 2 took \d+ ms \(\d+ collected\)", lines[0])
+    assert len(lines) == 1 and re.fullmatch(
+        r"cycle collection of generation 2 took \d+ ms \(\d+ ms of CPU; \d+ collected\)", lines[0]
+    )
     del cycles
+
+
+class _Node:
+    """A cycle: the node refers to itself."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+async def test_the_older_generations_are_collected_when_quiet_and_not_while_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cycle that outlived a young collection is found only by an older one: while the service
+    is busy none runs (below the bound), once it has been quiet one does; the thresholds come back."""
+    import gc
+    import threading
+    import weakref
+
+    from services.common import service
+
+    monkeypatch.setattr(service, "YOUNG_EVERY_S", 0.01)
+    monkeypatch.setattr(service, "QUIET_FOR_S", 0.05)
+    monkeypatch.setattr(service, "QUIET_AFTER_YOUNG", 1)
+    monkeypatch.setattr(service, "BUSY_COLLECT_AFTER", 1_000_000)
+    before = gc.get_threshold()
+    state = {"quiet": False}
+    node = _Node()
+    gone = weakref.ref(node)
+    gc.collect(0)  # the node outlives a young collection: an older generation holds it now
+    del node
+    collector = service.QuietCollector(lambda: state["quiet"])
+    full: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        # Only the collector's own: another thread of the test process may collect meanwhile.
+        if phase == "stop" and info["generation"] == 2 and threading.current_thread() is collector_thread:
+            full.append(1)
+
+    collector_thread = collector._thread  # noqa: SLF001 - whose collections are counted
+    gc.callbacks.append(count)
+    collector.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert gc.get_threshold() == service.QUIET_GC_THRESHOLDS
+        assert full == []  # busy: no full collection (the cycle waits for one)
+        state["quiet"] = True
+        for _ in range(500):
+            if full:
+                break
+            await asyncio.sleep(0.01)
+        assert gone() is None
+        await asyncio.sleep(0.3)  # the same quiet spell: its one full collection ran
+        assert full == [1]
+    finally:
+        collector.stop()
+        gc.callbacks.remove(count)
+    assert gc.get_threshold() == service.SERVICE_GC_THRESHOLDS
+    gc.set_threshold(*before)
+
+
+async def test_a_busy_service_is_collected_after_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never quiet: the older generations are collected once the young collections (one a tick) pass the bound."""
+    import gc
+    import weakref
+
+    from services.common import service
+
+    monkeypatch.setattr(service, "YOUNG_EVERY_S", 0.01)
+    monkeypatch.setattr(service, "BUSY_COLLECT_AFTER", 20)
+    before = gc.get_threshold()
+    node = _Node()
+    gone = weakref.ref(node)
+    gc.collect(0)
+    del node
+    collector = service.QuietCollector(lambda: False)
+    collector.start()
+    try:
+        for _ in range(300):
+            if gone() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert gone() is None
+    finally:
+        collector.stop()
+        gc.set_threshold(*before)
