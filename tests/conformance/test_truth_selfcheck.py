@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.conformance import truth as T
+from tests.conformance import truth_reference
 
 _DS_BOS, _DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -27,7 +28,7 @@ def _raw_text(case: T.Case) -> str:
 
 def test_reference_dir_missing_names_both_places(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("DRAFTSTREAM_REFERENCE_DIR", str(tmp_path / "nowhere"))
-    monkeypatch.setattr(T, "REPO_ROOT", tmp_path / "repo")
+    monkeypatch.setattr(truth_reference, "REPO_ROOT", tmp_path / "repo")
     with pytest.raises(RuntimeError, match="nowhere") as info:
         T.reference_dir()
     assert "shared/reference" in str(info.value)

@@ -46,7 +46,8 @@ from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import start_simulator
 from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
-from tests.e2e.harness import LocalBroker, Pipeline, cli, dead_letters, read_all, run_cli, sink_rows, wait_until
+from tests.e2e.brokers import LocalBroker
+from tests.e2e.harness import Pipeline, cli, dead_letters, read_all, run_cli, sink_rows, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_broker]
 

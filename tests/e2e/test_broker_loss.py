@@ -36,15 +36,13 @@ import pytest
 from schemas import ACCEPTED_TOPIC, GLOBAL_SCOPE, RESPONSES_TOPIC
 from services.common.config import Settings, load_settings
 from services.common.kafka import describe_layout, ensure_topics
+from tests.e2e.brokers import LocalCluster, Supervisor, free_port
 from tests.e2e.harness import (
-    LocalCluster,
-    Supervisor,
     Tally,
     accepted_keys,
     budget_caught_up,
     cli,
     dead_letters,
-    free_port,
     pipeline_config,
     produce,
     prompt_value,

@@ -40,15 +40,13 @@ import pytest
 
 from services.common.config import load_settings
 from services.common.kafka import ensure_topics
+from tests.e2e.brokers import LocalBroker, Supervisor, free_port
 from tests.e2e.harness import (
-    LocalBroker,
-    Supervisor,
     Tally,
     accepted_keys,
     budget_caught_up,
     cli,
     dead_letters,
-    free_port,
     pipeline_config,
     produce,
     prompt_value,

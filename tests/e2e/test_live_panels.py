@@ -36,7 +36,8 @@ from services.common.config import Settings
 from services.common.kafka import ensure_topics
 from services.demo.run import DATA as DEMO_DATA
 from tests import panel_queries as pq
-from tests.e2e.harness import Processes, accepted_keys, cli, dead_letters, free_port, wait_http, wait_until
+from tests.e2e.brokers import free_port
+from tests.e2e.harness import Processes, accepted_keys, cli, dead_letters, wait_http, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.prometheus]
 

@@ -28,14 +28,13 @@ import pytest
 from services.common.config import load_settings
 from services.common.kafka import ensure_topics
 from services.publish.app import publish
+from tests.e2e.brokers import Supervisor, free_port
 from tests.e2e.harness import (
-    Supervisor,
     Tally,
     accepted_keys,
     budget_caught_up,
     cli,
     dead_letters,
-    free_port,
     pipeline_config,
     read_all,
     wait_http,

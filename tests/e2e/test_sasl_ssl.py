@@ -26,7 +26,8 @@ from services.inference.app import create_app as inference_app
 from services.publish.app import publish
 from services.simulator.app import start_simulator
 from services.simulator.options import SimulatorOptions
-from tests.e2e.harness import LocalBroker, Pipeline, Processes, cli, free_port, read_all, run_cli, wait_until
+from tests.e2e.brokers import LocalBroker, free_port
+from tests.e2e.harness import Pipeline, Processes, cli, read_all, run_cli, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_broker]
 

@@ -20,13 +20,13 @@ import pytest
 
 from services.common.config import load_settings
 from services.common.kafka import make_admin
+from tests.e2e.brokers import free_port
 from tests.e2e.harness import (
     Processes,
     accepted_keys,
     budget_caught_up,
     cli,
     dead_letters,
-    free_port,
     read_all,
     run_cli,
     run_side_by_side,
