@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -56,6 +56,26 @@ def secrets_of(settings: Settings) -> list[str]:
     return found
 
 
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stream handler on whatever ``sys.stderr`` is when a record is written.
+
+    A handler bound to the ``sys.stderr`` of the moment it was made keeps writing to that
+    stream after it is replaced and closed (a CLI run in-process under a test runner), and
+    every record then fails with a logging error printed into the new stream.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        """The stream is always the current ``sys.stderr``; what ``StreamHandler`` sets is ignored."""
+
+
 def setup_logging(settings: Settings, level: str | None = None) -> None:
     """Log to stderr with timestamps, every secret redacted.
 
@@ -63,7 +83,7 @@ def setup_logging(settings: Settings, level: str | None = None) -> None:
     name raises :class:`ConfigError` before anything is changed.
     """
     resolved = check_log_level(level if level is not None else settings.log_level)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(RedactingFilter(secrets_of(settings)))
     root = logging.getLogger()
