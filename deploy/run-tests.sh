@@ -44,7 +44,7 @@ run_piece() {  # run_piece NAME COMMAND...: run it, keep the worst status, note 
 # pyproject's addopts deselect chaos and fuzz with -m; a second -m replaces it, so both pieces repeat that.
 workers=${PYTEST_WORKERS:-4}
 run_piece "${tiers[*]} (pytest -n ${workers})" \
-  python -m pytest "${tiers[@]}" -q -p no:cacheprovider -n "${workers}" --dist worksteal \
+  python -m pytest "${tiers[@]}" -q -p no:cacheprovider -n "${workers}" --dist worksteal --durations=15 \
   -m "not chaos and not fuzz and not serial"
 run_piece "the tests marked serial, one at a time" \
   python -m pytest "${tiers[@]}" -q -p no:cacheprovider -m "serial and not chaos and not fuzz"

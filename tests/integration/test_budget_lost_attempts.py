@@ -190,8 +190,16 @@ async def test_a_budget_killed_and_restarted_rebuilds_the_lost_attempts(
             second = await worker_process(settings, 12)
             # The killed worker's lease expires and its attempts are lost; then the budget dies too.
             await wait_until(lambda: budget.ledger.lost_attempts("capped"), 30, 0.1, message="attempts lost")
-            await asyncio.sleep(0.5)  # a checkpoint or two with them
-            lost_before = {(a.worker, a.started_at) for a in budget.ledger.lost_attempts("capped")}
+            # More may be lost a moment later (the killed worker's later requests): the crash comes
+            # once the set has held for 0.5 s and a checkpoint begun after it was read has finished
+            # (checkpoints run one after another: the second one begun after the read means the first is done).
+            lost_before: set[tuple[str, float]] = set()
+            while (now := {(a.worker, a.started_at) for a in budget.ledger.lost_attempts("capped")}) != lost_before:
+                lost_before = now
+                await asyncio.sleep(0.5)
+            for _ in range(2):
+                begun = budget._last_checkpoint  # noqa: SLF001 - when the budget's last checkpoint began
+                await wait_until(lambda b=begun: budget._last_checkpoint != b, 30, 0.05, message="a checkpoint")  # noqa: SLF001
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
