@@ -53,14 +53,20 @@ def _message_text(content: Any) -> str:
     raise RequestError(f"message content must be a string or a list of parts, not {type(content).__name__}")
 
 
-def parse_request(body: bytes) -> ChatRequest:
-    """Parse and validate a chat-completions request body; raises :class:`RequestError`."""
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A request body's JSON object; raises :class:`RequestError` when it is not one."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
+    return data
+
+
+def parse_request(body: bytes) -> ChatRequest:
+    """Parse and validate a chat-completions request body; raises :class:`RequestError`."""
+    data = _json_object(body)
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list")
@@ -130,12 +136,7 @@ def parse_completion_request(body: bytes) -> tuple[ChatRequest, str]:
     is), and the tools the prompt offers natively are the request's tools: the model answers
     them with tool calls in its own format. Raises :class:`RequestError`.
     """
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise RequestError("request body must be a JSON object")
+    data = _json_object(body)
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
