@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -89,10 +90,19 @@ async def long_run(
 async def kill_mid_run(sim: Any, budget: BudgetService, settings: Settings, concurrency: int) -> int:
     """Start a worker process, SIGKILL it while requests are in flight; how many were open at the kill."""
     proc = await worker_process(settings, concurrency)
+    killed = f"{socket.gethostname()}-{proc.pid}"  # the worker id it announces its attempts with
+
+    def its_attempts_open() -> bool:
+        scope = budget.ledger.scopes.get("capped")
+        return scope is not None and scope.responses >= 3 and any(
+            held.worker == killed for held in scope.inflight.values()
+        )
+
     try:
-        await wait_until(lambda: budget.ledger.scopes.get("capped") is not None
-                         and budget.ledger.scopes["capped"].responses >= 3, 90, 0.1, message="answers before the kill")
-        await wait_until(lambda: sim.server.stats.open >= 4, 30, 0.02, message="requests open at the kill")
+        # Other workers' answers and open requests count for nothing here: the kill must land
+        # while this worker's own attempts are announced and unanswered.
+        await wait_until(lambda: its_attempts_open() and sim.server.stats.open >= 4, 90, 0.02,
+                         message=f"attempts of {killed} in flight before the kill")
         open_at_kill = int(sim.server.stats.open)
     finally:
         proc.send_signal(signal.SIGKILL)
