@@ -235,7 +235,7 @@ class ProviderCall:
                     await self._guard.halt_rate_limit()
             else:
                 if failure.http_status is not None:  # a status came back: the rate limit admitted it
-                    throttle.answered(failure.upstream, None)
+                    throttle.answered(failure.upstream, None, seq)
                 else:
                     throttle.release()
                 tries.failed += 1
@@ -259,7 +259,7 @@ class ProviderCall:
             inflight.dec()
             if sent:
                 REQUEST_LATENCY.labels(provider=provider.name).observe(latency)
-        throttle.answered(result.upstream_provider, result.usage.completion_tokens)
+        throttle.answered(result.upstream_provider, result.usage.completion_tokens, seq)
         REQUESTS.labels(provider=provider.name, outcome="ok").inc()
         outage.success(outage_seq)
         return result, number, latency, started.attempt_id

@@ -51,10 +51,12 @@ class AimdWindow:
     refusals: int = 0  # since the last cut
     plateau: float = float("inf")  # the level of the last refusal, less one
     hard_cap: int | None = None  # requests open at once the provider stated it admits
+    peak: float = 0.0  # the largest size since the last cut found to follow the pace
 
     def __post_init__(self) -> None:
         if self.size <= 0:
             self.size = float(self.ceiling)
+        self.peak = self.size
 
     @property
     def limit(self) -> int:
@@ -70,10 +72,12 @@ class AimdWindow:
                 step /= PLATEAU_SLOWDOWN
             top = self.ceiling if self.hard_cap is None else min(self.ceiling, self.hard_cap)
             self.size = min(float(top), self.size + step)
+            self.peak = max(self.peak, self.size)
 
-    def refused(self, seq: int, last_seq: int, in_flight: int | None = None) -> bool:
+    def refused(self, seq: int, last_seq: int, in_flight: int | None = None, *, sure: bool = True) -> bool:
         """A refusal of request ``seq`` (``last_seq``: the newest sent; ``in_flight``: with it, open
-        when it was refused); True when the window shrank."""
+        when it was refused; ``sure``: found to follow the pace, not merely not found otherwise);
+        True when the window shrank."""
         self.refusals += 1
         if seq <= self.cut_after:
             return False
@@ -86,7 +90,17 @@ class AimdWindow:
         self.cut_after = last_seq
         self.slow_start = False
         self.answers = self.refusals = 0
+        if sure:
+            self.peak = self.size
         return True
+
+    def undo(self, last_seq: int) -> None:
+        """A refusal found not to follow the pace: counted, no cut, and the cuts since the last
+        sure one undone (back to the peak since then); requests up to ``last_seq`` are judged."""
+        self.refusals += 1
+        self.cut_after = max(self.cut_after, last_seq)
+        top = self.ceiling if self.hard_cap is None else min(self.ceiling, self.hard_cap)
+        self.size = min(float(top), max(self.size, self.peak))
 
     def cap_at(self, count: int, seq: int, last_seq: int) -> None:
         """The provider stated it admits ``count`` open at once: the window keeps to it (until a restart)."""
@@ -214,24 +228,25 @@ class ProviderLimits:
 
     def start(self, now: float | None = None) -> int:
         """A request is sent (at ``now``: it takes its place in the pace); its sequence number."""
-        if now is not None:
-            self.pacer.take(now)
         self.in_flight += 1
         self.sent += 1
+        if now is not None:
+            self.pacer.take(now, self.sent)
         return self.sent
 
     def release(self) -> None:
         """A request ended without saying anything about the limit (another failure, or not sent)."""
         self.in_flight = max(0, self.in_flight - 1)
 
-    def answered(self, upstream: str | None, now: float | None = None) -> None:
-        """An answer (served by ``upstream`` when the reply names one): windows and pace grow, no stall."""
+    def answered(self, upstream: str | None, now: float | None = None, seq: int | None = None) -> None:
+        """An answer to request ``seq`` (served by ``upstream`` when the reply names one): windows
+        and pace grow, no stall."""
         self.release()
         self.windows[KEY_SCOPE].answered(self.in_flight + 1)
         if upstream:
             self.window(upstream).answered(self.in_flight + 1)
         if now is not None:
-            self.pacer.answered(upstream, now)
+            self.pacer.answered(upstream, now, seq)
         self.stall.answered()
 
     def refused(
@@ -262,8 +277,14 @@ class ProviderLimits:
         # A refusal stating no rate where one was stated is about another limit (requests open
         # at once): the window is cut from what was open.
         other = stated_rps is None and self.pacer.stated_fresh(upstream, now)
-        window.refused(seq, self.sent, open_with_it if other else None)
-        self.pacer.refused(seq, self.sent, now, upstream, stated_rps)
+        # Refusals that do not follow the pace (a share of everything refused, whatever the
+        # pace) cut neither the window nor the pace: sending slower would not refuse fewer.
+        follows = True if stated_rps is not None else self.pacer.judge(seq, now)
+        if follows is False and not other:
+            window.undo(self.sent)
+        else:
+            window.refused(seq, self.sent, open_with_it if other else None, sure=follows is True or other)
+        self.pacer.refused(seq, self.sent, now, upstream, stated_rps, follows=follows)
         self.stall.refused(now)
         added = self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
         self.pacer.resume_at(max(now, self.pause.until))

@@ -14,6 +14,15 @@ evenly at the rate the key admits, alongside the window of :mod:`services.infere
   limit the provider states (``X-RateLimit-*`` / ``RateLimit-*`` headers, OpenRouter's
   ``GET /key``) caps the estimate for ``STATED_HOLD_S`` and seeds it when nothing is known.
   Before anything is known a scope is not paced.
+- Only refusals that follow the pace cut it (:meth:`Pacer.follows_pace`): every outcome is kept
+  for ``HISTORY_S`` with the rate requests were being started at when it was sent; the
+  outcomes sent at the higher half of those rates must be refused significantly more often
+  than those sent at the lower half (a one-sided two-proportion test at ``FOLLOWS_Z``). A
+  rate limit refuses more of a faster pace; an overloaded upstream that refuses a share of
+  everything does not, and cutting for it only slows the run (the share stays the same).
+  With too few outcomes, or rates too close to tell apart, a refusal cuts as before; once
+  refusals are found not to follow the pace, the cuts made since the last one that was
+  found to follow it are undone (the estimate goes back to its peak since then).
 - :class:`TokenBucket` sends at the combined rate (the key's estimate, within what the
   upstreams estimated so far take together, within ``requests_per_minute``) with a burst of
   one request, so it never catches up in a burst after a delay. After a ``Retry-After``
@@ -50,9 +59,21 @@ RAMP_START = 4
 RAMP_DOUBLING_S = 0.1
 RAMP_END = 1 << 20
 MEASURE_S = 1.0
-"""A refusal with nothing known cuts from the rate requests were started at over this long."""
+"""A refusal with nothing known cuts from the rate requests were started at over this long..."""
+MIN_SPAN_S = 0.05
+"""...or since the first request, while that is shorter (but at least this long)."""
 BURST = 1.0
 """Requests the bucket lets go at once: one (no catching up after a delay)."""
+HISTORY_S = 10.0
+"""How long an outcome (answered or refused, and the rate it was sent at) counts towards :meth:`Pacer.follows_pace`."""
+HISTORY_MAX = 4096
+"""At most this many outcomes are kept (the newest)."""
+MIN_HALF = 15
+"""Outcomes each half needs before refusals are judged not to follow the pace."""
+MIN_SPREAD = 1.15
+"""The higher half's mean rate over the lower half's below this: too close to tell apart."""
+FOLLOWS_Z = 2.0
+"""How many standard errors more refused the faster half must be for refusals to follow the pace."""
 _EPS = 1e-9  # a token refilled in float steps counts whole
 
 
@@ -66,6 +87,7 @@ class RateEstimate:
     stated_at: float = -math.inf
     slow_start: bool = True
     cut_after: int = 0
+    peak: float | None = None  # the highest rate since the last cut found to follow the pace
 
     def _cap(self, now: float) -> float | None:
         caps = [c for c in (self.ceiling, self.stated if now - self.stated_at < STATED_HOLD_S else None) if c]
@@ -88,20 +110,33 @@ class RateEstimate:
         step = 1.0 if self.slow_start else max(MIN_STEP_RPS, STEP_SHARE * self.rate) / self.rate
         self.rate += step
         self._clamp(now)
+        self.peak = max(self.peak or 0.0, self.rate)
 
-    def refused(self, seq: int, last_seq: int, now: float, sent_rate: float) -> bool:
-        """Request ``seq`` was refused (``last_seq``: the newest sent; ``sent_rate``: the pace it was sent at).
+    def refused(self, seq: int, last_seq: int, now: float, sent_rate: float, *, sure: bool = True) -> bool:
+        """Request ``seq`` was refused (``last_seq``: the newest sent; ``sent_rate``: the pace it was sent at;
+        ``sure``: refusals were found to follow the pace, not merely not found otherwise).
 
         Returns True when the estimate was cut (once per round).
         """
         if seq <= self.cut_after:
             return False
         self.cut_after = last_seq
+        if self.peak is None:
+            self.peak = sent_rate if self.rate is None else max(self.rate, sent_rate)
         base = sent_rate if self.rate is None else min(self.rate, sent_rate)
         self.rate = max(MIN_RATE_RPS, BACKOFF * base)
         self.slow_start = False
         self._clamp(now)
+        if sure:
+            self.peak = self.rate
         return True
+
+    def undo(self, last_seq: int, now: float) -> None:
+        """Refusals were found not to follow the pace: back to the peak (requests up to ``last_seq`` are judged)."""
+        self.cut_after = max(self.cut_after, last_seq)
+        if self.rate is not None and self.peak is not None and self.peak > self.rate:
+            self.rate = self.peak
+            self._clamp(now)
 
     def restart(self) -> None:
         """Grow fast again (after a stall was lifted: where the limit now lies is not known)."""
@@ -198,8 +233,11 @@ class Pacer:
     bucket: TokenBucket = field(default_factory=TokenBucket)
     ramp: Ramp = field(default_factory=Ramp)
     key_scope: str = "key"
-    starts: deque[float] = field(default_factory=deque)  # start times within MEASURE_S, while unpaced
+    starts: deque[float] = field(default_factory=deque)  # start times within MEASURE_S
+    first_start: float | None = None
     paced: bool = False  # some estimate has a rate (until then nothing is paced: the fast path)
+    sent_rates: dict[int, tuple[float, float]] = field(default_factory=dict)  # seq -> (sent at, the rate then)
+    outcomes: deque[tuple[float, float, bool, float]] = field(default_factory=deque)  # (sent at, rate, refused, took)
 
     def estimate(self, scope: str | None) -> RateEstimate:
         """The estimate of ``scope`` (None: the key's own), made on first sight."""
@@ -235,36 +273,101 @@ class Pacer:
         self._sync(now)
         return self.bucket.wait_s(now)
 
-    def take(self, now: float) -> None:
-        """A request goes now."""
+    def take(self, now: float, seq: int | None = None) -> None:
+        """Request ``seq`` goes now."""
         self._sync(now)
         self.bucket.take(now)
-        if self.bucket.rate is None:
-            starts = self.starts
-            starts.append(now)
-            while starts[0] < now - MEASURE_S:
-                starts.popleft()
+        starts = self.starts
+        if self.first_start is None:
+            self.first_start = now
+        starts.append(now)
+        while starts[0] < now - MEASURE_S:
+            starts.popleft()
+        if seq is not None:
+            rates = self.sent_rates
+            rates[seq] = (now, self._started_rate(now))
+            if len(rates) > 4 * HISTORY_MAX:  # requests that ended saying nothing (released) leave theirs
+                for old in list(rates)[: 2 * HISTORY_MAX]:
+                    del rates[old]
+
+    def _outcome(self, seq: int | None, now: float, refused: bool) -> None:
+        sent = self.sent_rates.pop(seq, None) if seq is not None else None
+        if sent is None:
+            return
+        outcomes = self.outcomes
+        outcomes.append((sent[0], sent[1], refused, now - sent[0]))
+        while outcomes and (outcomes[0][0] < now - HISTORY_S or len(outcomes) > HISTORY_MAX):
+            outcomes.popleft()
+
+    def follows_pace(self, now: float) -> bool | None:
+        """Whether the refusals of the last ``HISTORY_S`` follow the pace (None: it cannot be told).
+
+        The requests sent over that time whose outcomes are all in (sent longer ago than the
+        slowest outcome took: a refusal comes back sooner than an answer, and counting the
+        newest requests would count their refusals before their answers) split in halves by
+        the rate they were sent at: refusals follow the pace when the faster half was refused
+        more often than the slower half by ``FOLLOWS_Z`` standard errors (pooled
+        two-proportion test).
+        """
+        settle = max((o[3] for o in self.outcomes), default=0.0)
+        outcomes = [o for o in self.outcomes if now - HISTORY_S <= o[0] <= now - settle]
+        if len(outcomes) < 2 * MIN_HALF:
+            return None
+        outcomes.sort(key=lambda o: o[1])
+        half = len(outcomes) // 2
+        low, high = outcomes[:half], outcomes[half:]
+        low_rate, high_rate = (sum(o[1] for o in part) / len(part) for part in (low, high))
+        if high_rate < MIN_SPREAD * low_rate:
+            return None
+        low_refused, high_refused = (sum(1 for o in part if o[2]) for part in (low, high))
+        pooled = (low_refused + high_refused) / len(outcomes)
+        if pooled <= 0.0 or pooled >= 1.0:
+            return None
+        error = math.sqrt(pooled * (1.0 - pooled) * (1.0 / len(low) + 1.0 / len(high)))
+        return high_refused / len(high) - low_refused / len(low) > FOLLOWS_Z * error
 
     def _started_rate(self, now: float) -> float:
-        """Requests a second started over the last ``MEASURE_S`` (what an unpaced worker sent at)."""
-        return max(MIN_RATE_RPS, sum(1 for t in self.starts if t >= now - MEASURE_S) / MEASURE_S)
+        """Requests a second started over the last ``MEASURE_S`` (what an unpaced worker sent at);
+        over the time since the first start while that is shorter (at least ``MIN_SPAN_S``)."""
+        if self.first_start is None:
+            return MIN_RATE_RPS
+        span = max(MIN_SPAN_S, min(MEASURE_S, now - self.first_start))
+        return max(MIN_RATE_RPS, sum(1 for t in self.starts if t >= now - span) / span)
 
     def ramp_cap(self, now: float) -> int | None:
         """Requests that may be in flight while the start-up ramp lasts (None: no ramp)."""
         return self.ramp.cap(now)
 
-    def answered(self, upstream: str | None, now: float) -> None:
-        """An answer: the key's estimate grows, and the upstream's that served it."""
+    def answered(self, upstream: str | None, now: float, seq: int | None = None) -> None:
+        """An answer to request ``seq``: the key's estimate grows, and the upstream's that served it."""
+        self._outcome(seq, now, refused=False)
         if not self.paced:
             return
         self.estimate(None).answered(now)
         if upstream:
             self.estimate(upstream).answered(now)
 
+    def judge(self, seq: int, now: float) -> bool | None:
+        """Request ``seq`` got a 429: keep it as an outcome; whether refusals follow the pace (:meth:`follows_pace`)."""
+        self._outcome(seq, now, refused=True)
+        return self.follows_pace(now)
+
     def refused(
-        self, seq: int, last_seq: int, now: float, upstream: str | None = None, stated_rps: float | None = None
+        self,
+        seq: int,
+        last_seq: int,
+        now: float,
+        upstream: str | None = None,
+        stated_rps: float | None = None,
+        *,
+        follows: bool | None = True,
     ) -> bool:
-        """Request ``seq`` got a 429 (naming ``upstream``, stating ``stated_rps``); True when the pace was cut."""
+        """Request ``seq`` got a 429 (naming ``upstream``, stating ``stated_rps``); True when the pace was cut.
+
+        ``follows``: what :meth:`judge` said of it. A refusal stating no rate, when refusals do
+        not follow the pace, cuts nothing and undoes the cuts since the last sure one; a later
+        one is judged afresh.
+        """
         sent_rate = self.bucket.rate if self.bucket.rate is not None else self._started_rate(now)
         self.ramp.over = True
         self.paced = True
@@ -277,8 +380,11 @@ class Pacer:
         if stated_rps is not None and estimate.rate is None:
             estimate.state(stated_rps, now)
             cut = True
+        elif stated_rps is None and follows is False:
+            estimate.undo(last_seq, now)
+            cut = False
         else:
-            cut = estimate.refused(seq, last_seq, now, sent_rate)
+            cut = estimate.refused(seq, last_seq, now, sent_rate, sure=follows is True or stated_rps is not None)
             estimate.state(stated_rps, now)
         self._sync(now)
         return cut

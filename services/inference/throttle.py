@@ -126,9 +126,9 @@ class ProviderThrottle:
             raise
         return seq
 
-    def answered(self, upstream: str | None, completion_tokens: int | None) -> None:
-        """The request was answered (by ``upstream`` when the reply names one)."""
-        self.limits.answered(upstream, self._clock())
+    def answered(self, upstream: str | None, completion_tokens: int | None, seq: int | None = None) -> None:
+        """Request ``seq`` was answered (by ``upstream`` when the reply names one)."""
+        self.limits.answered(upstream, self._clock(), seq)
         if completion_tokens is not None:
             self._answers += 1
             self._completion_tokens += completion_tokens

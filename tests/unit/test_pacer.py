@@ -22,7 +22,8 @@ from services.inference.pacer import (
     stated_count,
     stated_rate,
 )
-from services.simulator.limits import RequestLimiter
+from services.simulator.faults import choose_transient_fault
+from services.simulator.limits import Refusal, RequestLimiter
 
 # --- the estimate -----------------------------------------------------------------------
 
@@ -136,10 +137,32 @@ def test_key_rate_reads_openrouters_key_answer() -> None:
 # --- a paced worker against a real token bucket, on one fake clock ----------------------
 
 
-def _run(limiter: RequestLimiter, prompts: int, *, latency: tuple[float, float], seed: int = 7) -> tuple[float, int]:
+class _RandomRefusals:
+    """A provider refusing a share of every request whatever the pace (the simulator's own 429 fault draw)."""
+
+    def __init__(self, share: float, retry_after_s: float, seed: int) -> None:
+        self.rng, self.rates, self.retry_after_s = random.Random(seed), {"429": share}, retry_after_s
+
+    def admit(self, now: float) -> Refusal | None:  # noqa: ARG002 - the share does not depend on the time
+        if choose_transient_fault(self.rng, self.rates) == "429":
+            return Refusal(reason="429", retry_after_s=self.retry_after_s, limit="")
+        return None
+
+    def done(self) -> None:
+        """An answer ended (nothing is counted here)."""
+
+
+def _run(
+    limiter: RequestLimiter | _RandomRefusals,
+    prompts: int,
+    *,
+    latency: tuple[float, float],
+    seed: int = 7,
+    limits: ProviderLimits | None = None,
+) -> tuple[float, int]:
     """Event-driven run of the pure policy against ``limiter``: (seconds to answer all, refusals)."""
     rng = random.Random(seed)
-    limits = ProviderLimits(ceiling=256, stall_s=60.0)
+    limits = limits or ProviderLimits(ceiling=256, stall_s=60.0)
     now, waiting, refused = 0.0, prompts, 0
     ends: list[tuple[float, int]] = []  # (answer time, seq)
     answered = 0
@@ -161,9 +184,9 @@ def _run(limiter: RequestLimiter, prompts: int, *, latency: tuple[float, float],
         step = min(nxt)
         now = max(now + 1e-4, step)
         while ends and ends[0][0] <= now:
-            ends.pop(0)
+            _, seq = ends.pop(0)
             limiter.done()
-            limits.answered(None, now)
+            limits.answered(None, now, seq)
             answered += 1
     return now, refused
 
@@ -211,3 +234,41 @@ def test_a_ramp_first_asked_long_after_it_started_is_over() -> None:
     ramp = Ramp()
     assert ramp.cap(0.0) == RAMP_START
     assert ramp.cap(10_000.0) is None  # no float overflow of 2 ** (10,000 / 0.25)
+
+
+def test_refusals_of_a_share_of_everything_do_not_pace_the_run_down() -> None:
+    """30 % refused whatever the pace (an overloaded upstream): slowing down would not refuse
+    fewer, so neither the pace nor the window is cut for them; the Retry-After pauses stand."""
+    limits = ProviderLimits(ceiling=32, stall_s=60.0)
+    elapsed, refused = _run(_RandomRefusals(0.3, 0.2, seed=3), 240, latency=(0.0, 0.2), limits=limits)
+    rate = 240 / elapsed
+    # Cut once a round, as for a rate limit, the pace fell to ~2 answers a second (~110 s here).
+    assert elapsed < 40.0, (elapsed, refused)
+    assert limits.pacer.rate is None or limits.pacer.rate > rate, (limits.pacer.rate, rate)
+
+
+def test_refusals_that_follow_the_pace_are_told_from_a_share_of_everything() -> None:
+    """The same sends, 10/s then 20/s: refusals of the faster requests only follow the pace; a
+    third of every request refused does not."""
+    for faster_only in (True, False):
+        pacer = Pacer()
+        now, seq = 0.0, 0
+        for gap, count in ((0.1, 60), (0.05, 60)):
+            for _ in range(count):
+                seq += 1
+                now += gap
+                pacer.take(now, seq)
+                refused = seq % 3 == 0 and (gap < 0.1 or not faster_only)
+                if refused:
+                    pacer.judge(seq, now + 0.01)
+                else:
+                    pacer.answered(None, now + 0.01, seq)
+        assert pacer.follows_pace(now + 1.0) is faster_only
+
+
+def test_a_young_run_is_measured_over_its_age_not_a_whole_second() -> None:
+    pacer = Pacer()
+    for i in range(10):
+        pacer.take(i * 0.01, i + 1)  # ten requests in a tenth of a second: 100 a second
+    pacer.refused(10, 10, 0.1)
+    assert pacer.rate == pytest.approx(BACKOFF * 10 / 0.1)

@@ -128,6 +128,7 @@ class _Clock:
 async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_order() -> None:
     throttle = ProviderThrottle(ProviderSettings(concurrency=2), "simulator")
     first, second = await throttle.admit(), await throttle.admit()
+    throttle.limits.pacer.first_start -= 1.0  # as if the run had begun a second ago: its last second counts
     order: list[int] = []
 
     async def one(n: int) -> None:
