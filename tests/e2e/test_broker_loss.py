@@ -112,9 +112,6 @@ class Publisher:
 
 @pytest.mark.e2e
 @pytest.mark.own_broker
-# Alone: three brokers and eight processes of its own, and a schedule in seconds (a broker down
-# 15 s, prompts published over 70 s) that a neighbour on the same cores would stretch.
-@pytest.mark.serial
 @pytest.mark.timeout(1200)
 async def test_losing_a_broker_and_the_controller_loses_nothing(tmp_path: Path, report: Callable[..., str]) -> None:
     run_dir = tmp_path / "run"
