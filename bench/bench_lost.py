@@ -45,9 +45,13 @@ REASONING = (1_200, 11_500)
 CONTENT = (500, 3_000)  # answers of 1,700-14,500 tokens
 PRICE = 2e-6  # USD per completion token, the simulator's and the budget's
 TIMEOUT_S = 30.0  # the in-flight TTL, past which a lost attempt no longer bills: (30 + 2) x 2 = 64 s
+# --quick: answers after 1-2.5 s, the TTL (4 + 2) x 2 = 12 s: the same story in a third of the time
+QUICK_LATENCY, QUICK_JITTER, QUICK_TIMEOUT_S = 1.0, 1.5, 4.0
 
 
-def _worker(prefix: str, base_url: str, concurrency: int) -> asyncio.Future[asyncio.subprocess.Process]:
+def _worker(
+    prefix: str, base_url: str, concurrency: int, timeout_s: float
+) -> asyncio.Future[asyncio.subprocess.Process]:
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -55,7 +59,7 @@ def _worker(prefix: str, base_url: str, concurrency: int) -> asyncio.Future[asyn
         "DRAFTSTREAM_KAFKA__TOPIC_PREFIX": prefix,
         "DRAFTSTREAM_PROVIDER__BASE_URL": base_url,
         "DRAFTSTREAM_PROVIDER__CONCURRENCY": str(concurrency),
-        "DRAFTSTREAM_PROVIDER__TIMEOUT_S": str(TIMEOUT_S),
+        "DRAFTSTREAM_PROVIDER__TIMEOUT_S": str(timeout_s),
         "DRAFTSTREAM_PROVIDER__MAX_ATTEMPTS": "2",
         "DRAFTSTREAM_PROVIDER__BACKOFF_MAX_S": "2",
         "DRAFTSTREAM_DEFAULTS__MAX_TOKENS": str(MAX_TOKENS),
@@ -97,7 +101,8 @@ async def measure(quick: bool) -> list[Result]:
     from services.budget.app import create_app as create_budget
 
     env_prompts = os.environ.get("BENCH_LOST_PROMPTS")
-    cap, concurrency, prompts, kill_after_s = (1_500_000, 64, 300, 8.0) if quick else (10_000_000, 256, 2_000, 20.0)
+    cap, concurrency, prompts, kill_after_s = (1_500_000, 64, 300, 6.0) if quick else (10_000_000, 256, 2_000, 20.0)
+    latency, jitter, timeout_s = (QUICK_LATENCY, QUICK_JITTER, QUICK_TIMEOUT_S) if quick else (4.0, 4.0, TIMEOUT_S)
     if env_prompts:  # a smaller run on a shared machine: the cap scales with the prompts
         prompts = int(env_prompts)
         cap = cap * prompts // (300 if quick else 2_000)
@@ -107,13 +112,13 @@ async def measure(quick: bool) -> list[Result]:
     with workdir("lost") as tmp, processes() as procs:
         # The simulator in a process of its own: sharing the budget's loop, its answers queued
         # behind it and timed out, which measures the machine, not the budget.
-        sim = simulator_proc(tmp, port, latency=4.0, jitter=4.0, reasoning=f"{REASONING[0]}-{REASONING[1]}",
+        sim = simulator_proc(tmp, port, latency=latency, jitter=jitter, reasoning=f"{REASONING[0]}-{REASONING[1]}",
                              content=f"{CONTENT[0]}-{CONTENT[1]}")
         procs.append(sim)
         await wait_simulator(base_url, sim)
         settings = seeds_settings(
             prefix, f"{base_url}/api/v1", cap, MAX_TOKENS,
-            provider={"concurrency": concurrency, "timeout_s": TIMEOUT_S, "max_attempts": 2, "backoff_max_s": 2.0},
+            provider={"concurrency": concurrency, "timeout_s": timeout_s, "max_attempts": 2, "backoff_max_s": 2.0},
             budget={"key_usage_interval_s": 2.0, "prices": {"qwen/qwen3-8b": {"completion": PRICE * 1e6}}},
         )
         print(f"cap {cap:,} tokens; {prompts:,} prompts; 1 worker x {concurrency} in flight x {MAX_TOKENS:,} "
@@ -125,13 +130,13 @@ async def measure(quick: bool) -> list[Result]:
         started = time.monotonic()
         workers: list[asyncio.subprocess.Process] = []
         try:
-            workers.append(await _worker(prefix, settings.provider.base_url, concurrency))
+            workers.append(await _worker(prefix, settings.provider.base_url, concurrency, timeout_s))
             await asyncio.sleep(kill_after_s)
             async with httpx.AsyncClient(timeout=30.0) as client:
                 open_at_kill = (await sim_stats(client, base_url))["open_requests"]
                 workers[0].send_signal(signal.SIGKILL)
                 await workers[0].wait()
-                workers.append(await _worker(prefix, settings.provider.base_url, concurrency))
+                workers.append(await _worker(prefix, settings.provider.base_url, concurrency, timeout_s))
                 halt = None
                 while halt is None and time.monotonic() - started < (300 if quick else 1_800):
                     halt = await _finished_at_cap(settings)

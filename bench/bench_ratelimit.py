@@ -73,8 +73,8 @@ class Shape:
 def shapes(quick: bool) -> list[Shape]:
     """The four shapes (smaller at ``--quick``)."""
     bucket = ("--rate-limit-rps", "20", "--rate-limit-burst", "5", "--max-open", "16", "--retry-after", "1")
-    window = (100, 10.0) if quick else (600, 60.0)
-    halve, restore = (5.0, 15.0) if quick else (15.0, 45.0)
+    window = (50, 5.0) if quick else (600, 60.0)
+    halve, restore, tail = (5.0, 15.0, 3.0) if quick else (15.0, 45.0, 10.0)
     return [
         Shape("bucket", bucket, 20.0, 100 if quick else 300),
         Shape(
@@ -91,7 +91,7 @@ def shapes(quick: bool) -> list[Shape]:
             "halved",
             ("--rate-limit-rps", "20", "--rate-limit-burst", "5", "--rate-limit-schedule", f"{halve}:0.5,{restore}:1"),
             20.0,
-            int(20 * halve + 10 * (restore - halve) + 20 * 10),
+            int(20 * halve + 10 * (restore - halve) + 20 * tail),
             halve,
             restore,
         ),
@@ -174,11 +174,15 @@ def reconverged_after(samples: list[tuple[float, int]], change: float, until: fl
 
 
 async def measure(quick: bool) -> list[Result]:
-    """Every shape against a fresh simulator and worker."""
+    """Every shape against a fresh simulator and worker (at ``--quick`` all at once: the figures
+    at that size only show the benchmark runs)."""
     rows: list[Result] = []
     with workdir("ratelimit") as work:
-        for shape in shapes(quick):
-            run = await run_shape(work, shape)
+        if quick:
+            runs = await asyncio.gather(*(run_shape(work, shape) for shape in shapes(quick)))
+        else:
+            runs = [await run_shape(work, shape) for shape in shapes(quick)]
+        for shape, run in zip(shapes(quick), runs, strict=True):
             samples, ok, refused, dead = run["progress"], run["ok"], run["refused"], run["dead"]
             elapsed = samples[-1][0] if samples else 0.0
             limit = shape.limit

@@ -1,9 +1,11 @@
 """Run every benchmark (each in its own process), print one table, write bench/results.json.
 
-``python -m bench.run [--quick] [--only NAME ...]``. Exit status: 2 when a benchmark
-crashed (or produced no figures), else 0: a missed target is a finding reported in the
-table, not a crash (at quick sizes the tiny inputs make the ratios meaningless anyway;
-that run only proves the benchmarks still work).
+``python -m bench.run [--quick] [--jobs N] [--only NAME ...]``. Exit status: 2 when a
+benchmark crashed (or produced no figures), else 0: a missed target is a finding reported in
+the table, not a crash (at quick sizes the tiny inputs make the ratios meaningless anyway;
+that run only proves the benchmarks still work, so ``--quick`` runs three at a time and
+prints each one's output when it ends; a full run takes them one by one, each on a machine
+no other benchmark loads).
 """
 
 from __future__ import annotations
@@ -14,33 +16,49 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+# The longest first: run side by side, the last to start sets the end.
 BENCHMARKS: tuple[tuple[str, str], ...] = (
-    ("reconstruct", "bench.bench_reconstruct"),
-    ("e2e", "bench.bench_e2e"),
-    ("concurrency", "bench.bench_concurrency"),
-    ("halt", "bench.bench_halt"),
-    ("scaleout", "bench.bench_scaleout"),
-    ("ratelimit", "bench.bench_ratelimit"),
-    ("headroom", "bench.bench_headroom"),
     ("lost", "bench.bench_lost"),
+    ("ratelimit", "bench.bench_ratelimit"),
+    ("e2e", "bench.bench_e2e"),
+    ("headroom", "bench.bench_headroom"),
+    ("scaleout", "bench.bench_scaleout"),
+    ("halt", "bench.bench_halt"),
+    ("concurrency", "bench.bench_concurrency"),
+    ("reconstruct", "bench.bench_reconstruct"),
 )
 KEYS = ("name", "value", "reference", "ratio", "spread", "target", "met")
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
-def run_one(module: str, quick: bool) -> tuple[list[dict[str, Any]], str | None]:
-    """Run one benchmark module as a child process; (rows, error or None)."""
+def run_one(name: str, module: str, quick: bool, *, capture: bool) -> tuple[list[dict[str, Any]], str | None]:
+    """Run one benchmark module as a child process; (rows, error or None).
+
+    With ``capture`` its output is printed in one piece when it ends (benchmarks running side
+    by side), else as it comes.
+    """
+    t0 = time.monotonic()
+    header = f"\n=== {name} ({module}{' --quick' if quick else ''}) ==="
+    if not capture:
+        print(header, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         out = Path(tmp) / "result.json"
         argv = [sys.executable, "-m", module, "--result-file", str(out)]
         if quick:
             argv.append("--quick")
-        code = subprocess.call(argv, cwd=Path(__file__).resolve().parent.parent)  # noqa: S603 - our modules
-        if code != 0 or not out.is_file():
-            return [], f"{module} exited with status {code}"
+        child = subprocess.run(  # noqa: S603 - our modules
+            argv, cwd=Path(__file__).resolve().parent.parent, check=False, text=True,
+            stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None,
+        )
+        if capture:
+            print(f"{header}\n{child.stdout.rstrip()}", flush=True)
+        print(f"=== {name}: {time.monotonic() - t0:.0f}s ===", flush=True)
+        if child.returncode != 0 or not out.is_file():
+            return [], f"{module} exited with status {child.returncode}"
         rows: list[dict[str, Any]] = json.loads(out.read_text())
         return rows, None
 
@@ -64,17 +82,18 @@ def main() -> int:
     """Run the selected benchmarks and report."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: proves the benchmarks run")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="benchmarks run side by side (default 3 with --quick, else 1)")
     parser.add_argument("--only", nargs="*", choices=[name for name, _ in BENCHMARKS], help="run only these")
     args = parser.parse_args()
+    jobs = max(1, args.jobs if args.jobs is not None else 3 if args.quick else 1)
     selected = [(n, m) for n, m in BENCHMARKS if not args.only or n in args.only]
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     started = time.monotonic()
-    for name, module in selected:
-        print(f"\n=== {name} ({module}{' --quick' if args.quick else ''}) ===", flush=True)
-        t0 = time.monotonic()
-        got, error = run_one(module, args.quick)
-        print(f"=== {name}: {time.monotonic() - t0:.0f}s ===", flush=True)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        outcomes = list(pool.map(lambda nm: run_one(*nm, args.quick, capture=jobs > 1), selected))
+    for got, error in outcomes:  # the table keeps the benchmarks' order, whichever ended first
         rows.extend(got)
         if error:
             errors.append(error)
