@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,7 +45,7 @@ from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import start_simulator
 from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
-from tests.e2e.brokers import LocalBroker
+from tests.e2e.brokers import LocalBroker, free_port_block
 from tests.e2e.harness import Pipeline, cli, dead_letters, read_all, run_cli, sink_rows, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_broker]
@@ -56,8 +55,6 @@ INTRUDER = "intruder"  # reads samples in the audit group, may not write accepte
 SERVICE_ROLES = [name for name in ROLES if name != ADMIN_ROLE]
 DATASET = "acl"
 N = 16
-# Ports of this module's broker and simulator (kept apart from other test sessions).
-PORT_RANGE = range(int(os.environ.get("DRAFTSTREAM_ACL_TEST_PORT", "36000")), 36200)
 
 # One topic each role may not write and one it may not read (logical names).
 FORBIDDEN: dict[str, tuple[str, str]] = {
@@ -76,18 +73,10 @@ FORBIDDEN: dict[str, tuple[str, str]] = {
 
 
 def _ports(n: int) -> list[int]:
-    """``n`` free ports from PORT_RANGE."""
-    found: list[int] = []
-    for port in PORT_RANGE:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        found.append(port)
-        if len(found) == n:
-            return found
-    raise RuntimeError(f"fewer than {n} free ports in {PORT_RANGE}")
+    """``n`` consecutive ports free right now, from a random place (two sessions setting this
+    module up at once do not pick the same ones; ``DRAFTSTREAM_TEST_PORTS`` bounds them)."""
+    base = free_port_block(n)
+    return list(range(base, base + n))
 
 
 @pytest.fixture(scope="module")
