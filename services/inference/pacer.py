@@ -281,11 +281,10 @@ class Pacer:
         if self.first_start is None:
             self.first_start = now
         starts.append(now)
-        while starts[0] < now - MEASURE_S:
-            starts.popleft()
+        started_rate = self._started_rate(now)  # (drops the starts older than MEASURE_S)
         if seq is not None:
             rates = self.sent_rates
-            rates[seq] = (now, self._started_rate(now))
+            rates[seq] = (now, started_rate)
             if len(rates) > 4 * HISTORY_MAX:  # requests that ended saying nothing (released) leave theirs
                 for old in list(rates)[: 2 * HISTORY_MAX]:
                     del rates[old]
@@ -331,8 +330,13 @@ class Pacer:
         over the time since the first start while that is shorter (at least ``MIN_SPAN_S``)."""
         if self.first_start is None:
             return MIN_RATE_RPS
+        starts = self.starts
+        while starts and starts[0] < now - MEASURE_S:
+            starts.popleft()
+        # Kept for MEASURE_S: every start left lies within the span (a run younger than that
+        # started them all since its first). O(1): this runs for every request sent.
         span = max(MIN_SPAN_S, min(MEASURE_S, now - self.first_start))
-        return max(MIN_RATE_RPS, sum(1 for t in self.starts if t >= now - span) / span)
+        return max(MIN_RATE_RPS, len(starts) / span)
 
     def ramp_cap(self, now: float) -> int | None:
         """Requests that may be in flight while the start-up ramp lasts (None: no ramp)."""
