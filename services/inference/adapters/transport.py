@@ -9,8 +9,10 @@ failure to reach the provider from its whole exception chain.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
+import functools
 import socket
 import ssl
 from collections.abc import Callable, Iterator
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 
 import aiohttp
 import httpx
+from aiohttp.client_proto import ResponseHandler
 from httpx_aiohttp import HttpxAiohttpClient
 from httpx_aiohttp.transport import AiohttpTransport
 
@@ -138,6 +141,35 @@ async def _before_first_chunk(session: aiohttp.ClientSession, ctx: SimpleNamespa
     _withhold_unless(_MAY_SEND.get())
 
 
+class _FreedOnClose(ResponseHandler):
+    """aiohttp's protocol that lets a closed connection's socket transport be freed by reference counting.
+
+    On Python 3.11 asyncio's socket transport keeps a bound method of its own (the read callback)
+    after it closed: a cycle, so every closed connection (5 objects, its socket's with them)
+    waited for a collection of the generation it had reached. A pooled connection lives for
+    seconds, so that was the oldest: the worker's full collections, which scan everything alive,
+    existed mostly for these. The callback is dropped once the connection is lost (nothing is
+    read after that). Under TLS the socket transport is the one beneath the TLS protocol.
+    """
+
+    _socket_transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Remember the socket transport (beneath TLS, if any) to break its cycle at the end."""
+        tls = getattr(transport, "_ssl_protocol", None)
+        self._socket_transport = getattr(tls, "_transport", None) or transport
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        """aiohttp's handling, then the socket transport's read callback dropped."""
+        socket_transport, self._socket_transport = self._socket_transport, None
+        try:
+            super().connection_lost(exc)
+        finally:
+            if socket_transport is not None and hasattr(socket_transport, "_read_ready_cb"):
+                socket_transport._read_ready_cb = None  # noqa: SLF001 - see the class docstring
+
+
 class _LastMomentTransport(AiohttpTransport):
     """httpx-aiohttp's transport whose session asks each request's ``may_send`` before writing it."""
 
@@ -150,6 +182,9 @@ class _LastMomentTransport(AiohttpTransport):
             limit=self.limits.max_connections or 0,
             keepalive_timeout=self.limits.keepalive_expiry,
             ssl=self.ssl_context,
+        )
+        connector._factory = functools.partial(  # type: ignore[assignment]  # noqa: SLF001 - a ResponseHandler
+            _FreedOnClose, loop=asyncio.get_running_loop()
         )
         return aiohttp.ClientSession(connector=connector, trace_configs=[trace])
 
