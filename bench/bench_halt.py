@@ -14,6 +14,7 @@ simulator after the halt was in force, and a trial in which the worker was not s
 the moment of the halt (no request stamped by the simulator from ``SENDING_S`` before it on,
 asked once the halt has settled: the simulator's loop stamps late at 10,000 in flight) is not
 counted: a frozen worker sends nothing, which the simulator alone would read as a fast stop.
+Trials run until :data:`WANTED_TRIALS` are counted or :data:`MOST_TRIALS` have run.
 The worker's cycle collections of 50 ms or more over the whole run are counted by generation. The
 responses that landed after the halt are summed in completion tokens and compared
 with the in-flight bound (concurrency x max_tokens): a worker that stops sending can
@@ -57,6 +58,10 @@ TARGET_MS = 100.0
 SENDING_S = 0.5
 """The worker counts as sending at the halt when the simulator stamped a request from this long before it on."""
 SLOW_GC_MS = 50.0
+WANTED_TRIALS = 8
+"""Trials are run until this many counted..."""
+MOST_TRIALS = 14
+"""...or this many were run."""
 
 
 async def responses_after(config: Path, marks: list[tuple[float, float]]) -> list[tuple[int, int]]:
@@ -107,7 +112,8 @@ async def measure(quick: bool) -> list[Result]:
     from services.common.kafka import make_producer
     from services.control import publish_control
 
-    concurrency, latency, jitter, trials = (100, 0.4, 0.4, 3) if quick else (10_000, 10.0, 4.0, 10)
+    concurrency, latency, jitter = (100, 0.4, 0.4) if quick else (10_000, 10.0, 4.0)
+    wanted, most = (3, 5) if quick else (WANTED_TRIALS, MOST_TRIALS)
     raise_fd_limit(concurrency + 4096)
     rng = random.Random(4)  # noqa: S311 - when to halt, not crypto
     ramp_s = 15.0 if quick else max(20.0, concurrency / 200)
@@ -149,11 +155,8 @@ async def measure(quick: bool) -> list[Result]:
             stack.push_async_callback(producer.stop)
             client = await stack.enter_async_context(httpx.AsyncClient(timeout=10.0))
 
-            budget_end = time.monotonic() + (90 if quick else 600)
-            for trial in range(trials):
-                if len(delays) >= (3 if quick else 8) and time.monotonic() > budget_end:
-                    print(f"time budget spent: stopping after {trial} trials", flush=True)
-                    break
+            trial = 0
+            while len(delays) < wanted and trial < most:
 
                 # In flight = rate x latency: the bound, or as many as the worker keeps going.
                 await ramp(client, base, concurrency, ramp_s, [worker, sim], f"trial {trial + 1}", latency)
@@ -178,28 +181,31 @@ async def measure(quick: bool) -> list[Result]:
                 delay = max(0.0, last - t_halt)
                 at_halt.append(n_inflight)
                 sending = int((await sim_stats(client, base, after=t_halt - SENDING_S))["requests_after"]) > 0
-                if trial + 1 < trials:
-                    await publish_backlog(config, work, per_trial, tag=f"t{trial + 1}-")
-                t_resume = time.time()
-                marks.append((t_halt, t_resume))
-                await publish_control(settings, Resume(scope=DATASET, reason="bench", by="bench"))
+                trial += 1
                 in_force = _in_force_ms(worker.log_path)
-                force_ms = float(in_force[-1]) if len(in_force) > trial else None
+                force_ms = float(in_force[-1]) if len(in_force) >= trial else None
                 late = force_ms is not None and last > t_halt + force_ms / 1000
                 after_in_force += int(late)
-                counted = sending and force_ms is not None
-                if counted:
-                    delays.append(max(delay, (force_ms or 0.0) / 1000))
+                if sending and force_ms is not None:
+                    delays.append(max(delay, force_ms / 1000))
+                    verdict = "counted"
                 else:
                     skipped += 1
+                    verdict = "not counted (" + (
+                        "the worker was not sending at the halt)" if force_ms is not None
+                        else "the worker logged no time the halt was in force)"
+                    )
                 print(
-                    f"trial {trial + 1}: {n_inflight} in flight at the halt; last new request "
+                    f"trial {trial}: {n_inflight} in flight at the halt; last new request "
                     f"{delay * 1000:.0f} ms after it (stamped by the simulator); in force in the worker "
                     f"{'?' if force_ms is None else f'{force_ms:.0f}'} ms after it; "
-                    f"{'a request after it was in force; ' if late else ''}"
-                    f"{'counted' if counted else 'not counted (the worker was not sending at the halt)'}",
+                    f"{'a request after it was in force; ' if late else ''}{verdict}",
                     flush=True,
                 )
+                if len(delays) < wanted and trial < most:
+                    await publish_backlog(config, work, per_trial, tag=f"t{trial}-")
+                marks.append((t_halt, time.time()))
+                await publish_control(settings, Resume(scope=DATASET, reason="bench", by="bench"))
         worker.check()
         found = re.findall(
             r"cycle collection of generation (\d) took (\d+) ms", worker.log_path.read_text(errors="replace")
@@ -236,6 +242,10 @@ async def measure(quick: bool) -> list[Result]:
             p99_ms / TARGET_MS,
             "<= 1.0",
             "ms",
+        ),
+        result(
+            f"counted halt trials (of {len(delays) + skipped} run)", float(len(delays)), float(wanted),
+            len(delays) / wanted, ">= 1.0", "trials",
         ),
         result("halt overshoot vs in-flight bound", float(worst), float(bound), worst / bound, "<= 1.0", "tokens"),
         result(
