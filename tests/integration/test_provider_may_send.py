@@ -8,6 +8,7 @@ serve). What reached the server is read from the server, not from the client.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from schemas import Message, PromptPublished
 from services.common.config import Settings, load_settings
 from services.inference.adapters.providers import Provider, make_provider
 from services.inference.adapters.transport import make_http_client
+from services.inference.calls import release_frames
 from services.inference.core import NotSent, ProviderFailure
 from services.profiles import load_profile
 from services.simulator.app import RunningSimulator, start_simulator
@@ -91,6 +93,35 @@ async def test_a_request_withheld_by_may_send_never_reaches_the_simulator(
         result = await _complete(provider, settings, "after", lambda: True)
         assert result.content or result.reasoning
         assert _chat_requests(sim) == 2
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("yes", [1, 2])
+async def test_a_withheld_request_leaves_nothing_for_the_cycle_collector(sim: RunningSimulator, yes: int) -> None:
+    # Withheld once a connection is in hand, aiohttp reports the hook's NotSent as a connection
+    # error raised from it: what reaches the caller must not close that chain into a cycle, and
+    # once the worker dropped its tracebacks nothing of it may wait for the collector (at a halt
+    # with thousands in flight, each withheld request waited for a full collection).
+    settings = _settings("simulator", f"http://{sim.host}:{sim.port}/api/v1")
+    client = make_http_client(settings)
+    try:
+        provider = make_provider(settings, client)
+        await _complete(provider, settings, "warm", lambda: True)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for i in range(20):
+                with pytest.raises(NotSent) as info:
+                    await _complete(provider, settings, f"withheld-{i}", Answers(yes))
+                release_frames(info.value)  # what the worker does with a withheld request
+            gc.collect()
+            unreachable = [type(o).__name__ for o in gc.garbage if isinstance(o, BaseException)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert unreachable == []
+        assert _chat_requests(sim) == 1
     finally:
         await client.aclose()
 

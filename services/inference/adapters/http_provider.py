@@ -77,7 +77,9 @@ class HttpProvider:
             except (httpx.TransportError, OSError) as exc:
                 withheld = next((e for e in exception_chain(exc) if isinstance(e, NotSent)), None)
                 if withheld is not None:
-                    raise withheld from None
+                    # A new one: re-raised here, the hook's own would take ``exc`` as its context,
+                    # and ``exc`` was raised from it: a cycle only the collector frees.
+                    raise NotSent(str(withheld)) from None
                 raise ProviderFailure(
                     reason=transport_reason(exc),
                     message=self._redact(f"{type(exc).__name__}: {exc}"),
