@@ -199,7 +199,13 @@ QUIET_AFTER_YOUNG = 100
 """...when this many young collections ran since the last full one."""
 BUSY_COLLECT_AFTER = 6_000
 """Young collections since the last full one after which :class:`QuietCollector` collects
-everything even while the service is busy (about 150 s: a bound on the memory cycles can hold)."""
+everything even while the service is busy (about 150 s: a bound on the memory cycles can hold)...
+"""
+CYCLES_SEEN = 10_000
+"""...once the young collections since then found this many objects in cycles (a service making
+cycles makes some that outlive a young collection, which only a full one frees)..."""
+BUSY_COLLECT_MOST = 144_000
+"""...or, whatever they found, after this many (about an hour)."""
 
 
 def collect_garbage_for_a_service() -> None:
@@ -251,19 +257,32 @@ class QuietCollector:
     as long as one of its iterations takes.
 
     What survives is freed by reference counting when its request ends; only cycles need
-    an older collection, which scans everything alive: it runs once in each spell of
-    ``quiet()`` that lasts :data:`QUIET_FOR_S` (little alive, a shorter collection), or,
-    busy (or idle) for long, after :data:`BUSY_COLLECT_AFTER` young collections.
+    an older collection, which scans everything alive (about a second at 10,000 in flight):
+    it runs once in each spell of ``quiet()`` that lasts :data:`QUIET_FOR_S` (little alive,
+    a shorter collection), or, busy (or idle) for long, after :data:`BUSY_COLLECT_AFTER`
+    young collections if those found :data:`CYCLES_SEEN` objects in cycles, else after
+    :data:`BUSY_COLLECT_MOST`: a service that makes no cycles is not stopped to look for them.
     """
 
     def __init__(self, quiet: Callable[[], bool]) -> None:
         self._quiet = quiet
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cycle-collector", daemon=True)
+        self.cycles_seen = 0
+        """Objects in cycles the young collections found since the last full collection."""
+
+    def _count(self, phase: str, info: dict[str, int]) -> None:
+        if phase != "stop":
+            return
+        if info["generation"] == 0:
+            self.cycles_seen += info["collected"]
+        elif info["generation"] == 2:
+            self.cycles_seen = 0
 
     def start(self) -> None:
         """Take the collector's thresholds and start the clock."""
         gc.set_threshold(*QUIET_GC_THRESHOLDS)
+        gc.callbacks.append(self._count)
         self._thread.start()
 
     def stop(self) -> None:
@@ -271,6 +290,8 @@ class QuietCollector:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self._count in gc.callbacks:
+            gc.callbacks.remove(self._count)
         gc.set_threshold(*SERVICE_GC_THRESHOLDS)
 
     def _run(self) -> None:
@@ -292,8 +313,11 @@ class QuietCollector:
             ):
                 gc.collect()
                 collected = True
-            elif young >= BUSY_COLLECT_AFTER:
-                log.info("collecting every generation while busy (%d young collections since the last)", young)
+            elif young >= BUSY_COLLECT_MOST or (young >= BUSY_COLLECT_AFTER and self.cycles_seen >= CYCLES_SEEN):
+                log.info(
+                    "collecting every generation while busy (%d young collections since the last, "
+                    "%d objects in cycles found by them)", young, self.cycles_seen,
+                )
                 gc.collect()
 
 

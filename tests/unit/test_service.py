@@ -168,24 +168,35 @@ async def test_the_older_generations_are_collected_when_quiet_and_not_while_busy
     gc.set_threshold(*before)
 
 
-async def test_a_busy_service_is_collected_after_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Never quiet: the older generations are collected once the young collections (one a tick) pass the bound."""
+@pytest.mark.parametrize("makes_cycles", [True, False], ids=["makes-cycles", "makes-none"])
+async def test_a_busy_service_is_collected_after_the_bound_sooner_when_it_makes_cycles(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, makes_cycles: bool
+) -> None:
+    """Never quiet: an old cycle is collected after BUSY_COLLECT_AFTER young collections when those
+    found CYCLES_SEEN objects in cycles, else only after BUSY_COLLECT_MOST."""
     import gc
+    import re
     import weakref
 
     from services.common import service
 
-    monkeypatch.setattr(service, "YOUNG_EVERY_S", 0.01)
+    monkeypatch.setattr(service, "YOUNG_EVERY_S", 0.005)
     monkeypatch.setattr(service, "BUSY_COLLECT_AFTER", 20)
+    monkeypatch.setattr(service, "CYCLES_SEEN", 1_000)
+    monkeypatch.setattr(service, "BUSY_COLLECT_MOST", 200)
     before = gc.get_threshold()
     node = _Node()
     gone = weakref.ref(node)
     gc.collect(0)
     del node
     collector = service.QuietCollector(lambda: False)
+    caplog.set_level("INFO", logger=service.log.name)
     collector.start()
     try:
-        for _ in range(300):
+        if makes_cycles:
+            for _ in range(2_000):
+                _Node()  # each a cycle the moment it is made, unreachable at once: found young
+        for _ in range(1_000):
             if gone() is None:
                 break
             await asyncio.sleep(0.01)
@@ -193,3 +204,9 @@ async def test_a_busy_service_is_collected_after_the_bound(monkeypatch: pytest.M
     finally:
         collector.stop()
         gc.set_threshold(*before)
+    young = [int(m) for m in re.findall(r"while busy \((\d+) young", caplog.text)]
+    assert young, caplog.text
+    if makes_cycles:
+        assert 20 <= young[0] < 200
+    else:
+        assert young[0] >= 200
