@@ -2,7 +2,8 @@
 
 One inference worker (its own process) keeps ``provider.concurrency`` requests in flight
 (10,000; 100 at ``--quick``)
-against a slow simulator (its own process, jittered latency so completions and refills
+against a slow simulator (its own process, real-time on a core of its own at full size where
+allowed, as a provider has machines of its own; jittered latency so completions and refills
 never stop). Each trial waits until the requests in flight at the simulator reach the
 bound (or stop growing: in flight = rate x latency, the latency is long enough at 10,000
 for the worker's rate to hold them), lets a random part of a latency pass, publishes a halt for the dataset (the record
@@ -10,7 +11,9 @@ for the worker's rate to hold them), lets a random part of a latency pass, publi
 and records, per trial, the time from just before the send to the last request that reached
 the simulator afterwards (0 when none did) **and** when the halt was in force in the worker
 (the worker logs it); the stop time is the larger of the two, no request may reach the
-simulator after the halt was in force, and a trial in which the worker was not sending at
+simulator after the halt was in force (stamped later than that by more than the simulator
+stamped a request of the bench's own sent at the halt: its loop stamps what arrives late at
+this load, on a core of its own too), and a trial in which the worker was not sending at
 the moment of the halt (no request stamped by the simulator from ``SENDING_S`` before it on,
 asked once the halt has settled: the simulator's loop stamps late at 10,000 in flight) is not
 counted: a frozen worker sends nothing, which the simulator alone would read as a fast stop.
@@ -62,6 +65,13 @@ WANTED_TRIALS = 8
 """Trials are run until this many counted..."""
 MOST_TRIALS = 14
 """...or this many were run."""
+
+
+async def stamp_lag(client: httpx.AsyncClient, base: str) -> float:
+    """Seconds from sending a request to the simulator's stamp of it (its clock where it stamps chat requests)."""
+    sent = time.time()
+    stats = await sim_stats(client, base)
+    return max(0.0, float(stats["now"]) - sent)
 
 
 async def responses_after(config: Path, marks: list[tuple[float, float]]) -> list[tuple[int, int]]:
@@ -129,8 +139,14 @@ async def measure(quick: bool) -> list[Result]:
         port = free_port()
         # Jittered latency keeps completions (and refills) going at every moment, so a halt
         # always lands while the worker is about to send new requests.
-        sim = simulator_proc(work, port, latency=latency, jitter=jitter, reasoning="20-200", content="5-40")
+        # On a core of its own (real-time, as a provider runs on machines of its own): sharing
+        # the two cores with the worker, its loop stamped requests 100 ms and more after they
+        # were written, which this benchmark would read as requests sent after a halt.
+        sim = simulator_proc(
+            work, port, latency=latency, jitter=jitter, reasoning="20-200", content="5-40", own_core=not quick
+        )
         procs.append(sim)
+        print(f"simulator on a core of its own: {'yes' if sim.own_core else 'no (not allowed here)'}", flush=True)
         base = f"http://127.0.0.1:{port}"
         config = write_config(
             work / "bench.toml",
@@ -167,6 +183,7 @@ async def measure(quick: bool) -> list[Result]:
                 # What publish_control sends, on a producer already connected: the clock
                 # starts at the send, not at a client's connection setup.
                 halt = Halt(scope=DATASET, reason="bench", by="bench", at=t_halt)
+                lag = asyncio.create_task(stamp_lag(client, base))  # how late the simulator stamps now
                 await producer.send_and_wait(control_topic, encode(halt), key=halt.scope.encode())
                 # The halt took effect once no request has arrived for QUIET_S.
                 last = t_halt
@@ -184,7 +201,10 @@ async def measure(quick: bool) -> list[Result]:
                 trial += 1
                 in_force = _in_force_ms(worker.log_path)
                 force_ms = float(in_force[-1]) if len(in_force) >= trial else None
-                late = force_ms is not None and last > t_halt + force_ms / 1000
+                # A request stamped after the halt was in force, later than the simulator's stamps
+                # lagged at the halt: written after it, not merely stamped after it.
+                stamps_late_s = await lag
+                late = force_ms is not None and last > t_halt + force_ms / 1000 + stamps_late_s
                 after_in_force += int(late)
                 if sending and force_ms is not None:
                     delays.append(max(delay, force_ms / 1000))
@@ -198,7 +218,8 @@ async def measure(quick: bool) -> list[Result]:
                 print(
                     f"trial {trial}: {n_inflight} in flight at the halt; last new request "
                     f"{delay * 1000:.0f} ms after it (stamped by the simulator); in force in the worker "
-                    f"{'?' if force_ms is None else f'{force_ms:.0f}'} ms after it; "
+                    f"{'?' if force_ms is None else f'{force_ms:.0f}'} ms after it; the simulator stamped "
+                    f"{stamps_late_s * 1000:.0f} ms late at the halt; "
                     f"{'a request after it was in force; ' if late else ''}{verdict}",
                     flush=True,
                 )
@@ -208,14 +229,17 @@ async def measure(quick: bool) -> list[Result]:
                 await publish_control(settings, Resume(scope=DATASET, reason="bench", by="bench"))
         worker.check()
         found = re.findall(
-            r"cycle collection of generation (\d) took (\d+) ms", worker.log_path.read_text(errors="replace")
+            r"cycle collection of generation (\d) took (\d+) ms \((\d+) ms of CPU",
+            worker.log_path.read_text(errors="replace"),
         )
-        pauses = [int(ms) for _, ms in found if int(ms) >= SLOW_GC_MS]
-        by_generation = {g: sum(1 for gen, ms in found if gen == g and int(ms) >= SLOW_GC_MS) for g in "012"}
+        slow = [(gen, int(ms), int(cpu)) for gen, ms, cpu in found if int(ms) >= SLOW_GC_MS]
+        pauses = [ms for _, ms, _ in slow]
         print(
             f"the worker's cycle collections of {SLOW_GC_MS:.0f} ms or more: {len(pauses)}"
             + (
-                f" (by generation {by_generation}), median {percentile(pauses, 50):.0f} ms, longest {max(pauses)} ms"
+                f" (by generation {({g: sum(1 for gen, _, _ in slow if gen == g) for g in '012'})}), "
+                f"median {percentile(pauses, 50):.0f} ms, longest {max(pauses)} ms; of CPU time: "
+                + ", ".join(f"{cpu} of {ms} ms" for _, ms, cpu in slow)
                 if pauses
                 else ""
             ),

@@ -117,9 +117,13 @@ class SimulatorServer:
 
         ``?brief=1`` leaves out the per-key tables: at tens of thousands of keys encoding them
         takes the simulator's loop tens of milliseconds, which a benchmark polling every
-        100 ms would see as provider latency and as late arrival stamps.
+        100 ms would see as provider latency and as late arrival stamps. ``now`` is the clock
+        read where a chat request is stamped (the handler's start): a caller that knows when it
+        sent this request learns how late the simulator stamps what arrives at that moment.
         """
+        now = time.time()
         snap = self.stats.snapshot(brief=request.query.get("brief") == "1")
+        snap["now"] = now
         after = request.query.get("after")
         if after is not None:
             try:
