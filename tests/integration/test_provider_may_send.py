@@ -24,6 +24,7 @@ from services.inference.core import NotSent, ProviderFailure
 from services.profiles import load_profile
 from services.simulator.app import RunningSimulator, start_simulator
 from services.simulator.options import SimulatorOptions
+from tests.bare_server import bare_server
 
 PROFILE = load_profile("qwen3")
 
@@ -140,16 +141,6 @@ async def test_a_request_that_may_go_is_asked_at_every_stage_and_sent(sim: Runni
     assert _chat_requests(sim) == 1
 
 
-async def _serve(path: str, handler: Callable[[web.Request], Any]) -> tuple[web.AppRunner, int]:
-    """A bare aiohttp server answering POST ``path`` on a free local port: (runner, port)."""
-    app = web.Application()
-    app.router.add_post(path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
-
-
 @pytest.mark.parametrize("yes", [0, 1, 2])
 async def test_sglang_withheld_by_may_send_sends_nothing(yes: int) -> None:
     received: list[str] = []
@@ -160,22 +151,21 @@ async def test_sglang_withheld_by_may_send_sends_nothing(yes: int) -> None:
         reply = {"text": "4", "output_ids": [19], "meta_info": {"finish_reason": {"type": "stop"}}}
         return web.json_response(reply)
 
-    runner, port = await _serve("/generate", generate)
-    settings = _settings("sglang", f"http://127.0.0.1:{port}")
-    client = make_http_client(settings)
-    try:
-        provider = make_provider(settings, client)
-        await _complete(provider, settings, "warm", lambda: True)
-        assert received == ["/generate"]
-        with pytest.raises(NotSent):
-            await _complete(provider, settings, "withheld", Answers(yes))
-        assert received == ["/generate"]
-        result = await _complete(provider, settings, "after", lambda: True)
-        assert result.native_output_ids == [19]
-        assert received == ["/generate", "/generate"]
-    finally:
-        await client.aclose()
-        await runner.cleanup()
+    async with bare_server("/generate", generate) as port:
+        settings = _settings("sglang", f"http://127.0.0.1:{port}")
+        client = make_http_client(settings)
+        try:
+            provider = make_provider(settings, client)
+            await _complete(provider, settings, "warm", lambda: True)
+            assert received == ["/generate"]
+            with pytest.raises(NotSent):
+                await _complete(provider, settings, "withheld", Answers(yes))
+            assert received == ["/generate"]
+            result = await _complete(provider, settings, "after", lambda: True)
+            assert result.native_output_ids == [19]
+            assert received == ["/generate", "/generate"]
+        finally:
+            await client.aclose()
 
 
 async def test_the_worker_client_keeps_no_cookie_a_provider_sets() -> None:
@@ -189,18 +179,17 @@ async def test_the_worker_client_keeps_no_cookie_a_provider_sets() -> None:
         response.set_cookie("__cf_bm", "tracking", path="/")
         return response
 
-    runner, port = await _serve("/v1/chat/completions", handler)
-    client = make_http_client(_settings("openai", f"http://127.0.0.1:{port}/v1"))
-    try:
-        for _ in range(2):
-            response = await client.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions", content=b"{}", headers={}
-            )
-            assert response.status_code == 200 and "set-cookie" in response.headers
-        assert len(client.cookies) == 0
-    finally:
-        await client.aclose()
-        await runner.cleanup()
+    async with bare_server("/v1/chat/completions", handler) as port:
+        client = make_http_client(_settings("openai", f"http://127.0.0.1:{port}/v1"))
+        try:
+            for _ in range(2):
+                response = await client.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", content=b"{}", headers={}
+                )
+                assert response.status_code == 200 and "set-cookie" in response.headers
+            assert len(client.cookies) == 0
+        finally:
+            await client.aclose()
     assert seen == [None, None]
 
 

@@ -35,6 +35,7 @@ from services.simulator.app import start_simulator
 from services.simulator.core import raw_completion_text
 from services.simulator.options import SimulatorOptions
 from services.simulator.request import parse_completion_request
+from tests.bare_server import bare_server
 from tests.conformance import truth as T
 
 CHAT_TEMPLATES = T.reference_dir() / "chat-templates"
@@ -300,24 +301,17 @@ async def test_preflight_halts_a_completions_dataset_the_provider_refuses(status
     async def refuse(request: web.Request) -> web.Response:
         return web.json_response({"error": {"code": status, "message": "no such route"}}, status=status)
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
-    settings = load_settings(None, provider={"base_url": f"http://127.0.0.1:{port}/v1", "mode": "completions"},
-                             datasets={"toolsc": {}, "chatty": {"mode": "chat"}})
-    client = make_http_client(settings)
     halts = _Halts()
-    try:
-        guard = ProviderGuard(settings, make_provider(settings, client), halts)  # type: ignore[arg-type]
-        assert await guard.check_dataset("toolsc") is False
-        assert await guard.check_dataset("chatty") is True  # chat mode: the endpoint is not needed
-    finally:
-        await client.aclose()
-        await runner.cleanup()
+    async with bare_server("/v1/completions", refuse) as port:
+        settings = load_settings(None, provider={"base_url": f"http://127.0.0.1:{port}/v1", "mode": "completions"},
+                                 datasets={"toolsc": {}, "chatty": {"mode": "chat"}})
+        client = make_http_client(settings)
+        try:
+            guard = ProviderGuard(settings, make_provider(settings, client), halts)  # type: ignore[arg-type]
+            assert await guard.check_dataset("toolsc") is False
+            assert await guard.check_dataset("chatty") is True  # chat mode: the endpoint is not needed
+        finally:
+            await client.aclose()
     (halt,) = halts.published
     assert halt.scope == "toolsc" and halt.by == "preflight"
     assert "completions mode" in halt.reason and f"HTTP {status}" in halt.reason

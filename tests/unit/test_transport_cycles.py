@@ -17,6 +17,7 @@ from aiohttp import web
 
 from services.common.config import load_settings
 from services.inference.adapters.transport import make_http_client
+from tests.bare_server import bare_server
 
 REQUESTS = 40
 
@@ -28,16 +29,8 @@ async def closing_server() -> AsyncIterator[int]:
     async def answer(request: web.Request) -> web.Response:
         return web.Response(text="ok", headers={"Connection": "close"})
 
-    app = web.Application()
-    app.router.add_post("/", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
-    finally:
-        await runner.cleanup()
+    async with bare_server("/", answer) as port:
+        yield port
 
 
 async def unreachable_client_transports(port: int, send: Callable[[], Awaitable[None]]) -> int:
