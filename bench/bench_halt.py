@@ -146,7 +146,8 @@ async def measure(quick: bool) -> list[Result]:
             work, port, latency=latency, jitter=jitter, reasoning="20-200", content="5-40", own_core=not quick
         )
         procs.append(sim)
-        print(f"simulator on a core of its own: {'yes' if sim.own_core else 'no (not allowed here)'}", flush=True)
+        shared = "no (--quick)" if quick else "no (not allowed here)"
+        print(f"simulator on a core of its own: {'yes' if sim.own_core else shared}", flush=True)
         base = f"http://127.0.0.1:{port}"
         config = write_config(
             work / "bench.toml",
