@@ -204,7 +204,7 @@ class ProviderCall:
         try:
             started = await self._announce(prompt, max_tokens, number, epoch, tries.ended)
         except BaseException:
-            throttle.release()
+            throttle.release(seq)
             raise
         inflight = INFLIGHT.labels(dataset=prompt.dataset)
         inflight.inc()
@@ -218,7 +218,7 @@ class ProviderCall:
         except NotSent as withheld:
             release_frames(withheld)
             sent = False  # withheld at the last moment: no latency, no outcome to count
-            throttle.release()
+            throttle.release(seq)
             await self._withdraw(started)
             raise
         except ProviderFailure as failure:
@@ -237,7 +237,7 @@ class ProviderCall:
                 if failure.http_status is not None:  # a status came back: the rate limit admitted it
                     throttle.answered(failure.upstream, None, seq)
                 else:
-                    throttle.release()
+                    throttle.release(seq)
                 tries.failed += 1
             if failure.retryable and (is_rate_limited(failure) or tries.failed < cfg.max_attempts):
                 RETRIES.labels(provider=provider.name, reason=failure.reason).inc()
@@ -248,7 +248,7 @@ class ProviderCall:
                 await self._guard.halt_outage()
             raise
         except BaseException:
-            throttle.release()  # cancelled: the request's place goes to the next
+            throttle.release(seq)  # cancelled: the request's place goes to the next
             raise
         finally:
             if kept:
@@ -290,7 +290,7 @@ class ProviderCall:
                 raise
             if self._halts.may_go(prompt.dataset):
                 return seq, epoch
-            throttle.release()
+            throttle.release(seq)
             self._give_back_room(key)
 
     def _give_back_room(self, key: str) -> None:

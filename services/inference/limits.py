@@ -234,14 +234,18 @@ class ProviderLimits:
             self.pacer.take(now, self.sent)
         return self.sent
 
-    def release(self) -> None:
-        """A request ended without saying anything about the limit (another failure, or not sent)."""
+    def release(self, seq: int) -> None:
+        """Request ``seq`` ended without saying anything about the limit (another failure, or not sent)."""
+        self._ended()
+        self.pacer.forget(seq)
+
+    def _ended(self) -> None:
         self.in_flight = max(0, self.in_flight - 1)
 
     def answered(self, upstream: str | None, now: float | None = None, seq: int | None = None) -> None:
         """An answer to request ``seq`` (served by ``upstream`` when the reply names one): windows
         and pace grow, no stall."""
-        self.release()
+        self._ended()
         self.windows[KEY_SCOPE].answered(self.in_flight + 1)
         if upstream:
             self.window(upstream).answered(self.in_flight + 1)
@@ -264,7 +268,7 @@ class ProviderLimits:
         state instead. Returns the seconds added to the pause.
         """
         open_with_it = self.in_flight
-        self.release()
+        self._ended()
         self.refusals += 1
         window = self.window(upstream)
         if self.open_cap(stated_rps, stated_count, open_with_it):
@@ -273,6 +277,7 @@ class ProviderLimits:
             window.cap_at(stated_count or 0, seq, self.sent)
             self.pacer.ramp.over = True  # a limit was found: the window bounds what is in flight
             self.stall.refused(now)
+            self.pacer.forget(seq)  # not an outcome of the pace
             return 0.0
         # A refusal stating no rate where one was stated is about another limit (requests open
         # at once): the window is cut from what was open.
@@ -285,6 +290,7 @@ class ProviderLimits:
         else:
             window.refused(seq, self.sent, open_with_it if other else None, sure=follows is True or other)
         self.pacer.refused(seq, self.sent, now, upstream, stated_rps, follows=follows)
+        self.pacer.forget(seq)  # kept as an outcome by judge(), when it was asked
         self.stall.refused(now)
         added = self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
         self.pacer.resume_at(max(now, self.pause.until))

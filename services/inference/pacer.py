@@ -283,11 +283,11 @@ class Pacer:
         starts.append(now)
         started_rate = self._started_rate(now)  # (drops the starts older than MEASURE_S)
         if seq is not None:
-            rates = self.sent_rates
-            rates[seq] = (now, started_rate)
-            if len(rates) > 4 * HISTORY_MAX:  # requests that ended saying nothing (released) leave theirs
-                for old in list(rates)[: 2 * HISTORY_MAX]:
-                    del rates[old]
+            self.sent_rates[seq] = (now, started_rate)  # until its outcome, or forget()
+
+    def forget(self, seq: int) -> None:
+        """Request ``seq`` ended without an outcome of the pace (not sent, another failure, a cap on open requests)."""
+        self.sent_rates.pop(seq, None)
 
     def _outcome(self, seq: int | None, now: float, refused: bool) -> None:
         sent = self.sent_rates.pop(seq, None) if seq is not None else None

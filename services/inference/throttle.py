@@ -122,7 +122,7 @@ class ProviderThrottle:
             if self._tpm is not None and tokens > 0:
                 await self._tpm.acquire(min(float(tokens), self._tpm.max_rate))
         except BaseException:
-            self.release()
+            self.release(seq)
             raise
         return seq
 
@@ -158,9 +158,9 @@ class ProviderThrottle:
             return 0.0
         return self.limits.default_pause_s if retry_after_s is None else retry_after_s
 
-    def release(self) -> None:
-        """The request ended in a way that says nothing about the limit (another failure, not sent)."""
-        self.limits.release()
+    def release(self, seq: int) -> None:
+        """Request ``seq`` ended in a way that says nothing about the limit (another failure, not sent)."""
+        self.limits.release(seq)
         self._changed()
 
     def _changed(self) -> None:

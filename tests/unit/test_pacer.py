@@ -272,3 +272,27 @@ def test_a_young_run_is_measured_over_its_age_not_a_whole_second() -> None:
         pacer.take(i * 0.01, i + 1)  # ten requests in a tenth of a second: 100 a second
     pacer.refused(10, 10, 0.1)
     assert pacer.rate == pytest.approx(BACKOFF * 10 / 0.1)
+
+
+def test_the_pace_keeps_the_send_rate_of_requests_in_flight_only() -> None:
+    # Every way a request ends lets go of the rate it was sent at: answered, refused (a rate
+    # stated or not, a cap on open requests), or ended saying nothing (released).
+    limits = ProviderLimits(ceiling=256, stall_s=60.0)
+    now = 0.0
+    endings = ["answered", "refused", "stated", "open cap", "released"] * 200
+    for i, ending in enumerate(endings):
+        now += 0.01
+        seq = limits.start(now)
+        if ending == "answered":
+            limits.answered(None, now + 0.5, seq)
+        elif ending == "refused":
+            limits.refused(seq, now + 0.1, 1.0)
+        elif ending == "stated":
+            limits.refused(seq, now + 0.1, 1.0, stated_rps=50.0)
+        elif ending == "open cap":
+            limits.refused(seq, now + 0.1, 1.0, stated_count=0)
+        else:
+            limits.release(seq)
+        assert len(limits.pacer.sent_rates) == 0, (i, ending)
+    held = [limits.start(now + 1.0) for _ in range(7)]
+    assert sorted(limits.pacer.sent_rates) == held

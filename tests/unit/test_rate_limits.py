@@ -146,11 +146,11 @@ async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_
     assert throttle.pace == pytest.approx(0.85 * 3)
     await asyncio.sleep(0.05)
     assert order == [0] and throttle.window == 1
-    throttle.release()  # the first request ends, and the first waiter's: the window is empty, but paused
-    throttle.release()
+    throttle.release(first)  # the first request ends, and the first waiter's: the window is empty, but paused
+    throttle.release(3)
     await asyncio.sleep(0.3)
     assert order == [0, 1]  # after the pause, the window of one admits one
-    throttle.release()
+    throttle.release(4)
     await asyncio.sleep(0.05)
     assert order == [0, 1]  # the window has room, the pace not yet: one request every 1 / 2.55 s
     await asyncio.sleep(1 / 2.55)
@@ -163,11 +163,11 @@ async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_
 
 async def test_a_cancelled_waiter_passes_its_turn_on() -> None:
     throttle = ProviderThrottle(ProviderSettings(concurrency=1), "simulator")
-    await throttle.admit()
+    seq = await throttle.admit()
     cancelled = asyncio.create_task(throttle.admit())
     later = asyncio.create_task(throttle.admit())
     await asyncio.sleep(0.02)
-    throttle.release()  # the first waiter's turn...
+    throttle.release(seq)  # the first waiter's turn...
     cancelled.cancel()  # ...is given to it just as it is cancelled
     await asyncio.sleep(0.05)
     assert later.done() and throttle.limits.in_flight == 1
