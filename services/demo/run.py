@@ -372,15 +372,19 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("COLUMNS", "160")  # tables printed by the subcommands stay readable in a log
-    own_broker = False
+    own_broker = False  # started here, so stopped here; a broker that was running stays running
     bootstrap = env.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
         from services.common import broker
 
-        console.print(styled("starting the local Kafka broker", "bold", " (first run downloads its jars)"))
-        status = broker.start()
-        console.print(f"Kafka {status.version} at {status.bootstrap}")
-        own_broker = True
+        status = broker.status()
+        if status.running:
+            console.print(f"using the local Kafka broker already running at {status.bootstrap}")
+        else:
+            console.print(styled("starting the local Kafka broker", "bold", " (first run downloads its jars)"))
+            status = broker.start()
+            console.print(f"Kafka {status.version} at {status.bootstrap}")
+            own_broker = True
         bootstrap = status.bootstrap or "127.0.0.1:9092"
     sim_port = free_port()
     config = run_dir / "draftstream.toml"
