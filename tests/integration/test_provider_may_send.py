@@ -8,7 +8,6 @@ serve). What reached the server is read from the server, not from the client.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from services.profiles import load_profile
 from services.simulator.app import RunningSimulator, start_simulator
 from services.simulator.options import SimulatorOptions
 from tests.bare_server import bare_server
+from tests.gc_census import unreachable
 
 PROFILE = load_profile("qwen3")
 
@@ -109,19 +109,12 @@ async def test_a_withheld_request_leaves_nothing_for_the_cycle_collector(sim: Ru
     try:
         provider = make_provider(settings, client)
         await _complete(provider, settings, "warm", lambda: True)
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+        with unreachable() as found:
             for i in range(20):
                 with pytest.raises(NotSent) as info:
                     await _complete(provider, settings, f"withheld-{i}", Answers(yes))
                 release_frames(info.value)  # what the worker does with a withheld request
-            gc.collect()
-            unreachable = [type(o).__name__ for o in gc.garbage if isinstance(o, BaseException)]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-        assert unreachable == []
+        assert [type(o).__name__ for o in found if isinstance(o, BaseException)] == []
         assert _chat_requests(sim) == 1
     finally:
         await client.aclose()

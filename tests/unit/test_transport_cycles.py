@@ -8,7 +8,6 @@ closes every connection after its answer, so each request opens and loses one.
 from __future__ import annotations
 
 import asyncio
-import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -18,6 +17,7 @@ from aiohttp import web
 from services.common.config import load_settings
 from services.inference.adapters.transport import make_http_client
 from tests.bare_server import bare_server
+from tests.gc_census import unreachable
 
 REQUESTS = 40
 
@@ -35,21 +35,13 @@ async def closing_server() -> AsyncIterator[int]:
 
 async def unreachable_client_transports(port: int, send: Callable[[], Awaitable[None]]) -> int:
     """Send :data:`REQUESTS` requests; how many client-side socket transports the collector then found unreachable."""
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    with unreachable() as found:
         for _ in range(REQUESTS):
             await send()
         await asyncio.sleep(0.05)  # the transports' connection_lost callbacks run
-        gc.collect()
-        return sum(
-            1
-            for o in gc.garbage
-            if isinstance(o, asyncio.Transport) and (o.get_extra_info("peername") or ("", 0))[1] == port
-        )
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
+    return sum(
+        1 for o in found if isinstance(o, asyncio.Transport) and (o.get_extra_info("peername") or ("", 0))[1] == port
+    )
 
 
 async def test_the_worker_client_leaves_no_cycle_per_closed_connection(closing_server: int) -> None:
