@@ -63,7 +63,9 @@ from services.common.kafka import (
     Outgoing,
     dead_letter_of,
     ensure_topics,
+    existing_topics,
     header,
+    make_admin,
     make_consumer,
     make_producer,
     publish_all,
@@ -182,12 +184,11 @@ class BudgetService:
             for p in sorted(await self._producer.partitions_for(physical)):
                 partitions.append(TopicPartition(physical, p))
         consumer.assign(partitions)
+        # Seeks to known offsets: seek_to_beginning() would wait, partition by partition, for
+        # the fetch in flight since assign() (the broker's whole wait on an empty partition).
+        beginnings = await consumer.beginning_offsets(partitions) if partitions else {}
         for tp in partitions:
-            logical = self._logical[tp.topic]
-            if f"{logical}:{tp.partition}" in seek:
-                consumer.seek(tp, seek[f"{logical}:{tp.partition}"])
-            else:
-                await consumer.seek_to_beginning(tp)
+            consumer.seek(tp, seek.get(f"{self._logical[tp.topic]}:{tp.partition}", beginnings[tp]))
         log.info(
             "budget: restored %d scope(s), seeking %s",
             len(snapshots),
@@ -392,10 +393,16 @@ class BudgetService:
         consumer = self._consumer
         if consumer is None:
             return
+        physical_of = {dataset: self.settings.kafka.prompts_topic(dataset) for dataset in self.ledger.datasets}
         try:
-            topics = await consumer.topics()
-            for dataset in self.ledger.datasets:
-                physical = self.settings.kafka.prompts_topic(dataset)
+            # The metadata of these topics only: the cluster's whole list grows with every topic on it.
+            admin = make_admin(self.settings.kafka)
+            await admin.start()
+            try:
+                topics = await existing_topics(admin, physical_of.values())
+            finally:
+                await admin.close()
+            for dataset, physical in physical_of.items():
                 if physical not in topics or self._producer is None:
                     continue
                 parts = [TopicPartition(physical, p) for p in await self._producer.partitions_for(physical)]

@@ -86,9 +86,9 @@ class LeaseDesk:
         await consumer.start()
         tps = [TopicPartition(self._topic, p) for p in await ready_partitions(kafka, self._topic)]
         consumer.assign(tps)
-        await consumer.seek_to_end(*tps)
+        ends = await consumer.end_offsets(tps)  # the end now: requests after the policy are read
         for tp in tps:
-            await consumer.position(tp)  # resolve the end now: requests after the policy are read
+            consumer.seek(tp, ends[tp])
         policy = LeasePolicy(epoch=self.book.epoch, ttl_s=budget.lease_ttl_s, at=now)
         await publish_all(producer, [Outgoing(self._topic, encode(policy), lease_key(policy).encode())])
         log.info(

@@ -71,6 +71,10 @@ class KafkaSettings(BaseModel):
     # Unset, topics are created with the replication the cluster affords (3 on three or more
     # brokers, else one per broker; see cluster_replication_factor); set, it is an override.
     replication_factor: int = Field(default=1, gt=0)
+    # A consumer that stops heartbeating (a SIGKILLed worker) keeps its partitions this long
+    # before the group hands them to the others. The broker refuses a value below its
+    # group.min.session.timeout.ms (6 s by default).
+    session_timeout_s: float = Field(default=10.0, ge=1.0)
 
     @property
     def explicit_replication_factor(self) -> int | None:

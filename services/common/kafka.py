@@ -113,8 +113,8 @@ def make_consumer(kafka: KafkaSettings, *topics: str, group_id: str | None, **ex
         "fetch_max_bytes": max(kafka.max_message_bytes * 2, 64 * 1024 * 1024),
         "isolation_level": "read_uncommitted",
         # A SIGKILLed member holds its partitions until the session times out: keep it short.
-        "session_timeout_ms": 10_000,
-        "heartbeat_interval_ms": 1_000,
+        "session_timeout_ms": int(kafka.session_timeout_s * 1000),
+        "heartbeat_interval_ms": min(1_000, int(kafka.session_timeout_s * 1000) // 3),
         "max_poll_interval_ms": 600_000,
     }
     kwargs.update(extra)
@@ -300,27 +300,24 @@ async def create_topics(
         replication = kafka.explicit_replication_factor or await cluster_replication_factor(admin)
         new = [new_topic(kafka, name, replication) for name in missing]
         created: list[str] = []
-        for topic in new:
-            try:
-                response = await admin.create_topics([topic])
-            except TopicAlreadyExistsError:
+        # One request for them all; the admin client reports each topic's error in the
+        # response instead of raising.
+        response = await admin.create_topics(new)
+        for name, code, *rest in getattr(response, "topic_errors", ()):
+            if code == TopicAlreadyExistsError.errno:
                 continue
-            # The admin client reports per-topic errors in the response instead of raising.
-            for name, code, *rest in getattr(response, "topic_errors", ()):
-                if code == TopicAlreadyExistsError.errno:
-                    continue
-                if code == TopicAuthorizationFailedError.errno:
-                    if _needs(logical_of[name], needed):
-                        raise AccessDenied(
-                            f"topic {name} does not exist or {principal(kafka)} may not see it, and it may not "
-                            "CREATE it: create the topics as the admin (`draftstream topics create`) and grant "
-                            "the ACLs (`draftstream acls apply`)"
-                        )
-                    log.debug("%s may not create %s, which it does not use", principal(kafka), name)
-                    continue
-                if code:
-                    raise RuntimeError(f"could not create topic {name}: error {code} {rest[0] if rest else ''}")
-                created.append(name)
+            if code == TopicAuthorizationFailedError.errno:
+                if _needs(logical_of[name], needed):
+                    raise AccessDenied(
+                        f"topic {name} does not exist or {principal(kafka)} may not see it, and it may not "
+                        "CREATE it: create the topics as the admin (`draftstream topics create`) and grant "
+                        "the ACLs (`draftstream acls apply`)"
+                    )
+                log.debug("%s may not create %s, which it does not use", principal(kafka), name)
+                continue
+            if code:
+                raise RuntimeError(f"could not create topic {name}: error {code} {rest[0] if rest else ''}")
+            created.append(name)
         return created
     finally:
         await admin.close()

@@ -126,11 +126,13 @@ async def catch_up(
         return {}
     end: dict[TopicPartition, int] = await consumer.end_offsets(tps)
     start: dict[TopicPartition, int] = await consumer.beginning_offsets(tps)
-    await consumer.seek_to_beginning(*tps)
     for tp, offset in (from_offsets or {}).items():
         if tp in start and start[tp] < offset <= end[tp]:
-            consumer.seek(tp, offset)
             start[tp] = offset
+    # A seek to a known offset, not seek_to_beginning(): that waits for the fetch the consumer
+    # has in flight since assign(), which on an empty partition is the broker's whole wait.
+    for tp in tps:
+        consumer.seek(tp, start[tp])
     # A partition whose records were all compacted or deleted away has start == end.
     todo = {tp for tp in tps if end[tp] > start[tp]}
     loop = asyncio.get_running_loop()

@@ -244,7 +244,9 @@ class Pipeline:
 
     async def start_stages(self, settings: Settings, *names: str) -> None:
         """Start the named stages (inference, reconstruct, audit, sink, budget) at the same time, as
-        separate processes would; each runs once every one has started (or none, if one failed)."""
+        separate processes would: each runs as soon as it has started (a worker's start may wait
+        on a running budget: its probe's requests need leases). If one fails to start, the others
+        of this call are stopped and closed, and its error is raised."""
         from services.audit.app import create_app as audit_app
         from services.budget.app import create_app as budget_app
         from services.continuation.app import create_app as continuation_app
@@ -262,16 +264,18 @@ class Pipeline:
             "continuation": continuation_app,
         }
         services = {name: apps[name](settings) for name in names}
-        started = await asyncio.gather(*(service.start() for service in services.values()), return_exceptions=True)
+        started = await asyncio.gather(
+            *(self.start(name, service) for name, service in services.items()), return_exceptions=True
+        )
         failed = [outcome for outcome in started if isinstance(outcome, BaseException)]
         if failed:
-            for service, outcome in zip(services.values(), started, strict=True):
-                if not isinstance(outcome, BaseException):
-                    await service.close()
+            running = [name for name in reversed(names) if name in self.tasks and self.services[name] is services[name]]
+            for name in running:
+                self.services[name].stop()
+            for name in running:
+                await self._wait_and_close(name)
+                del self.services[name], self.tasks[name]
             raise failed[0]
-        for name, service in services.items():
-            self.services[name] = service
-            self.tasks[name] = asyncio.create_task(service.run(), name=name)
 
     def check_alive(self) -> None:
         """Raise if a service's run() ended (a crash) before it was asked to stop."""
@@ -297,17 +301,21 @@ class Pipeline:
         for name in reversed(list(self.services)):
             self.services[name].stop()
         for name in reversed(list(self.services)):
-            task = self.tasks[name]
-            try:
-                await asyncio.wait_for(task, timeout=40)
-            except (TimeoutError, asyncio.CancelledError):
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            except Exception:  # noqa: BLE001, S110 - the failure was already asserted by check_alive
-                pass
-            with contextlib.suppress(Exception):
-                await self.services[name].close()
+            await self._wait_and_close(name)
+
+    async def _wait_and_close(self, name: str) -> None:
+        """Wait for a stopped service's run() to end (cancel it after 40 s), then close it."""
+        task = self.tasks[name]
+        try:
+            await asyncio.wait_for(task, timeout=40)
+        except (TimeoutError, asyncio.CancelledError):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        except Exception:  # noqa: BLE001, S110 - the failure was already asserted by check_alive
+            pass
+        with contextlib.suppress(Exception):
+            await self.services[name].close()
 
 
 async def end_offsets(settings: Settings, topic: str) -> dict[int, int]:
