@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,6 +13,58 @@ import pytest
 from services.common.config import Settings, load_settings
 
 pytest_plugins = ["tests.kafka_fixture"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The smallest session timeout a broker accepts by default (group.min.session.timeout.ms):
+    # a test that SIGKILLs a consumer waits this long for the group to hand its partitions
+    # on. Set in the environment, it reaches the service processes tests start too.
+    os.environ.setdefault("DRAFTSTREAM_KAFKA__SESSION_TIMEOUT_S", "6")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own regrouping by fixture
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, spread the tests marked ``long`` over the workers and run them first.
+
+    The work-stealing scheduler hands worker k the k-th of N consecutive slices of the
+    collection, and an idle worker later takes the tail half of the longest queue. Each slice
+    here starts with its share of the long tests, longest first (``long(seconds)``, about what
+    the test takes here; 20 when not given), dealt to the slice with the fewest seconds so far,
+    so that they wait side by side from the start instead of one after another at the end. A
+    module marked ``long(seconds, together=True)`` (its tests share a broker of their own, a
+    module fixture) goes to one slice whole, so that one worker alone starts that broker.
+    Every worker computes the same order, as xdist requires.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    units: dict[str, tuple[float, list[pytest.Item]]] = {}
+    for item in items:
+        mark = item.get_closest_marker("long")
+        if mark is not None:
+            key = item.nodeid.split("::")[0] if mark.kwargs.get("together") else item.nodeid
+            seconds = float(mark.args[0]) if mark.args else 20.0
+            units.setdefault(key, (seconds, []))[1].append(item)
+    if workers < 2 or not units:
+        return
+    long = {id(item) for _, unit in units.values() for item in unit}
+    rest = [item for item in items if id(item) not in long]
+    sizes, left = [], len(items)
+    for k in range(workers):
+        sizes.append(left // (workers - k))  # what the scheduler sends worker k (WorkStealingScheduling)
+        left -= sizes[-1]
+    shares: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for seconds, unit in sorted(units.values(), key=lambda u: -u[0]):
+        k = loads.index(min(loads))
+        shares[k] += unit
+        loads[k] += seconds
+    if any(len(share) > size for share, size in zip(shares, sizes, strict=True)):
+        items[:] = [item for share in shares for item in share] + rest  # a few tests: the long ones first
+        return
+    ordered: list[pytest.Item] = []
+    for share, size in zip(shares, sizes, strict=True):
+        ordered += share + rest[: size - len(share)]
+        del rest[: size - len(share)]
+    items[:] = ordered + rest
 
 
 @pytest.fixture

@@ -154,6 +154,7 @@ def columns() -> dict[str, Column]:
     return out
 
 
+@pytest.mark.long(40)  # computes the columns the other tests here read from its cache
 def test_completions_column_accepts_no_sample_with_wrong_ids() -> None:
     cols = columns()
     wrong = {m: c.wrong for m, c in cols.items() if c.wrong}

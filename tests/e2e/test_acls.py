@@ -48,7 +48,8 @@ from services.sink.app import create_app as sink_app
 from tests.e2e.brokers import LocalBroker, free_port_block
 from tests.e2e.harness import Pipeline, cli, dead_letters, read_all, run_cli, sink_rows, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.own_broker]
+# One broker of their own for the module's tests (a module fixture): kept on one worker.
+pytestmark = [pytest.mark.e2e, pytest.mark.own_broker, pytest.mark.long(200, together=True)]
 
 ADMIN = "draftstream"  # kafka.sh's KAFKA_SASL_USER: the super user
 INTRUDER = "intruder"  # reads samples in the audit group, may not write accepted

@@ -110,6 +110,7 @@ class Publisher:
             await asyncio.sleep(PUBLISH_WINDOW_S / chunks)
 
 
+@pytest.mark.long(140)
 @pytest.mark.e2e
 @pytest.mark.own_broker
 @pytest.mark.timeout(1200)

@@ -209,6 +209,7 @@ async def publish_chunk(settings: Any, chunk: list[tuple[bytes, Any]]) -> None:
         await produce(settings, settings.kafka.prompts_topic(ds), recs)
 
 
+@pytest.mark.long(110)
 @pytest.mark.e2e
 @pytest.mark.own_broker
 @pytest.mark.timeout(900)

@@ -248,6 +248,7 @@ def _log_tails(log_dir: Path) -> str:
 # ------------------------------------------------------------------------ the test
 
 
+@pytest.mark.long(30)
 @pytest.mark.timeout(420)
 async def test_every_panel_and_alert_query_has_data_on_a_live_run(
     tmp_path: Path,

@@ -50,6 +50,7 @@ CONCURRENCY = 16
 SERVICES = ("budget", "inference", "reconstruct", "audit", "sink", "continuation")
 
 
+@pytest.mark.long(40)
 @pytest.mark.timeout(600)
 async def test_sigkill_of_continuation_and_inference_loses_no_turn(
     tmp_path: Path, report: Callable[..., str], kafka_bootstrap: str, unique_prefix: str

@@ -40,6 +40,7 @@ TRANSIENT_REASONS = {
 }
 
 
+@pytest.mark.long(33)
 async def test_provider_storm_loses_nothing_and_bounds_retries(
     settings_factory: Callable[..., Any], report: Callable[..., str]
 ) -> None:

@@ -88,6 +88,7 @@ async def requests_settled(stats: Callable[[], dict[str, Any]], quiet_s: float =
     return after if after == before and after > 0 else None
 
 
+@pytest.mark.long(25)
 async def test_quality_halt_stops_a_dataset_of_unusable_answers_and_replay_pays_nothing(
     settings_factory: Callable[..., Any], report: Callable[..., str]
 ) -> None:

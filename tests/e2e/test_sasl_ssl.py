@@ -29,7 +29,8 @@ from services.simulator.options import SimulatorOptions
 from tests.e2e.brokers import LocalBroker, free_port
 from tests.e2e.harness import Pipeline, Processes, cli, read_all, run_cli, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.own_broker]
+# One broker of their own for the module's tests (a module fixture): kept on one worker.
+pytestmark = [pytest.mark.e2e, pytest.mark.own_broker, pytest.mark.long(60, together=True)]
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "services" / "demo" / "data"

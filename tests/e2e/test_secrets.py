@@ -77,6 +77,7 @@ def _scan(blob: bytes, secrets: list[bytes]) -> list[bytes]:
     return [s for s in secrets if s in blob]
 
 
+@pytest.mark.long(30)
 async def test_no_secret_leaves_the_system(
     tmp_path: Path, kafka_bootstrap: str, report: Callable[..., str]
 ) -> None:

@@ -97,6 +97,7 @@ async def publish_prompts(settings: Settings, dataset: str, count: int, first: i
         await producer.stop()
 
 
+@pytest.mark.long
 async def test_cap_stops_both_workers_for_that_dataset_only(
     settings_factory: Callable[..., Settings],
 ) -> None:

@@ -111,6 +111,7 @@ def raised(settings: Settings, cap: int) -> Settings:
     return settings.model_copy(update={"datasets": {"capped": dataset}})
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("workers", [1, 3])
 async def test_a_capped_dataset_ends_at_its_cap_never_past_it(
     settings_factory: Callable[..., Settings], workers: int
@@ -159,6 +160,7 @@ async def test_a_capped_dataset_ends_at_its_cap_never_past_it(
         assert sorted(stats["keys"]) == sorted(f"capped:p{i}" for i in range(PROMPTS))
 
 
+@pytest.mark.long
 async def test_a_killed_workers_lease_expires_and_goes_to_another_worker(
     settings_factory: Callable[..., Settings],
 ) -> None:

@@ -30,7 +30,7 @@ from tests.integration.test_budget_halt import publish_prompts
 from tests.integration.test_budget_headroom import LONG, MAX_TOKENS, capped_halt, running_budget
 from tests.kafka_fixture import wait_until
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.long(30)]
 
 REPO = Path(__file__).resolve().parents[2]
 CAP = 400_000

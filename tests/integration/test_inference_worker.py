@@ -179,6 +179,7 @@ async def test_each_fault_dead_letters_with_its_reason_after_the_last_attempt(
         assert keys[f"faults:s{i:04d}"] == 2
 
 
+@pytest.mark.long
 async def test_worker_killed_mid_run_loses_nothing(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]
 ) -> None:

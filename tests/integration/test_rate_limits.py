@@ -52,6 +52,7 @@ def _all_answered(out: Collector, prompts: list[PromptPublished], summary: str =
     assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}, summary
 
 
+@pytest.mark.long
 async def test_a_rate_limited_provider_slows_the_run_and_dead_letters_nothing(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:
@@ -108,6 +109,7 @@ async def test_429s_do_not_use_up_the_attempts_other_failures_have(
         assert r.attempt == refusals.get(f"refused:{r.sample_id}", 0) + 1  # each refusal was one request
 
 
+@pytest.mark.long
 async def test_a_limit_that_admits_nothing_halts_after_the_stall_and_resumes_when_lifted(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:
@@ -138,6 +140,7 @@ async def test_a_limit_that_admits_nothing_halts_after_the_stall_and_resumes_whe
     assert refused_at_halt > 0
 
 
+@pytest.mark.long
 async def test_two_workers_on_one_limited_key_adapt_independently_and_dead_letter_nothing(
     settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]  # noqa: F811
 ) -> None:

@@ -119,6 +119,7 @@ def start_sink(settings: Settings, out: Path, cwd: Path) -> subprocess.Popen[byt
         )
 
 
+@pytest.mark.long
 async def test_sink_killed_mid_run_and_restarted_loses_and_duplicates_nothing(
     settings_factory: Callable[..., Settings], tmp_path: Path
 ) -> None:
