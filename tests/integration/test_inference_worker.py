@@ -333,11 +333,13 @@ async def test_holds_a_thousand_requests_in_flight_and_no_more(
     settings_factory: Callable[..., Settings], unused_tcp_port: int
 ) -> None:
     # The simulator runs in its own process here: generating 1,000 answers in the test's
-    # event loop would starve the worker being measured.
+    # event loop would starve the worker being measured. Each answer takes 4 s: the provider
+    # sees 1,000 open only if the worker sends them all before the first is answered, which on
+    # two cores shared with a broker under load took it more than 2 s now and then.
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "simulate-provider", "--port", str(unused_tcp_port),
         "--metrics-port", "0",
-        "--latency", "2", "--reasoning-tokens", "4-12", "--content-tokens", "4-12",
+        "--latency", "4", "--reasoning-tokens", "4-12", "--content-tokens", "4-12",
         cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{unused_tcp_port}"
