@@ -8,9 +8,9 @@
 #   deploy/run-tests.sh --fast   unit and integration the same way: the inner loop
 #
 # A test marked `serial` checks timing that a busy CPU beside it would spoil (a halt within a
-# second, a pace against a small burst); the parallel piece runs at the lowest CPU priority
-# (nice 19), so the kernel gives the serial test the CPU whenever it wants it, and the rest of
-# the time the parallel piece has it all.
+# second, a pace against a small burst); the parallel piece runs at idle CPU priority
+# (SCHED_IDLE, chrt --idle 0), so the kernel gives the serial test the CPU whenever it wants
+# it, and the rest of the time the parallel piece has it all.
 # The benchmarks are not part of this (make bench-quick; .ci/run runs it as its own step).
 # PYTEST_WORKERS sets -n for the parallel piece (default 4: most of a broker test's time is
 # waiting on the broker and on the other processes it starts, so more workers than cores pay).

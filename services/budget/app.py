@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import httpx
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import (
     ACCEPTED_TOPIC,
@@ -160,6 +161,7 @@ class BudgetService:
         self._last_prompts_refresh = 0.0
         self._unpriced_models: set[str] = set()
         self._http: httpx.AsyncClient | None = None
+        self._admin: AIOKafkaAdminClient | None = None  # the prompts topics' metadata, from the first refresh
         self._key_usage: KeyUsageReader | None = None
         self._last_key_usage = 0.0
         self.started = asyncio.Event()
@@ -255,6 +257,9 @@ class BudgetService:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        if self._admin is not None:
+            await self._admin.close()
+            self._admin = None
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -395,13 +400,12 @@ class BudgetService:
             return
         physical_of = {dataset: self.settings.kafka.prompts_topic(dataset) for dataset in self.ledger.datasets}
         try:
+            if self._admin is None:
+                admin = make_admin(self.settings.kafka)
+                await admin.start()
+                self._admin = admin
             # The metadata of these topics only: the cluster's whole list grows with every topic on it.
-            admin = make_admin(self.settings.kafka)
-            await admin.start()
-            try:
-                topics = await existing_topics(admin, physical_of.values())
-            finally:
-                await admin.close()
+            topics = await existing_topics(self._admin, physical_of.values())
             for dataset, physical in physical_of.items():
                 if physical not in topics or self._producer is None:
                     continue
