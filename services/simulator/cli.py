@@ -81,6 +81,10 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             int | None,
             typer.Option(help="Requests answered at once; beyond: 429 with Retry-After of --retry-after"),
         ] = None,
+        hold_until_open: Annotated[
+            int | None,
+            typer.Option(help="Answer only once this many requests were open at once (60 s at most)"),
+        ] = None,
         rate_limit_window: Annotated[
             int | None,
             typer.Option(help="Admit this many requests per fixed window (instead of the bucket); beyond: 429"),
@@ -153,6 +157,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 rate_limit_rps=rate_limit_rps,
                 rate_limit_burst=rate_limit_burst,
                 max_open=max_open,
+                hold_until_open=hold_until_open,
                 rate_limit_window=rate_limit_window,
                 rate_limit_window_s=rate_limit_window_s,
                 rate_limit_schedule=rate_limit_schedule,

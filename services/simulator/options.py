@@ -71,6 +71,9 @@ class SimulatorOptions:
     rate_limit_window: int | None = None
     rate_limit_window_s: float = 60.0
     rate_limit_schedule: str | None = None
+    # Answers wait (after their latency) until this many requests have been open at once, for at
+    # most HOLD_TIMEOUT_S: a client's concurrency shows at the provider without a race against the latency.
+    hold_until_open: int | None = None
     answer_tokens: tuple[int, int] | None = None  # log-uniform answer length (see GenerationParams)
     reasoning_share: tuple[float, float] = (0.80, 0.95)
     parallel_tool_calls: bool = False  # every offered tool called once, in order (see GenerationParams)

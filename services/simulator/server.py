@@ -16,6 +16,7 @@ thousands of concurrent requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -57,6 +58,8 @@ from services.simulator.stats import Stats
 KEY_HEADER = "X-Draftstream-Key"
 FAULT_HEADER = "X-Simulator-Fault"
 _CACHE_MAX = 50_000
+HOLD_TIMEOUT_S = 60.0
+"""The longest an answer waits for ``hold_until_open`` requests to be open at once."""
 
 
 def _strftime_now(fmt: str) -> str:
@@ -76,6 +79,7 @@ class SimulatorServer:
         self.stats = Stats()
         self.limiter = options.limiter()
         self.stats.over_cap.cap = options.max_open
+        self._held = asyncio.Event()  # set once hold_until_open requests have been open at once
         self._cache: dict[tuple[Any, ...], Generation] = {}
         # Sample key -> true output ids of the last answer served in full (oldest evicted first).
         self.truth: OrderedDict[str, list[int]] | None = OrderedDict() if options.keep_truth else None
@@ -209,6 +213,8 @@ class SimulatorServer:
         stats = self.stats
         stats.open += 1
         stats.peak_open = max(stats.peak_open, stats.open)
+        if self.options.hold_until_open is not None and stats.open >= self.options.hold_until_open:
+            self._held.set()
         stats.over_cap.change(time.monotonic(), +1)
         try:
             return await self._chat(request)
@@ -276,10 +282,13 @@ class SimulatorServer:
             delay += self.rng.uniform(0.0, self.options.latency_jitter_s)
         if transient == "timeout":
             delay += self.options.timeout_sleep_s
-        if delay > 0:
+        if delay > 0 or self.options.hold_until_open is not None:
             began = time.monotonic()
             try:
                 await asyncio.sleep(delay)
+                if not self._held.is_set() and self.options.hold_until_open is not None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._held.wait(), HOLD_TIMEOUT_S)
             except asyncio.CancelledError:
                 if transient is None:  # the client went away: the provider generates, and bills, to the end
                     faults = [f for f in forced if f in CONTENT_FAULTS]

@@ -25,6 +25,7 @@ from services.common.config import Settings
 from services.common.kafka import ensure_topics
 from services.common.topics import read_to_end
 from services.control import read_budget_snapshots, read_control_state
+from services.inference.headroom import Headroom
 from tests.integration.test_budget_halt import publish_prompts
 from tests.kafka_fixture import wait_until
 
@@ -162,29 +163,44 @@ async def test_a_capped_dataset_ends_at_its_cap_never_past_it(
 
 @pytest.mark.long
 async def test_a_killed_workers_lease_expires_and_goes_to_another_worker(
-    settings_factory: Callable[..., Settings],
+    settings_factory: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from services.inference.app import create_app as create_worker
 
     async with long_answers(settings_factory, latency_s=1.0, concurrency=12, workers=2) as (sim, settings):
         victim = create_worker(settings, worker_id="victim")
+        take = Headroom._take_value  # noqa: SLF001 - how a worker reads the leases topic
+        killed = asyncio.Event()
+
+        def take_or_die(headroom: Headroom, value: bytes | None) -> None:
+            # The victim dies as a grant with room for two requests at least reaches it, before it
+            # can use that room: the budget holds the room as the victim's until the lease expires.
+            # (Killed any later, its requests may already have taken all of the room, lost with it.)
+            if headroom.worker_id != "victim":
+                take(headroom, value)
+                return
+            if killed.is_set():
+                return
+            event = decode_lease(value)
+            if isinstance(event, LeaseGranted) and event.worker == "victim" and \
+                    event.granted - headroom.consumed.get("capped", 0) >= 2 * MAX_TOKENS:
+                headroom._producer = None  # noqa: SLF001 - a killed process sends nothing more
+                killed.set()
+                return
+            take(headroom, value)
+
+        monkeypatch.setattr(Headroom, "_take_value", take_or_die)
         async with running_budget(settings) as budget:
             await victim.start()
             victim_task = asyncio.create_task(victim.run())
             book = budget.leases.book if budget.leases is not None else None
             assert book is not None
-
-            def victim_lease() -> Any:
-                # Room for two requests in hand at least (some may be on their way already).
-                lease = book.leases.get(("victim", "capped"))
-                return lease if lease is not None and lease.unused >= 2 * MAX_TOKENS else None
-
             try:
-                killed_with = await wait_until(victim_lease, 60, 0.01, message="the victim holds a lease")
+                await asyncio.wait_for(killed.wait(), 60)
+                killed_with = await wait_until(lambda: book.leases.get(("victim", "capped")), 10, 0.01,
+                                               message="the victim's lease in the budget's book")
                 held = (killed_with.granted, killed_with.consumed)
                 # Killed: no drain, no release; its requests in flight are cut off.
-                assert victim.headroom is not None
-                victim.headroom._producer = None  # noqa: SLF001 - a killed process sends nothing more
             finally:
                 victim_task.cancel()
                 await victim.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 from aiokafka import ConsumerRecord
@@ -21,7 +22,7 @@ from services.common.kafka import (
     make_producer,
 )
 from services.common.stage import StageRunner
-from tests.kafka_fixture import read_records
+from tests.kafka_fixture import read_records, wait_until
 from tests.unit.test_schemas import all_events, make_response
 
 pytestmark = pytest.mark.kafka
@@ -37,13 +38,22 @@ async def test_topics_are_created_idempotently_with_compacted_control(
     assert await ensure_topics(settings.kafka, ["math"]) == []
     admin = make_admin(settings.kafka)
     await admin.start()
-    try:
-        described = await admin.describe_configs(
+
+    async def described() -> Any:
+        # (error code, message, type, name, entries); a broker that has not applied the new
+        # topic's metadata yet answers UNKNOWN_TOPIC_OR_PARTITION (3) with no entries, for a moment.
+        response = await admin.describe_configs(
             [ConfigResource(ConfigResourceType.TOPIC, settings.kafka.topic("control"))]
         )
+        resource = response[0].resources[0]
+        assert resource[0] in (0, 3), resource[:2]
+        return resource if resource[0] == 0 else None
+
+    try:
+        resource = await wait_until(described, 10, 0.05, message="the control topic's configs")
     finally:
         await admin.close()
-    entries = {e[0]: e[1] for e in described[0].resources[0][4]}
+    entries = {e[0]: e[1] for e in resource[4]}
     assert entries["cleanup.policy"] == "compact"
 
 
