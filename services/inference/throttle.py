@@ -91,13 +91,13 @@ class ProviderThrottle:
         """The key's rate limit as the provider states it (OpenRouter's ``GET /key`` at pre-flight)."""
         self.limits.pacer.stated(limit_rps, self._clock())
 
-    def _room(self) -> int:
-        return self.limits.room(self._clock()) - self._woken
+    def _room(self, now: float) -> int:
+        return self.limits.room(now) - self._woken
 
     async def admit(self, tokens: int = 0) -> int:
         """Wait for the pause, a place in the window and the ceilings; the request's sequence number."""
         queued = bool(self._waiters)  # first come, first served
-        while queued or self._room() <= 0:
+        while queued or self._room(self._clock()) <= 0:
             queued = False
             turn = asyncio.get_running_loop().create_future()
             self._waiters.append(turn)
@@ -113,9 +113,10 @@ class ProviderThrottle:
                 raise
             self._woken -= 1
         seq = self.limits.start(self._clock())
-        pacer = self.limits.pacer
-        if self._waiters and (pacer.paced or not pacer.ramp.over):
-            self._wake()  # the next waiter's turn comes at the pace (or the ramp)
+        if self._waiters:
+            # The next waiters' turn: now if the window has room (the ramp may have ended since
+            # they were told to wait), else when the pace or the ramp allows (a timer).
+            self._wake()
         try:
             if self._rpm is not None:
                 await self._rpm.acquire()
@@ -171,9 +172,10 @@ class ProviderThrottle:
         """Tell as many waiters to go as the window and the pace have room for; after a pause, by a timer."""
         if not self._waiters:
             return
-        room = self._room()
+        now = self._clock()  # one reading: the ramp must not grow between the room and the wait
+        room = self._room(now)
         if room <= 0:
-            delay = self.limits.next_s(self._clock())
+            delay = self.limits.next_s(now)
             if delay > 0 and self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(delay, self._pause_over)
             return

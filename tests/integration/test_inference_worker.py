@@ -383,8 +383,8 @@ async def test_holds_a_thousand_requests_in_flight_and_no_more(
     finally:
         proc.kill()
         await proc.wait()
-    assert peak == 1000
-    seen = {k: stats[k] for k in ("total_requests", "statuses", "faults")}
+    seen = {k: stats[k] for k in ("total_requests", "statuses", "faults", "peak_open_requests")}
+    assert peak == 1000, seen
     assert stats["peak_open_requests"] == 1000, seen  # as the provider saw it
     assert out.dead_letters() == []
     assert len({r.sample_id for r in out.responses()}) == 1100

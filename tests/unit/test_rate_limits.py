@@ -161,6 +161,48 @@ async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_
     throttle.close()
 
 
+async def test_requests_waiting_when_the_ramp_ends_go_at_once_without_an_answer() -> None:
+    # 1,000 requests at once: the start-up ramp lets 4 go, then twice as many every 0.1 s. Its
+    # end must send every waiting request at once, not when some answer (minutes away for long
+    # answers, never at a provider that answers only once 1,000 are open) next wakes the line.
+    clock = _Clock()
+    throttle = ProviderThrottle(ProviderSettings(concurrency=1000), "simulator", clock=clock)
+    tasks = [asyncio.create_task(throttle.admit()) for _ in range(1000)]
+    await asyncio.sleep(0)
+    assert throttle.limits.in_flight == 4 and throttle.waiting == 996
+    seq = next(task.result() for task in tasks if task.done())
+    clock.now += 0.35  # the ramp allows 45 now: an answer hands out its room...
+    throttle.answered(None, 10, seq)
+    clock.now += 10.0  # ...and the ramp is over before the requests told to go start
+    for _ in range(3):
+        await asyncio.sleep(0)  # no clock time: the ramp's own timer does not fire meanwhile
+    assert throttle.waiting == 0 and throttle.limits.in_flight == 999
+    assert all(task.done() for task in tasks)
+    throttle.close()
+
+
+async def test_a_waiter_is_woken_when_the_ramp_grows_while_the_throttle_looks_at_the_clock() -> None:
+    # A slow machine: the ramp (4 requests, twice as many every 0.1 s) grows between the throttle's
+    # look at the room and its look at how long to wait. The waiter must still get its turn.
+    clock = _Clock()
+    throttle = ProviderThrottle(ProviderSettings(concurrency=1000), "simulator", clock=clock)
+    for _ in range(4):
+        await throttle.admit()
+    room = throttle.limits.room
+    looks: list[float] = []
+
+    def room_then_later(now: float) -> int:
+        looks.append(now)
+        if len(looks) == 2:  # the waiter's wake-up call found no room: 0.1 s pass right then
+            clock.now += 0.1
+        return room(now)
+
+    throttle.limits.room = room_then_later  # type: ignore[method-assign]
+    await asyncio.wait_for(throttle.admit(), 1.0)  # the ramp allows 8 by then: it goes
+    assert throttle.limits.in_flight == 5 and looks[:2] == [1000.0, 1000.0]
+    throttle.close()
+
+
 async def test_a_cancelled_waiter_passes_its_turn_on() -> None:
     throttle = ProviderThrottle(ProviderSettings(concurrency=1), "simulator")
     seq = await throttle.admit()
