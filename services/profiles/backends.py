@@ -138,12 +138,11 @@ class TokenizersBackend:
 
     @classmethod
     def from_file(cls, path: str | Path, chat_template: str | None = None) -> TokenizersBackend:
-        """Load a tokenizer.json file."""
-        from tokenizers import Tokenizer
-
-        backend = cls(Tokenizer.from_file(str(path)), chat_template)
-        backend.source = Path(path)
-        return backend
+        """Load a tokenizer.json file (read once per process while it is unchanged: profiles of
+        one vocabulary, DeepSeek R1, V3 and V3.1, share it; a backend is never changed after)."""
+        resolved = Path(path).resolve()
+        stat = resolved.stat()
+        return _tokenizer_file(str(resolved), stat.st_mtime_ns, stat.st_size, chat_template)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of model text (added tokens parsed, no BOS, no Unicode normalising)."""
@@ -394,6 +393,15 @@ def read_added_tokens(folder: Path) -> dict[str, tuple[int, bool]]:
     return {str(v["content"]): (int(k), bool(v.get("special", True))) for k, v in decoder.items()}
 
 
+@lru_cache(maxsize=4)
+def _tokenizer_file(path: str, _mtime_ns: int, _size: int, chat_template: str | None) -> TokenizersBackend:
+    from tokenizers import Tokenizer
+
+    backend = TokenizersBackend(Tokenizer.from_file(path), chat_template)
+    backend.source = Path(path)
+    return backend
+
+
 _UNICODE_NORMALISERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
 
 
@@ -404,7 +412,10 @@ def _strip_unicode(node: Any) -> Any:
     if node.get("type") in _UNICODE_NORMALISERS:
         return None
     if node.get("type") == "Sequence":
-        kept = [n for n in (_strip_unicode(c) for c in node.get("normalizers", [])) if n is not None]
+        inner = node.get("normalizers", [])
+        kept = [n for n in (_strip_unicode(c) for c in inner) if n is not None]
+        if kept == inner:
+            return node  # nothing taken out (an empty sequence stays as it is: it changes nothing)
         return {**node, "normalizers": kept} if kept else None
     return node
 
@@ -415,13 +426,15 @@ def _without_unicode_normaliser(tokenizer: Any) -> Any:
     Structural normalisers (SentencePiece's space replacement, prepend) stay: they are part
     of how the vocabulary spells text.
     """
-    data = json.loads(tokenizer.to_str())
-    normaliser = data.get("normalizer")
+    if tokenizer.normalizer is None:
+        return tokenizer
+    normaliser = json.loads(tokenizer.normalizer.__getstate__())  # its own JSON, not the whole tokenizer's
     stripped = _strip_unicode(normaliser)
     if stripped == normaliser:
         return tokenizer
     from tokenizers import Tokenizer
 
+    data = json.loads(tokenizer.to_str())
     data["normalizer"] = stripped
     return Tokenizer.from_str(json.dumps(data))
 

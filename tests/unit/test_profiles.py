@@ -536,3 +536,20 @@ def test_balanced_slices_cover_every_item_once_in_order() -> None:
             assert len(slices) <= parts
             covered = [i for s in slices for i in range(len(weights))[s]]
             assert covered == list(range(len(weights)))
+
+
+def test_a_tokenizer_json_loses_its_unicode_normal_form_for_output_and_keeps_the_rest(tmp_path: Path) -> None:
+    """A tokenizer.json normalising NFC, then x to a: output ids skip the NFC only."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from services.profiles.backends import TokenizersBackend
+
+    vocab = {"\u2126": 0, "\u03a9": 1, "a": 2, "[UNK]": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace("x", "a")])
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    backend = TokenizersBackend.from_file(tmp_path / "tokenizer.json")
+    assert backend.encode("\u2126") == [0]  # the model wrote OHM SIGN: its own id
+    assert backend.encode_prompt("\u2126") == [1]  # a prompt is normalised as the server does
+    assert backend.encode("x") == backend.encode_prompt("x") == [2]  # the rest is how the vocabulary spells
