@@ -12,8 +12,9 @@
 # (SCHED_IDLE, chrt --idle 0), so the kernel gives the serial test the CPU whenever it wants
 # it, and the rest of the time the parallel piece has it all.
 # The benchmarks are not part of this (make bench-quick; .ci/run runs it as its own step).
-# PYTEST_WORKERS sets -n for the parallel piece (default 4: most of a broker test's time is
-# waiting on the broker and on the other processes it starts, so more workers than cores pay).
+# PYTEST_WORKERS sets -n for the parallel piece (default 4, 6 with --fast: most of a broker
+# test's time is waiting on the broker and on the other processes it starts, so more workers
+# than cores pay).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started_at=$(date +%s)
@@ -22,9 +23,15 @@ export CI="${CI:-false}"
 
 tiers=(tests/unit tests/fuzz tests/integration tests/e2e tests/conformance)
 label="make test"
+default_workers=4
 if [ "${1:-}" = "--fast" ]; then
   tiers=(tests/unit tests/fuzz tests/integration)
   label="make test-fast"
+  # Two minutes of tests: the broker's JIT compiling to C2 costs more CPU than it saves in
+  # so short a run, and these tiers wait on the broker and the processes they start more
+  # than the e2e tier does, so 6 workers (docs/testing.md has the runs).
+  export KAFKA_JVM_OPTS="${KAFKA_JVM_OPTS:--XX:TieredStopAtLevel=1}"
+  default_workers=6
 fi
 
 # shellcheck source=deploy/own-broker.sh
@@ -46,7 +53,7 @@ run_piece() {  # run_piece NAME COMMAND...: run it, keep the worst status, note 
 }
 
 # pyproject's addopts deselect chaos and fuzz with -m; a second -m replaces it, so both pieces repeat that.
-workers=${PYTEST_WORKERS:-4}
+workers=${PYTEST_WORKERS:-$default_workers}
 serial_out=$(mktemp -d)
 # In a subshell of its own: it hands its status and timing line back through a file.
 (
