@@ -129,9 +129,11 @@ async def test_stripping_upstream_is_halted_and_the_pinned_lossless_upstream_is_
     # Phase 2: every later request went to the lossless upstream; >= 95% of those were accepted.
     assert stats["chosen"]["stripping"] == chosen_before["stripping"], line
     # Every prompt the stripping upstream did not answer went to lossless; a prompt answered by stripping
-    # but not yet committed when the worker was restarted is asked again under the new routing (another
-    # request, so not in the store): at most the requests in flight at the restart.
-    assert N_PROMPTS - paid_stripped <= len(after_fix) <= N_PROMPTS - paid_stripped + CONCURRENCY, line
+    # but not committed when the worker was restarted is asked again under the new routing (another
+    # request, so not in the store). Uncommitted: in flight at the restart, or answered behind a prompt
+    # of its partition held at the halt gate (offsets commit in order). The worker runs at most twice
+    # as many prompts as it has provider slots (services.inference.app.InFlight): at most that many.
+    assert N_PROMPTS - paid_stripped <= len(after_fix) <= N_PROMPTS - paid_stripped + 2 * CONCURRENCY, line
     assert share >= 0.95, line
     # Phase 3: the replay paid for nothing.
     assert replayed, line
