@@ -211,7 +211,10 @@ class SimulatorServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST .../chat/completions``: faults first, then the deterministic answer."""
         stats = self.stats
+        key = request.headers.get(KEY_HEADER)
         stats.open += 1
+        if key is not None:
+            stats.open_keys[key] += 1
         stats.peak_open = max(stats.peak_open, stats.open)
         if self.options.hold_until_open is not None and stats.open >= self.options.hold_until_open:
             self._held.set()
@@ -220,6 +223,10 @@ class SimulatorServer:
             return await self._chat(request)
         finally:
             stats.open -= 1
+            if key is not None:
+                stats.open_keys[key] -= 1
+                if not stats.open_keys[key]:
+                    del stats.open_keys[key]
             stats.over_cap.change(time.monotonic(), -1)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:

@@ -26,6 +26,7 @@ class Stats:
         self.key_faults: defaultdict[str, list[str]] = defaultdict(list)
         self.statuses: Counter[str] = Counter()
         self.open = 0  # requests received and not yet answered (or abandoned)
+        self.open_keys: Counter[str] = Counter()  # the same, per sample key (X-Draftstream-Key)
         self.billing = Billing()  # what the key was charged (answers served, or abandoned mid-generation)
         self.peak_open = 0  # the most of those at once
         # Seconds during which more requests were open than the rate limit's max_open.

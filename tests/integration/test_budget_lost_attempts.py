@@ -94,14 +94,17 @@ async def kill_mid_run(sim: Any, budget: BudgetService, settings: Settings, conc
     killed = f"{socket.gethostname()}-{proc.pid}"  # the worker id it announces its attempts with
 
     def its_attempts_open() -> bool:
+        # An attempt of this worker the budget holds as unanswered, open at the provider now:
+        # the budget's view alone lags (an answer it has not read yet), and other workers'
+        # requests count for nothing. Answers take 1-2.5 s: it is still open at the kill.
         scope = budget.ledger.scopes.get("capped")
+        open_keys = sim.server.stats.open_keys
         return scope is not None and scope.responses >= 3 and any(
-            held.worker == killed for held in scope.inflight.values()
+            held.worker == killed and attempt.rpartition("#")[0] in open_keys
+            for attempt, held in scope.inflight.items()
         )
 
     try:
-        # Other workers' answers and open requests count for nothing here: the kill must land
-        # while this worker's own attempts are announced and unanswered.
         await wait_until(lambda: its_attempts_open() and sim.server.stats.open >= 4, 90, 0.02,
                          message=f"attempts of {killed} in flight before the kill")
         open_at_kill = int(sim.server.stats.open)
