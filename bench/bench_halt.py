@@ -42,11 +42,13 @@ from bench.common import (
     base_sections,
     delete_topics,
     free_port,
+    keep_off_simulator_core,
     main,
     percentile,
     processes,
     result,
     sim_stats,
+    simulator_core,
     simulator_proc,
     stage_proc,
     unique_prefix,
@@ -142,12 +144,16 @@ async def measure(quick: bool) -> list[Result]:
         # On a core of its own (real-time, as a provider runs on machines of its own): sharing
         # the two cores with the worker, its loop stamped requests 100 ms and more after they
         # were written, which this benchmark would read as requests sent after a halt.
+        # Pinned to that core, with the worker kept off it: unpinned, the real-time simulator
+        # woke on the worker's core and preempted it for 50-70 ms at a time.
         sim = simulator_proc(
-            work, port, latency=latency, jitter=jitter, reasoning="20-200", content="5-40", own_core=not quick
+            work, port, latency=latency, jitter=jitter, reasoning="20-200", content="5-40", own_core=not quick,
+            pinned=True,
         )
         procs.append(sim)
         shared = "no (--quick)" if quick else "no (not allowed here)"
-        print(f"simulator on a core of its own: {'yes' if sim.own_core else shared}", flush=True)
+        print(f"simulator on a core of its own: {f'yes, core {simulator_core()}' if sim.own_core else shared}",
+              flush=True)
         base = f"http://127.0.0.1:{port}"
         config = write_config(
             work / "bench.toml",
@@ -165,6 +171,9 @@ async def measure(quick: bool) -> list[Result]:
         print(f"published {per_trial} prompts in {seconds:.1f}s", flush=True)
         worker = stage_proc("inference", config, work)
         procs.append(worker)
+        if sim.own_core:
+            apart = keep_off_simulator_core(worker.pid)
+            print(f"worker kept off the simulator's core: {'yes' if apart else 'no'}", flush=True)
         control_topic = settings.kafka.topic(CONTROL_TOPIC)
         producer = make_producer(settings.kafka)
         await producer.start()

@@ -274,11 +274,13 @@ def simulator_proc(
     extra: Sequence[str] = (),
     name: str = "simulator",
     own_core: bool = False,
+    pinned: bool = False,
 ) -> Proc:
     """The provider simulator in its own process (so it never shares a worker's event loop).
 
     ``extra``: more ``simulate-provider`` options (e.g. a rate limit). ``own_core``: give it
-    a core of its own (:func:`give_own_core`); whether that took is ``Proc.own_core``.
+    a core of its own (:func:`give_own_core`; ``pinned``: always the same one); whether that
+    took is ``Proc.own_core``.
     """
     proc = Proc(
         name,
@@ -303,26 +305,54 @@ def simulator_proc(
         ],
         log_dir,
     )
-    proc.own_core = own_core and give_own_core(proc.pid)
+    proc.own_core = own_core and give_own_core(proc.pid, pinned=pinned)
     return proc
 
 
-def give_own_core(pid: int) -> bool:
+def simulator_core() -> int:
+    """The core a pinned simulator runs on (:func:`give_own_core`): the last one."""
+    return (os.cpu_count() or 1) - 1
+
+
+def keep_off_simulator_core(pid: int) -> bool:
+    """Keep every thread of process ``pid`` off :func:`simulator_core` (threads it starts later inherit).
+
+    A real-time simulator preempts whatever runs on its core when a request wakes it; a
+    worker preempted so waits on that core's run queue until the scheduler moves it, tens of
+    ms (bench/README.md). A provider runs on machines of its own and never takes a worker's
+    core: pinned apart, neither does the simulator.
+    """
+    others = set(range(os.cpu_count() or 1)) - {simulator_core()}
+    if not others:
+        return False
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), others)
+    except OSError as exc:
+        print(f"process {pid}: not kept off the simulator's core ({exc})", flush=True)
+        return False
+    return True
+
+
+def give_own_core(pid: int, *, pinned: bool = False) -> bool:
     """Run every thread of process ``pid`` round-robin real-time (threads it starts later inherit).
 
     The provider a simulator stands in for runs on machines of its own. Here it shares two
     cores with the pipeline, and the scheduler leaves it waiting on a run queue beside an
     idle core (measured in bench/README.md): the pipeline's figure then says as much about
     how a core is split as about the pipeline. A real-time task runs whenever it is
-    runnable, on either core, up to the kernel's real-time share (95 % by default); the
-    other core stays the pipeline's. False when not permitted (no root, no CAP_SYS_NICE)
-    or on one core: the benchmark then runs as before and says so.
+    runnable, on either core (``pinned``: on :func:`simulator_core` only), up to the
+    kernel's real-time share (95 % by default); the other core stays the pipeline's. False
+    when not permitted (no root, no CAP_SYS_NICE) or on one core: the benchmark then runs as
+    before and says so.
     """
     if (os.cpu_count() or 1) < 2:
         return False
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():  # the threads started already; later ones inherit
             os.sched_setscheduler(int(task.name), os.SCHED_RR, os.sched_param(1))
+            if pinned:
+                os.sched_setaffinity(int(task.name), {simulator_core()})
     except OSError as exc:
         print(f"simulator: no core of its own ({exc}); it shares the cores with the pipeline", flush=True)
         return False

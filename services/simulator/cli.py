@@ -131,7 +131,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
 
         from services.common.cli import fail, settings_from
         from services.common.logs import setup_logging
-        from services.common.service import run_service
+        from services.common.service import collect_garbage_for_a_service, run_service
         from services.simulator.app import create_app
         from services.simulator.options import SimulatorOptions, get_profile
 
@@ -182,6 +182,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         service = create_app(settings, options=options, host=host, port=port, profile=loaded)
         # Like every other service, the port comes from [metrics] unless the option names one.
         served_on = settings.metrics.simulator_port if metrics_port is None else metrics_port
+        collect_garbage_for_a_service()  # thousands of requests open: the collector of a service
         try:
             asyncio.run(
                 run_service(service, name="simulator", metrics_port=served_on, metrics_host=settings.metrics.host)

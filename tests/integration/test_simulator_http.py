@@ -247,6 +247,28 @@ async def test_a_rate_limit_refuses_beyond_its_bucket_and_its_open_cap_like_open
         assert all(r.status_code == 200 for r in await asyncio.gather(*(post(client, sim, body()) for _ in range(5))))
 
 
+async def test_the_simulator_is_quiet_only_while_few_requests_are_open() -> None:
+    """Its full cycle collections wait for a quiet spell (QuietCollector): not with many open."""
+    from services.simulator.app import QUIET_OPEN, SimulatorService
+
+    service = SimulatorService(SimulatorOptions(hold_until_open=QUIET_OPEN + 2), "127.0.0.1", 0, PROFILE)
+    assert service.quiet()  # not started: nothing open
+    await service.start()
+    sim = service.running
+    assert sim is not None
+    try:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
+            # The answers are held until QUIET_OPEN + 2 are open at once.
+            answers = asyncio.gather(*(post(client, sim, body()) for _ in range(QUIET_OPEN + 1)))
+            await wait_until(lambda: sim.server.stats.open > QUIET_OPEN, 10, message="the requests open")
+            assert not service.quiet()
+            assert (await post(client, sim, body())).status_code == 200  # the last one: all are answered
+            assert all(r.status_code == 200 for r in await answers)
+        assert sim.server.stats.open == 0 and service.quiet()
+    finally:
+        await service.close()
+
+
 async def test_5xx(sim_factory: SimFactory) -> None:
     sim = await sim_factory()
     async with httpx.AsyncClient() as client:
