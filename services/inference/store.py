@@ -65,6 +65,9 @@ class ResponseStore:
         self._tps: list[TopicPartition] = []
         self._positions: dict[int, int] = {}
         self._advanced = asyncio.Event()
+        self._catching_up = 0  # catch_up() calls under way
+        self._caught_up = asyncio.Event()  # set while none is (lookups wait for them)
+        self._caught_up.set()
         self.index = StoreIndex(kafka, producer, kafka.topic(RESPONSE_INDEX_TOPIC)) if use_index else None
         # What the last start read: index records, store records and value bytes of the tail.
         self.loaded_from_index = 0
@@ -194,21 +197,31 @@ class ResponseStore:
 
         A partition handed over by another worker may hold prompts that worker paid for
         just before it stopped: their responses must be found before they are sent again.
+        Lookups (:meth:`get`) wait meanwhile: aiokafka fetches the partitions just assigned
+        while the rebalance listener that calls this still runs, so a prompt of one can be
+        looked up before its last owner's answer is indexed, and be paid for twice.
         """
         fetcher = self._fetcher
         if fetcher is None or not self._tps:
             return True
-        async with self._fetch_lock:
-            ends = await fetcher.end_offsets(self._tps)
-        deadline = time.monotonic() + timeout_s
-        while any(self._positions.get(tp.partition, 0) < ends[tp] for tp in self._tps):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                log.warning("response store: not caught up with %s within %.0f s", self.topic, timeout_s)
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._advanced.wait(), timeout=min(remaining, 1.0))
-        return True
+        self._catching_up += 1
+        self._caught_up.clear()
+        try:
+            async with self._fetch_lock:
+                ends = await fetcher.end_offsets(self._tps)
+            deadline = time.monotonic() + timeout_s
+            while any(self._positions.get(tp.partition, 0) < ends[tp] for tp in self._tps):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning("response store: not caught up with %s within %.0f s", self.topic, timeout_s)
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._advanced.wait(), timeout=min(remaining, 1.0))
+            return True
+        finally:
+            self._catching_up -= 1
+            if not self._catching_up:
+                self._caught_up.set()
 
     def _remember(self, where: tuple[int, int], value: bytes) -> None:
         if len(value) > self._cache_limit // 4:
@@ -223,7 +236,12 @@ class ResponseStore:
             self._cache_bytes -= len(dropped)
 
     async def get(self, key: str) -> ResponseReceived | None:
-        """The paid response of request ``key``, or None when it was never paid for."""
+        """The paid response of request ``key``, or None when it was never paid for.
+
+        Asked while a :meth:`catch_up` is under way, it answers once that is over.
+        """
+        if not self._caught_up.is_set():
+            await self._caught_up.wait()
         where = self._index.get(key)
         if where is None:
             return None

@@ -9,6 +9,9 @@ would read it again from the committed offset and pay for it a second time (CI s
 answers for 60 prompts with three workers joining). The truth here is the simulator's own
 count of the requests it served, over HTTP, with the worker on a real broker; the listener
 is called as aiokafka calls it, so the window is held open as long as the test needs.
+
+The window has a second side: aiokafka fetches the partitions it assigns before the
+listener has caught the response store up, so a lookup then must wait for the catch-up.
 """
 
 from __future__ import annotations
@@ -21,10 +24,22 @@ from typing import Any
 
 import pytest
 
-from schemas import LEASES_TOPIC, LeaseGranted, LeasePolicy, encode, lease_key, sample_key
+from schemas import (
+    LEASES_TOPIC,
+    LeaseGranted,
+    LeasePolicy,
+    Message,
+    PromptPublished,
+    ResponseReceived,
+    Usage,
+    encode,
+    lease_key,
+    sample_key,
+)
 from services.common.config import Settings
 from services.common.kafka import ensure_topics, make_producer
 from services.inference.app import _Rebalance
+from services.inference.store import ResponseStore, open_store
 from tests.integration.test_inference_worker import prompt, provider_cfg, publish, running, sim_factory  # noqa: F401
 from tests.kafka_fixture import wait_until
 
@@ -83,3 +98,51 @@ async def test_a_lease_granted_between_revocation_and_assignment_sends_nothing_o
     assert len(keys) == expected and all(n == 1 for n in keys.values())
     gone_keys = {sample_key("chat", p.sample_id) for p in prompts} - set(keys)
     assert len(gone_keys) == by_partition[gone]  # those are the next owner's to send, once
+
+
+async def test_a_prompt_looked_up_while_the_store_catches_up_finds_its_last_owners_answer(
+    settings_factory: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # aiokafka hands a worker the partitions of a rebalance, and starts fetching them, before
+    # it calls the listener that catches the response store up with what their last owner
+    # paid for: a prompt fetched meanwhile was looked up in a store that had not indexed its
+    # answer yet, and paid for again (CI: 61 answers for 60 prompts, three workers joining).
+    # Here the next owner's store indexes what it follows half a second late.
+    settings = settings_factory()
+    producers = [make_producer(settings.kafka), make_producer(settings.kafka)]
+    stores: list[ResponseStore] = []
+    for producer in producers:
+        await producer.start()
+    try:
+        for producer in producers:
+            store = await open_store(settings, producer)
+            assert store is not None
+            stores.append(store)
+        last_owner, next_owner = stores
+
+        async def late_poll(store: ResponseStore, consumer: Any) -> None:
+            batches = await consumer.getmany(timeout_ms=500)
+            if store is next_owner:
+                await asyncio.sleep(0.5)
+            for records in batches.values():
+                for record in records:
+                    store._index_record(record)  # noqa: SLF001 - what _poll does, late
+
+        monkeypatch.setattr(ResponseStore, "_poll", late_poll)
+        key = "chat:p1|" + "ab" * 32
+        paid = ResponseReceived(
+            dataset="chat", sample_id="p1",
+            prompt=PromptPublished(dataset="chat", sample_id="p1", messages=[Message(role="user", content="hi")]),
+            provider="simulator", model="m", content="the answer", usage=Usage(completion_tokens=3),
+        )
+        await (await last_owner.put(key, encode(paid)))  # answered, acknowledged, then the partition goes
+        catching_up = asyncio.create_task(next_owner.catch_up())  # the next owner's listener
+        await asyncio.sleep(0)
+        found = await next_owner.get(key)  # a prompt fetched while the listener runs
+        assert await catching_up
+        assert found is not None and found.content == "the answer"
+    finally:
+        for store in stores:
+            await store.close()
+        for producer in producers:
+            await producer.stop()
