@@ -326,12 +326,17 @@ def keep_off_simulator_core(pid: int) -> bool:
     if not others:
         return False
     try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            os.sched_setaffinity(int(task.name), others)
+        _each_thread(pid, lambda tid: os.sched_setaffinity(tid, others))
     except OSError as exc:
         print(f"process {pid}: not kept off the simulator's core ({exc})", flush=True)
         return False
     return True
+
+
+def _each_thread(pid: int, do: Callable[[int], None]) -> None:
+    """``do(thread id)`` for every thread process ``pid`` has now (the ones it starts later inherit)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        do(int(task.name))
 
 
 def give_own_core(pid: int, *, pinned: bool = False) -> bool:
@@ -348,11 +353,13 @@ def give_own_core(pid: int, *, pinned: bool = False) -> bool:
     """
     if (os.cpu_count() or 1) < 2:
         return False
+    def own_core(tid: int) -> None:
+        os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(1))
+        if pinned:
+            os.sched_setaffinity(tid, {simulator_core()})
+
     try:
-        for task in Path(f"/proc/{pid}/task").iterdir():  # the threads started already; later ones inherit
-            os.sched_setscheduler(int(task.name), os.SCHED_RR, os.sched_param(1))
-            if pinned:
-                os.sched_setaffinity(int(task.name), {simulator_core()})
+        _each_thread(pid, own_core)
     except OSError as exc:
         print(f"simulator: no core of its own ({exc}); it shares the cores with the pipeline", flush=True)
         return False

@@ -220,7 +220,7 @@ class SimulatorServer:
             self._held.set()
         stats.over_cap.change(time.monotonic(), +1)
         try:
-            return await self._chat(request)
+            return await self._chat(request, key)
         finally:
             stats.open -= 1
             if key is not None:
@@ -229,9 +229,8 @@ class SimulatorServer:
                     del stats.open_keys[key]
             stats.over_cap.change(time.monotonic(), -1)
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: web.Request, key: str | None) -> web.StreamResponse:
         at = time.time()
-        key = request.headers.get(KEY_HEADER)
         self.stats.record(key, at, request.headers.get("Authorization"))
         limiter = self.limiter
         if limiter.active:
