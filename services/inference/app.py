@@ -17,6 +17,11 @@ acknowledged by the broker; the committed offset of a partition is the lowest of
 still in flight. A crash replays the unfinished prompts (at least once; downstream
 stages are idempotent by key, and the response store keeps a replay from paying twice).
 
+Intake: prompts are taken ``INTAKE_BATCH`` at a time, and only while the worker's event loop
+keeps up (:class:`~services.common.looptime.LoopLateness`). A wave of answers comes first:
+prompts taken while the loop is behind only wait in its queue, their slots idle at the
+provider, and their answers come back as the next wave.
+
 Written on aiokafka directly: the worker keeps a thousand requests in flight across
 out-of-order completions, pauses halted partitions (and keeps them paused across
 rebalances) and commits only the completed prefix; FastStream has no pause and
@@ -54,6 +59,7 @@ from services.common.kafka import (
     refused_as,
     report_lag,
 )
+from services.common.looptime import LoopLateness
 from services.common.metrics import HALTED
 from services.common.service import release
 from services.common.topics import Record
@@ -69,6 +75,8 @@ from services.inference.store import ResponseStore, open_store
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+INTAKE_BATCH = 128
+"""Prompts taken at most at once; the next batch only while the loop keeps up (:meth:`InferenceWorker.run`)."""
 QUIET_INFLIGHT = 16
 """Requests at the provider at or below which the worker counts as quiet (or 1 % of its concurrency, if more)."""
 
@@ -105,6 +113,7 @@ class InferenceWorker:
         self.halts = HaltFollower(self._kafka, self._stopping, gauge=HALTED)
         self.halts.listeners.append(self.apply_pauses)
         self.inflight = InFlight()
+        self.lateness = LoopLateness()
         self.failure: BaseException | None = None
         self.guard: ProviderGuard | None = None
         self.answers: Answerer | None = None
@@ -152,6 +161,7 @@ class InferenceWorker:
         with refused_as(kafka, "READ"):
             self.store = await open_store(settings, producer)
         self.guard.start_probe()
+        self.lateness.start()
         with refused_as(kafka, "READ"):
             self.headroom = Headroom(kafka, self.worker_id, self.halts, self.inflight, settings.provider.concurrency)
             self.headroom.listeners.append(self.inflight.wake)  # a dataset short of headroom may take prompts again
@@ -188,6 +198,7 @@ class InferenceWorker:
         """Cancel what is left and release the Kafka and HTTP clients."""
         self._stopping.set()
         await self.inflight.cancel()
+        await self.lateness.close()
         if self.headroom is not None:
             await self.headroom.close()
         await release(self._consumer)  # leave the group first: no rebalance runs on meanwhile
@@ -199,7 +210,7 @@ class InferenceWorker:
         await release(self._announcer, self._producer, self._http if self._own_http else None)
 
     async def run(self) -> None:
-        """Fetch prompts while there is room in flight; commit the completed prefix."""
+        """Fetch prompts while there is room in flight and the loop keeps up; commit the completed prefix."""
         consumer, checkpoint = _started(self._consumer), _started(self.checkpoint)
         progress = _Progress(self)
         try:
@@ -207,6 +218,8 @@ class InferenceWorker:
                 free = self.inflight.room(self.settings.provider.concurrency)
                 if free <= 0:
                     await self.inflight.wait_for_room(0.5)  # bounded memory: no fetch until one finishes
+                elif self.lateness.behind():
+                    await asyncio.sleep(self.lateness.tick_s)  # answers first: no new prompt while behind
                 else:
                     self.apply_pauses()  # cheap insurance beside the rebalance listener
                     partitions = self._fetchable(consumer)
@@ -214,11 +227,14 @@ class InferenceWorker:
                         await self.inflight.wait_for_room(0.2)  # every partition halted or short of headroom
                         continue
                     with refused_as(self._kafka, "READ"):
-                        batches = await consumer.getmany(*(partitions or ()), timeout_ms=200, max_records=free)
+                        batches = await consumer.getmany(
+                            *(partitions or ()), timeout_ms=200, max_records=min(free, INTAKE_BATCH)
+                        )
                     for tp, records in batches.items():
                         for record in records:
                             checkpoint.take(tp, record.offset)
                             self.inflight.spawn(self._process(tp, record), tp)
+                    await asyncio.sleep(0)  # the batch's first steps run (and count) before the next is taken
                 await checkpoint.commit_due()
                 await progress.tick(consumer)
             if self.failure is not None:

@@ -35,7 +35,7 @@ from schemas import (
 )
 from services.common.config import Settings
 from services.common.kafka import ensure_topics, header, make_producer
-from services.inference.app import InferenceWorker
+from services.inference.app import INTAKE_BATCH, InferenceWorker
 from services.simulator.app import RunningSimulator, start_simulator
 from services.simulator.options import SimulatorOptions
 from tests.integration.inference_harness import (
@@ -238,6 +238,36 @@ async def test_halt_stops_requests_within_a_second_and_resume_completes(
         assert stopped_at < 120
         await publish_control(settings, "global", encode(Resume(scope="global", by="test")))
         await wait_until(lambda: len(out.finished_keys()) >= 120, timeout=90, message="all 120 after resume")
+    assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}
+
+
+async def test_a_worker_whose_loop_is_behind_takes_no_new_prompt_until_it_catches_up(
+    settings_factory: Callable[..., Settings], sim_factory: Callable[..., Any]
+) -> None:
+    # A wave of answers holds a worker's one event loop; new prompts taken meanwhile only
+    # wait in the same queue while their slots are idle at the provider. Here a task holds
+    # the loop 60 ms at a go (three times the lateness that counts as behind).
+    sim = await sim_factory()
+    settings = settings_factory(provider=provider_cfg(sim))
+    await ensure_topics(settings.kafka, ["chat"])
+    prompts = [prompt("chat", i) for i in range(INTAKE_BATCH + 40)]
+    holding = True
+
+    async def hold_the_loop() -> None:
+        while holding:
+            time.sleep(0.06)
+            await asyncio.sleep(0)
+
+    async with Collector(settings, "responses") as out, running(settings) as worker:
+        hog = asyncio.create_task(hold_the_loop())
+        await publish(settings, "chat", [(p.sample_id, encode(p)) for p in prompts])
+        published = time.monotonic()
+        await wait_until(lambda: time.monotonic() > published + 2.0, timeout=10, message="2 s with prompts waiting")
+        assert worker.lateness.behind()
+        assert sim.stats()["total_requests"] == 0 and len(worker.inflight) == 0  # not one prompt taken
+        holding = False
+        await hog
+        await wait_until(lambda: len(out.responses()) >= len(prompts), timeout=60, message="every prompt answered")
     assert {r.sample_id for r in out.responses()} == {p.sample_id for p in prompts}
 
 
