@@ -260,6 +260,8 @@ async def test_a_worker_whose_loop_is_behind_takes_no_new_prompt_until_it_catche
 
     async with Collector(settings, "responses") as out, running(settings) as worker:
         hog = asyncio.create_task(hold_the_loop())
+        held_from = time.monotonic()  # a fetch the worker began before (200 ms at most) ends empty
+        await wait_until(lambda: time.monotonic() > held_from + 0.5, timeout=10, message="0.5 s held")
         await publish(settings, "chat", [(p.sample_id, encode(p)) for p in prompts])
         published = time.monotonic()
         await wait_until(lambda: time.monotonic() > published + 2.0, timeout=10, message="2 s with prompts waiting")
