@@ -240,8 +240,7 @@ class ResponseStore:
 
         Asked while a :meth:`catch_up` is under way, it answers once that is over.
         """
-        if not self._caught_up.is_set():
-            await self._caught_up.wait()
+        await self._caught_up.wait()  # at once when no catch-up is under way
         where = self._index.get(key)
         if where is None:
             return None
