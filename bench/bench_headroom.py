@@ -1,4 +1,4 @@
-"""Benchmark 6: how much of a cap is used at the seeds' answer lengths (admission by headroom).
+"""Benchmark 7: how much of a cap is used at the seeds' answer lengths (admission by headroom).
 
 The seeds' settings (Kimi-K2.5 in the real run): answers of 1,700-14,500 tokens,
 ``max_tokens`` 32,768 and so many requests allowed in flight that their worst case is far
