@@ -200,7 +200,7 @@ async def run_size(total: int, seed: int, *, kills: bool = False) -> dict[str, A
             provider={"concurrency": CONCURRENCY, "timeout_s": 300.0},
             defaults={"max_tokens": MAX_TOKENS},
             # Count answers, not the in-flight worst case: at 1,000 in flight x 17,000 max_tokens the
-            # worst case alone passes a scaled cap before the first answer (see bench/README.md).
+            # worst case alone passes a scaled cap before the first answer (docs/bench-history.md, 2026-12-01).
             budget={"include_inflight": False},
             datasets=datasets,
         )

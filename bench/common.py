@@ -319,7 +319,7 @@ def keep_off_simulator_core(pid: int) -> bool:
 
     A real-time simulator preempts whatever runs on its core when a request wakes it; a
     worker preempted so waits on that core's run queue until the scheduler moves it, tens of
-    ms (bench/README.md). A provider runs on machines of its own and never takes a worker's
+    ms (docs/bench-history.md, 2026-12-05). A provider runs on machines of its own and never takes a worker's
     core: pinned apart, neither does the simulator.
     """
     others = set(range(os.cpu_count() or 1)) - {simulator_core()}

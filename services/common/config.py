@@ -221,7 +221,7 @@ class BudgetSettings(BaseModel):
     # is halted on control with the top dead-letter reasons. 0 turns it off.
     min_yield: float = Field(default=0.9, ge=0, le=1)
     quality_window: int = Field(default=200, ge=1, le=1_000_000)
-    # Admission by headroom: the budget hands out leases (docs/operations.md#leases) and a
+    # Admission by headroom: the budget hands out leases (docs/leases-and-rate-limits.md) and a
     # request waits for room under the caps instead of the scope being halted early.
     leases: bool = True
     # A lease not renewed for this long (plus the grace) is taken back from its worker.

@@ -88,7 +88,7 @@ burst). In benchmark 2 alone (rounds of two to three seconds), end to end was 0.
 at 100 ms, 0.964 and 1.019 at 50 ms, 0.990-1.121 at 25 ms. At the seeds' rates a fetch never
 fills 1 MiB, so the wait sets how often each stage fetches: at 4,000 prompts of the seeds'
 shape, 50 ms cost reconstruct, audit and sink 16.6 CPU s per 1,000 prompts against 14.2 at
-100 ms. Figures: bench/README.md.
+100 ms. Figures: docs/bench-history.md (2026-12-03).
 """
 
 FOLLOW_FETCH: dict[str, Any] = {"fetch_min_bytes": 1024 * 1024, "fetch_max_wait_ms": 100}

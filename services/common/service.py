@@ -214,7 +214,7 @@ def collect_garbage_for_a_service() -> None:
     A worker holds thousands of requests alive for seconds each. With CPython's default
     thresholds their objects outlive the young collections, reach the oldest generation,
     and trigger a full collection every few seconds over everything alive: about a quarter
-    of an inference worker's time at 10,000 in flight (bench/README.md). Reference counting
+    of an inference worker's time at 10,000 in flight (docs/bench-history.md, 2026-12-01). Reference counting
     frees nearly all of them anyway; the collector is only for cycles. So the young
     generation is collected rarely, a full collection runs about once a minute at that
     load, and what start-up allocated (modules, settings) is frozen out of every scan.

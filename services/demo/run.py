@@ -36,7 +36,7 @@ DATA = Path(__file__).parent / "data"
 DATASETS = ("math", "code", "tools", "chat")
 # Multi-turn regeneration: every assistant turn regenerated on the regenerated history.
 MULTI_TURN = ("chat",)
-# The budget first: it announces the lease policy the workers wait for (docs/operations.md, "Leases").
+# The budget first: it announces the lease policy the workers wait for (docs/leases-and-rate-limits.md, "Leases").
 SERVICES = ("budget", "inference", "reconstruct", "audit", "sink", "continuation")
 REPO = Path(__file__).resolve().parents[2]
 # The columns of the two tables the demo ends with (the README's demo excerpt shows them).

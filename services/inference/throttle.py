@@ -6,7 +6,7 @@ window is full or the pace (:mod:`services.inference.pacer`) says not yet, then 
 optional ``requests_per_minute`` / ``tokens_per_minute`` ceilings (aiolimiter's leaky
 buckets; ``requests_per_minute`` also caps the pace); each request then reports how it
 ended, and the window and the pace move. Each worker has its own throttle: several workers on one key adapt
-independently (docs/operations.md says how they share the key's limit).
+independently (docs/leases-and-rate-limits.md says how they share the key's limit).
 """
 
 from __future__ import annotations
