@@ -69,11 +69,13 @@ def links(page: Path) -> list[tuple[int, str]]:
     """(line, target) of every link and image of a page, code excluded."""
     found = []
     for block in _parsed(page):
+        line = (block.map or [0])[0] + 1
         for child in block.children or []:
+            line += child.type in ("softbreak", "hardbreak")
             attr = {"link_open": "href", "image": "src"}.get(child.type)
             target = child.attrGet(attr) if attr else None
             if isinstance(target, str):
-                found.append(((block.map or [0])[0] + 1, target))
+                found.append((line, target))
     return found
 
 
@@ -152,6 +154,8 @@ def test_the_checker_finds_a_broken_link(tmp_path: Path) -> None:
         "`[g](#in-code)`\n",
         encoding="utf-8",
     )
-    verdicts = {target: broken(page, target, tmp_path) for _, target in links(page)}
+    found = links(page)
+    assert [line for line, _ in found] == [7] * 6  # the line each link stands on
+    verdicts = {target: broken(page, target, tmp_path) for _, target in found}
     assert set(verdicts) == {"#top-code-heading", "#again-1", "#nowhere", "missing.md", ".", "https://example.com/x#y"}
     assert {t for t, why in verdicts.items() if why} == {"#nowhere", "missing.md"}
