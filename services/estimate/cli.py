@@ -36,7 +36,7 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
     console = data_console(file=console.file, width=max(console.width, 140))
 
     table = Table(title="cost estimate (nothing sent)")
-    for name in ("dataset", "profile", "prompts", "prompt tok (exact)", "tools sent"):
+    for name in ("dataset", "profile", "prompts", "prompt tok (exact)", "with tools"):
         table.add_column(name, justify="left" if name in ("dataset", "profile") else "right")
     for name in ("completion tok: bound", "expected", "$ at the bound", "$ expected"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -62,9 +62,18 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
         )  # fmt: skip
     console.print(table)
     from services.common.plan import plan_line
+    from services.inference.tool_route import route_says
 
     for est in report.datasets:  # what the workers' pre-flight will log, value by value with its origin
         console.print(f"plan: {plan_line(settings, est.dataset)}", soft_wrap=True, markup=False, highlight=False)
+        # By which route the rows' tools travel, and whether their calls can be proven.
+        fielded = est.tools_sent - est.tools_in_text
+        if fielded:
+            line = f"{est.tools_route} ({fielded:,} request(s) with a tools field)"
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
+        if est.tools_in_text:
+            line = f"tools of dataset {est.dataset}: {route_says('own_text')} ({est.tools_in_text:,} request(s))"
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
     if report.checks:
         caps = Table(title="caps: spent so far + this estimate")
         for name in ("scope", "cap", "spent", "+ expected", "+ bound", "verdict"):
