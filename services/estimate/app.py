@@ -23,7 +23,7 @@ from services.common.errors import CommandError
 from services.continuation.core import turn_points
 from services.estimate.core import Caps, DatasetEstimate, EstimateReport, Observed, build_report
 from services.inference.core import request_max_tokens
-from services.inference.tool_route import can_write_in_text, renders_tools, route_line
+from services.inference.tool_route import can_write_in_text, renders_tools
 from services.publish.core import NormaliseOptions
 from services.publish.reading import PublishError, Rejection, check_arguments, iter_prompts
 
@@ -59,9 +59,7 @@ class Estimator:
             raise CommandError(f"dataset {dataset}: profile {name}: {exc}") from None
         profile = self.profile
         in_text = can_write_in_text(lambda m, t: profile.render_prompt(m, t))
-        self.estimate = DatasetEstimate(
-            dataset=dataset, profile=name, observed=observed, tools_route=route_line(settings, dataset, in_text=in_text)
-        )
+        self.estimate = DatasetEstimate(dataset=dataset, profile=name, observed=observed, tools_in_prompt=in_text)
         self._texts: list[str] = []
         self._limits: list[tuple[int, bool, bool]] = []
 

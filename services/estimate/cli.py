@@ -62,17 +62,14 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
         )  # fmt: skip
     console.print(table)
     from services.common.plan import plan_line
-    from services.inference.tool_route import route_says
+    from services.inference.tool_route import rows_lines
 
     for est in report.datasets:  # what the workers' pre-flight will log, value by value with its origin
         console.print(f"plan: {plan_line(settings, est.dataset)}", soft_wrap=True, markup=False, highlight=False)
         # By which route the rows' tools travel, and whether their calls can be proven.
-        fielded = est.tools_sent - est.tools_in_text
-        if fielded:
-            line = f"{est.tools_route} ({fielded:,} request(s) with a tools field)"
-            console.print(line, soft_wrap=True, markup=False, highlight=False)
-        if est.tools_in_text:
-            line = f"tools of dataset {est.dataset}: {route_says('own_text')} ({est.tools_in_text:,} request(s))"
+        fielded, own = est.tools_sent - est.tools_in_text, est.tools_in_text
+        said = rows_lines(settings, est.dataset, in_text=est.tools_in_prompt, fielded=fielded, own_text=own)
+        for line, _sound in said:
             console.print(line, soft_wrap=True, markup=False, highlight=False)
     if report.checks:
         caps = Table(title="caps: spent so far + this estimate")

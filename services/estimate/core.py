@@ -55,8 +55,8 @@ class DatasetEstimate:
     tools_in_text: int = 0
     completion_bound: int = 0
     completion_expected: float = 0.0
-    # How the rows with a tools field send them, and whether the calls can be proven (route_line).
-    tools_route: str = ""
+    # Whether the profile can write its tool block into system text (raw tool text in chat mode).
+    tools_in_prompt: bool = False
 
     def add(self, prompt_tokens: int, max_tokens: int, *, tools_sent: bool = False, in_text: bool = False) -> None:
         """Count one prompt of ``prompt_tokens`` ids whose request allows ``max_tokens``."""

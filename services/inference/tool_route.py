@@ -115,6 +115,18 @@ def route_line(settings: Settings, name: str, *, in_text: bool) -> str:
     return f"tools of dataset {name or '(defaults)'}: {said}"
 
 
+def rows_lines(settings: Settings, name: str, *, in_text: bool, fielded: int, own_text: int) -> list[tuple[str, bool]]:
+    """The route lines of a dataset's rows (a tools field; tools in their own text), each with its soundness."""
+    lines: list[tuple[str, bool]] = []
+    if fielded:
+        route = dataset_route(settings, settings.dataset(name), in_text=in_text)
+        lines.append((f"{route_line(settings, name, in_text=in_text)} ({fielded:,} request(s) with a tools field)",
+                      route in SOUND))  # fmt: skip
+    if own_text:
+        lines.append((f"tools of dataset {name}: {route_says('own_text')} ({own_text:,} request(s))", True))
+    return lines
+
+
 __all__ = [
     "PARSED_ADVICE",
     "SOUND",
@@ -125,5 +137,6 @@ __all__ = [
     "renders_tools",
     "route_line",
     "route_says",
+    "rows_lines",
     "template_route",
 ]
