@@ -110,6 +110,8 @@ def route_line(settings: Settings, name: str, *, in_text: bool) -> str:
         said += f" (profile {dataset.profile} cannot write its tool block in system text)"
     if dataset.send_tools is True and dataset.tool_route == "parameter":
         said += ' [send_tools = true: read as tool_route = "parameter"]'
+    elif dataset.send_tools is True:
+        said += " [send_tools = true is not read where tool_route is written]"
     elif dataset.send_tools is False:
         said += " [send_tools = false no longer leaves a row's tools out]"
     return f"tools of dataset {name or '(defaults)'}: {said}"
