@@ -108,6 +108,9 @@ def route_line(settings: Settings, name: str, *, in_text: bool) -> str:
     said = route_says(route)
     if route == "parameter" and dataset.tool_route == "prompt":
         said += f" (profile {dataset.profile} cannot write its tool block in system text)"
+    if route == "parameter" and (settings.provider.request_logprobs or settings.provider.kind == "openai"):
+        asked = "logprobs" if settings.provider.request_logprobs else "token ids (return_token_ids)"
+        said += f"; unless the answers carry the {asked} asked for: those prove them"
     if dataset.send_tools is True and dataset.tool_route == "parameter":
         said += ' [send_tools = true: read as tool_route = "parameter"]'
     elif dataset.send_tools is True:
