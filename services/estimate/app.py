@@ -23,7 +23,7 @@ from services.common.errors import CommandError
 from services.continuation.core import turn_points
 from services.estimate.core import Caps, DatasetEstimate, EstimateReport, Observed, build_report
 from services.inference.core import request_max_tokens
-from services.inference.tool_route import can_write_in_text, renders_tools
+from services.inference.tool_route import can_write_in_text, renders_tools, rows_lines
 from services.publish.core import NormaliseOptions
 from services.publish.reading import PublishError, Rejection, check_arguments, iter_prompts
 
@@ -87,6 +87,13 @@ class Estimator:
             self._texts.clear()
             self._limits.clear()
         return self.estimate
+
+
+def tool_lines(settings: Settings, est: DatasetEstimate) -> list[str]:
+    """By which route the dataset's rows send their tools, and whether their calls can be proven."""
+    fielded, own = est.tools_sent - est.tools_in_text, est.tools_in_text
+    lines = rows_lines(settings, est.dataset, in_text=est.tools_in_prompt, fielded=fielded, own_text=own)
+    return [line for line, _sound in lines]
 
 
 @dataclass(frozen=True)

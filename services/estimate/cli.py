@@ -62,14 +62,11 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
         )  # fmt: skip
     console.print(table)
     from services.common.plan import plan_line
-    from services.inference.tool_route import rows_lines
+    from services.estimate.app import tool_lines
 
     for est in report.datasets:  # what the workers' pre-flight will log, value by value with its origin
         console.print(f"plan: {plan_line(settings, est.dataset)}", soft_wrap=True, markup=False, highlight=False)
-        # By which route the rows' tools travel, and whether their calls can be proven.
-        fielded, own = est.tools_sent - est.tools_in_text, est.tools_in_text
-        said = rows_lines(settings, est.dataset, in_text=est.tools_in_prompt, fielded=fielded, own_text=own)
-        for line, _sound in said:
+        for line in tool_lines(settings, est):  # by which route the rows' tools travel; provable or not
             console.print(line, soft_wrap=True, markup=False, highlight=False)
     if report.checks:
         caps = Table(title="caps: spent so far + this estimate")
