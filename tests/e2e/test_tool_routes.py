@@ -12,7 +12,8 @@ One file of Qwen3 tool-use rows (an OpenAI ``tools`` field per row) is published
   back in ``content`` as the model wrote it; the pre-flight says the route is provable;
 - ``toolsc``: completions mode: the prompt rendered by us, the raw text back; at least 95 % kept.
 
-Run with and without logprobs: with them, the parser route's calls are proven by the tokens (rows
+The worker probes each dataset first (``[inference] probe_first``): the probe says the route again over the
+prompts it read, before it pays. Run with and without logprobs: with them, the parser route's calls are proven by the tokens (rows
 kept, still exact); without, every row it keeps must be exact too (the simulator's hermes parser
 re-serialises every call's arguments, so none is expected).
 
@@ -37,6 +38,7 @@ from services.audit.app import create_app as audit_app
 from services.common.kafka import ensure_topics
 from services.inference.app import create_app as inference_app
 from services.inference.tool_route import PARSED_ADVICE
+from services.probe.app import probe_first
 from services.publish.app import publish
 from services.reconstruct.app import create_app as reconstruct_app
 from services.simulator.app import start_simulator
@@ -62,6 +64,7 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
 ) -> None:
     """Parsed calls: warned before paying, 0 wrong rows; raw tool text and completions: exact, kept."""
     caplog.set_level(logging.INFO, logger="services.inference.guard")
+    caplog.set_level(logging.INFO, logger="services.probe.app")
     sim = await start_simulator(
         SimulatorOptions(seed=7, reasoning_tokens=(30, 60), content_tokens=(10, 30), keep_truth=True,
                          logprobs=logprobs, chat_template_file=str(OFFICIAL_QWEN3))  # fmt: skip
@@ -75,6 +78,7 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
                   COMPLETIONS: {"mode": "completions", "audit": audit}},
         # The parser route is expected to lose rows: the quality halt would stop it before the count.
         budget={"min_yield": 0},
+        inference={"probe_first": 3},  # the worker's probe says the routes too, before it pays
     )  # fmt: skip
     prompts_file = tmp_path / "tools.jsonl"
     prompts_file.write_text("".join(json.dumps({"id": f"t{i:03d}", "messages": messages(i), "tools": TOOLS}) + "\n"
@@ -84,12 +88,12 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
     out_dir = Path(settings.sink.out_dir)
     pipeline = Pipeline()
     try:
-        for name, factory in (("inference", inference_app), ("reconstruct", reconstruct_app),
-                              ("audit", audit_app), ("sink", sink_app)):  # fmt: skip
-            await pipeline.start(name, factory(settings))
-        for name in names:
+        for name in names:  # on the topics before the worker starts: its probe reads the first prompts
             published = await publish(settings, [prompts_file], dataset=name)
             assert published.published == N_PROMPTS, published
+        await pipeline.start("inference", inference_app(settings, probe=probe_first))
+        for name, factory in (("reconstruct", reconstruct_app), ("audit", audit_app), ("sink", sink_app)):
+            await pipeline.start(name, factory(settings))
 
         async def settled() -> bool:
             done = {r["id"] for r in sink_rows(out_dir)} | {d.key for d in await dead_letters(settings)}
@@ -103,6 +107,8 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
 
     preflight = {name: [r for r in caplog.records if r.getMessage().startswith(f"pre-flight: tools of dataset {name}:")]
                  for name in names}  # fmt: skip
+    probed = {name: [r for r in caplog.records if r.getMessage().startswith(f"probe {name}: tools of dataset {name}:")]
+              for name in names}  # fmt: skip
     accepted_topic, responses_topic = settings.kafka.topic("accepted"), settings.kafka.topic("responses")
     got = await read_all(settings, accepted_topic, responses_topic)
     accepted = [decode(r.value, SampleAudited) for r in got[accepted_topic]]
@@ -111,10 +117,10 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
     rows = sink_rows(out_dir)
     by: dict[str, dict[str, Any]] = {}
     for name in names:
-        mine = [a for a in accepted if a.dataset == name]
-        answers = [r for r in responses if r.dataset == name]
+        mine = [a for a in accepted if a.dataset == name]  # every record checked; the probe's answers twice
+        answers = list({r.sample_id: r for r in responses if r.dataset == name}.values())  # the probe's, reused
         by[name] = {
-            "accepted": len(mine),
+            "accepted": len({a.sample_id for a in mine}),
             "wrong_output": [a.sample_id for a in mine
                              if list(a.sample.output_ids) != truths.get(f"{name}:{a.sample_id}")],
             "wrong_prompt": [a.sample_id for a in mine
@@ -129,6 +135,7 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
         **{f"{name}_{key}": (len(value) if isinstance(value, list) else value)
            for name, found in by.items() for key, value in found.items()},
         preflight={name: [r.levelname for r in records] for name, records in preflight.items()},
+        probe={name: [r.levelname for r in records] for name, records in probed.items()},
     )  # fmt: skip
 
     # Said before money moved: the parser route warns, naming the sound routes; the others say they are provable.
@@ -137,6 +144,10 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
     for name in (RAW, COMPLETIONS):
         assert [r.levelno for r in preflight[name]] == [logging.INFO], line
         assert preflight[name][0].getMessage().endswith(": provable"), line
+    # The probe (here the worker's probe_first) says it again over the prompts it reads, before it pays.
+    assert [r.levelno for r in probed[PARAMETER]] == [logging.WARNING], line
+    assert PARSED_ADVICE in probed[PARAMETER][0].getMessage(), line
+    assert all([r.levelno for r in probed[name]] == [logging.INFO] for name in (RAW, COMPLETIONS)), line
 
     assert {r["id"] for r in rows} | {d.key for d in letters} == {
         f"{name}:t{i:03d}" for name in names for i in range(N_PROMPTS)
