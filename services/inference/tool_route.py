@@ -28,10 +28,8 @@ Route = Literal["none", "own_text", "rendered", "prompt_text", "parameter"]
 SOUND: frozenset[Route] = frozenset({"none", "own_text", "rendered", "prompt_text"})
 """The routes whose tool calls come back as the model wrote them (provable)."""
 
-PARSED_ADVICE = (
-    'the calls cannot be proven, expect them refused, use mode = "completions" '
-    '(or raw tool text: tool_route = "prompt")'
-)
+_CANNOT = 'the calls cannot be proven, expect them refused, use mode = "completions"'
+PARSED_ADVICE = f'{_CANNOT} (or raw tool text: tool_route = "prompt")'
 
 _SAYS: dict[Route, str] = {
     "none": "no tools",
@@ -106,11 +104,12 @@ def route_line(settings: Settings, name: str, *, in_text: bool) -> str:
     dataset = settings.dataset(name)
     route = dataset_route(settings, dataset, in_text=in_text)
     said = route_says(route)
-    if route == "parameter" and dataset.tool_route == "prompt":
-        said += f" (profile {dataset.profile} cannot write its tool block in system text)"
+    if route == "parameter" and not in_text:
+        said = said.replace(PARSED_ADVICE, f"{_CANNOT} (profile {dataset.profile} cannot write its tool block "
+                                           "in system text: no raw tool text)")  # fmt: skip
     if route == "parameter" and (settings.provider.request_logprobs or settings.provider.kind == "openai"):
         asked = "logprobs" if settings.provider.request_logprobs else "token ids (return_token_ids)"
-        said += f"; unless the answers carry the {asked} asked for: those prove them"
+        said += f"; provable only where the answers carry the {asked} asked for"
     if dataset.send_tools is True and dataset.tool_route == "parameter":
         said += ' [send_tools = true: read as tool_route = "parameter"]'
     elif dataset.send_tools is True:

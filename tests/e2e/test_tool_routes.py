@@ -13,9 +13,9 @@ One file of Qwen3 tool-use rows (an OpenAI ``tools`` field per row) is published
 - ``toolsc``: completions mode: the prompt rendered by us, the raw text back; at least 95 % kept.
 
 The worker probes each dataset first (``[inference] probe_first``): the probe says the route again over the
-prompts it read, before it pays. Run with and without logprobs: with them, the parser route's calls are proven by the tokens (rows
-kept, still exact); without, every row it keeps must be exact too (the simulator's hermes parser
-re-serialises every call's arguments, so none is expected).
+prompts it read, before it pays. Run with and without logprobs: with them, the parser route's calls are
+proven by the tokens (rows kept, still exact); without, every row it keeps must be exact too (the
+simulator's hermes parser re-serialises every call's arguments, so none is expected).
 
 The truth is built apart from the code under test: the simulator's true output ids per key
 (``GET /_sim/truth``, never through the pipeline) and the prompt ids the OFFICIAL Qwen3 template
@@ -161,7 +161,7 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
     assert by[PARAMETER]["structured_calls"] >= 0.9 * N_PROMPTS and by[PARAMETER]["raw_blocks"] == 0, line
     if logprobs:
         assert by[PARAMETER]["accepted"] > 0, line
-        assert "logprobs asked for" in preflight[PARAMETER][0].getMessage(), line
+        assert "provable only where the answers carry the logprobs" in preflight[PARAMETER][0].getMessage(), line
     # Raw tool text: no parser stood between the model and us; the block is kept, and so are the rows.
     assert by[RAW]["structured_calls"] == 0 and by[RAW]["raw_blocks"] >= 0.9 * N_PROMPTS, line
     assert by[RAW]["accepted"] >= 0.95 * N_PROMPTS, line
