@@ -71,6 +71,16 @@ class Provider(Protocol):
         ...
 
 
+def _unrenderable(where: str, dataset: DatasetSettings, exc: Exception) -> ProviderFailure:
+    """A prompt the dataset's template cannot render: a final ``chat_template_error`` (a dead letter)."""
+    return ProviderFailure(
+        reason="chat_template_error",
+        message=f"{where}: profile {dataset.profile!r} cannot render the prompt: "
+        f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT],
+        retryable=False,
+    )
+
+
 class OpenRouterProvider(PreflightProvider):
     """OpenRouter's chat completions (reasoning, routing options passed through)."""
 
@@ -93,12 +103,7 @@ class OpenRouterProvider(PreflightProvider):
             profile = self._profile(dataset)
             return profile.render_prompt(prompt.messages, tools, reasoning=prompt.conversation is not None)
         except Exception as exc:  # noqa: BLE001 - jinja2 and profile errors alike: this prompt cannot be sent
-            raise ProviderFailure(
-                reason="chat_template_error",
-                message=f"completions mode: profile {dataset.profile!r} cannot render the prompt: "
-                f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT],
-                retryable=False,
-            ) from None
+            raise _unrenderable("completions mode", dataset, exc) from None
 
     def _profile(self, dataset: DatasetSettings) -> PromptEncoder:
         if self._load_profile is None:
@@ -128,12 +133,7 @@ class OpenRouterProvider(PreflightProvider):
                 server_tools(prompt.tools, nulls),
             )
         except Exception as exc:  # noqa: BLE001 - jinja2 and profile errors alike: this prompt cannot be sent
-            raise ProviderFailure(
-                reason="chat_template_error",
-                message=f"tools in the prompt text: profile {dataset.profile!r} cannot render the prompt: "
-                f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT],
-                retryable=False,
-            ) from None
+            raise _unrenderable("tools in the prompt text", dataset, exc) from None
         return None if written is None else wire_messages(written, reasoning=reasoning)
 
     def _completions(self, dataset: DatasetSettings) -> bool:
@@ -178,12 +178,11 @@ class OpenRouterProvider(PreflightProvider):
         In completions mode the identity also names the mode: a chat and a completions request
         for the same prompt are different requests (their bodies differ too: ``prompt`` text).
         """
-        if not self._completions(dataset):
-            return {"provider": self.name, "body": self._body(prompt, dataset, max_tokens)}
+        mode = {"mode": "completions"} if self._completions(dataset) else {}
         try:
-            return {"provider": self.name, "mode": "completions", "body": self._body(prompt, dataset, max_tokens)}
+            return {"provider": self.name, **mode, "body": self._body(prompt, dataset, max_tokens)}
         except ProviderFailure as failure:  # complete() raises it again: a dead letter, nothing paid
-            return {"provider": self.name, "mode": "completions", "unrenderable": failure.message}
+            return {"provider": self.name, **mode, "unrenderable": failure.message}
 
     async def complete(
         self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int, may_send: MaySend | None = None
