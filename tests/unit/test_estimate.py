@@ -211,3 +211,22 @@ def test_a_multi_turn_dataset_counts_every_turn(tmp_path: Path) -> None:
     assert estimate.prompt_tokens == expected
     last = estimate_files(Settings(datasets={"chat": DatasetSettings(max_tokens=100)}), DatasetFiles("chat", [path]))
     assert last.prompts == 1  # turns = "last": the final question only
+
+
+def test_estimate_says_by_which_route_the_tools_travel(tmp_path: Path) -> None:
+    """The demo tools file (16 rows with a tools field, 64 Glaive rows) under an old ``send_tools = true``."""
+    from services.cli import app
+    from services.inference.tool_route import PARSED_ADVICE
+
+    config = tmp_path / "draftstream.toml"
+    config.write_text("[datasets.tools]\nsend_tools = true\n")
+    no_broker = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
+    result = CliRunner().invoke(app, ["estimate", str(DEMO / "tools.jsonl"), "-c", str(config)], env=no_broker)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("tools of dataset tools: ")]
+    assert len(lines) == 2, result.stdout
+    assert PARSED_ADVICE in lines[0] and '[send_tools = true: read as tool_route = "parameter"]' in lines[0]
+    assert lines[0].endswith("(16 request(s) with a tools field)")
+    assert "own system text" in lines[1] and lines[1].endswith("provable (64 request(s))")
+    row = next(line for line in result.stdout.splitlines() if line.startswith("│ tools"))
+    assert row.split("│")[5].strip() == "80"  # with tools: every row offers some
