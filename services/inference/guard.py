@@ -42,7 +42,7 @@ from services.inference.core import (
     outage_reason,
 )
 from services.inference.throttle import ProviderThrottle
-from services.inference.tool_route import SOUND, can_write_in_text, dataset_route, route_line
+from services.inference.tool_route import PARSED_ADVICE, SOUND, can_write_in_text, dataset_route, route_line
 from services.profiles import Profile
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class ProviderGuard:
         self._rate_limit_published = False
         self.preflight: dict[str, ProviderCheck] = {}
         self._checked: dict[str, bool] = {}
+        self._parsed_tools_said: set[str] = set()  # datasets told their tools go through the server's parser
         self._completions_check: ProviderCheck | None = None
         self._check_lock = asyncio.Lock()
         self._outage_published = False
@@ -141,11 +142,19 @@ class ProviderGuard:
     def _say_tool_route(self, name: str, profile: Profile) -> None:
         """By which route the dataset's tools travel; a warning where their calls cannot be proven."""
         in_text = can_write_in_text(lambda m, t: profile.render_prompt(m, t))
-        line = route_line(self._settings, name, in_text=in_text)
+        line = route_line(self._settings, name, in_text=in_text, ahead=True)
         if dataset_route(self._settings, self._settings.dataset(name), in_text=in_text) in SOUND:
             log.info("pre-flight: %s", line)
         else:
+            self._parsed_tools_said.add(name)
             log.warning("pre-flight: %s", line)
+
+    def parsed_tools(self, name: str) -> None:
+        """A prompt of ``name`` goes with the ``tools`` parameter: said once, unless its pre-flight said it."""
+        if name not in self._parsed_tools_said:
+            self._parsed_tools_said.add(name)
+            log.warning("dataset %s: a prompt's tools go as the tools parameter, through the server's tool parser "
+                        "(its template could not write them into the system text): %s", name, PARSED_ADVICE)
 
     async def _completions_refused(self, name: str) -> ProviderCheck | None:
         """Completions mode: halt ``name`` when the provider refuses its text-completions endpoint.

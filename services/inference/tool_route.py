@@ -99,8 +99,11 @@ def route_says(route: Route) -> str:
     return _SAYS[route]
 
 
-def route_line(settings: Settings, name: str, *, in_text: bool) -> str:
-    """``tools of dataset D: <route>`` for rows with a ``tools`` field, naming an old ``send_tools``."""
+def route_line(settings: Settings, name: str, *, in_text: bool, ahead: bool = False) -> str:
+    """``tools of dataset D: <route>`` for rows with a ``tools`` field, naming an old ``send_tools``.
+
+    ``ahead``: said before any row is read (the worker's pre-flight), so for the rows that offer tools.
+    """
     dataset = settings.dataset(name)
     route = dataset_route(settings, dataset, in_text=in_text)
     said = route_says(route)
@@ -116,7 +119,8 @@ def route_line(settings: Settings, name: str, *, in_text: bool) -> str:
         said += " [send_tools = true is not read where tool_route is written]"
     elif dataset.send_tools is False:
         said += " [send_tools = false no longer leaves a row's tools out]"
-    return f"tools of dataset {name or '(defaults)'}: {said}"
+    where = ", where a row offers them" if ahead else ""
+    return f"tools of dataset {name or '(defaults)'}{where}: {said}"
 
 
 def rows_lines(settings: Settings, name: str, *, in_text: bool, fielded: int, own_text: int) -> list[tuple[str, bool]]:

@@ -105,7 +105,8 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
         truths = sim.truth()
         await sim.close()
 
-    preflight = {name: [r for r in caplog.records if r.getMessage().startswith(f"pre-flight: tools of dataset {name}:")]
+    said = [r for r in caplog.records if r.name == "services.inference.guard"]
+    preflight = {name: [r for r in said if r.getMessage().startswith(f"pre-flight: tools of dataset {name}, where")]
                  for name in names}  # fmt: skip
     probed = {name: [r for r in caplog.records if r.getMessage().startswith(f"probe {name}: tools of dataset {name}:")]
               for name in names}  # fmt: skip
@@ -140,6 +141,7 @@ async def test_each_tool_route_says_itself_before_paying_and_accepts_only_exact_
 
     # Said before money moved: the parser route warns, naming the sound routes; the others say they are provable.
     assert [r.levelno for r in preflight[PARAMETER]] == [logging.WARNING], line
+    assert not [r for r in said if r.getMessage().startswith(f"dataset {PARAMETER}: a prompt's tools")], line  # once
     assert PARSED_ADVICE in preflight[PARAMETER][0].getMessage(), line
     for name in (RAW, COMPLETIONS):
         assert [r.levelno for r in preflight[name]] == [logging.INFO], line

@@ -145,3 +145,27 @@ def test_a_row_whose_system_text_carries_its_functions_gets_them_once(section: d
     sent = official("qwen3", body["messages"], body.get("tools"))
     assert sent == official("qwen3", fielded.wire, TOOLS[:1]) and sent.count("# Tools") == 1
     assert ("tools" in body) == (dataset.tool_route == "parameter")
+
+
+# A template that declares tools in a turn of their own (as Kimi's does), on the Qwen3 vocabulary.
+OWN_TURN_TEMPLATE = (
+    "{%- if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_a_template_that_cannot_write_its_tools_in_text_sends_the_parameter_and_says_so() -> None:
+    """The tools still reach the model once (the parameter), and the route line says why it is not raw text."""
+    settings = load_settings(None, provider={"kind": "simulator", "base_url": "http://sim.test/v1"},
+                             profiles={"own-turn": {"base": "qwen3", "chat_template": OWN_TURN_TEMPLATE}},
+                             datasets={"t": {"profile": "own-turn"}})  # fmt: skip
+    profile = load_profile("own-turn", settings)
+    assert not can_write_in_text(lambda m, t: profile.render_prompt(m, t))
+    prompt = PromptPublished(dataset="t", sample_id="s", messages=list(ROWS[0]), tools=TOOLS)
+    provider = make_provider(settings, client=None)  # type: ignore[arg-type] - no request is sent
+    body = provider.request_identity(prompt, settings.dataset("t"), max_tokens=8)["body"]
+    assert body["tools"] == TOOLS and body["messages"] == prompt.wire
+    line = route_line(settings, "t", in_text=False, ahead=True)
+    assert line.startswith("tools of dataset t, where a row offers them: the server's tools parameter")
+    assert "profile own-turn cannot write its tool block in system text: no raw tool text" in line
