@@ -33,6 +33,9 @@ class PromptPublished(Struct, kw_only=True):
     published_at: float = 0.0
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     conversation: ConversationTurn | None = None
+    # The messages' own text carries the tools (Glaive-style specs in the system message,
+    # parsed into ``tools``): they are offered, and never rendered or sent a second time.
+    tools_in_text: bool = False
 
     @property
     def wire(self) -> list[dict[str, Any]]:

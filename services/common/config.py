@@ -190,7 +190,16 @@ class DatasetSettings(BaseModel):
     model_config = _frozen
 
     profile: str = "qwen3"
-    send_tools: bool = False
+    # How a row's tools reach the model in chat mode (completions mode and the sglang provider
+    # always render them with the template): "prompt" writes them into the prompt text as the
+    # template writes them, with no `tools` request parameter (raw tool text: no parser, the
+    # calls come back as the model wrote them); "parameter" sends the `tools` parameter and the
+    # server's tool parser answers (calls that cannot be proven: docs/fidelity.md).
+    tool_route: Literal["prompt", "parameter"] = "prompt"
+    # Before 2026-12: true sent the `tools` parameter, false (the default) left a row's tools
+    # out. A row's tools now always reach the model: true is read as tool_route = "parameter"
+    # (where tool_route is not written), false changes nothing; the plan line says so.
+    send_tools: bool | None = None
     # None: [provider] mode.
     mode: Literal["chat", "completions"] | None = None
     max_tokens: int = Field(default=4096, gt=0)
@@ -202,6 +211,14 @@ class DatasetSettings(BaseModel):
     # dataset's history; "all" regenerates every assistant turn on the regenerated history
     # (publish sends the first turn, the continuation stage the next ones).
     turns: Literal["last", "all"] = "last"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _send_tools_was_the_parameter(cls, data: Any) -> Any:
+        """An old ``send_tools = true`` keeps sending the ``tools`` parameter (unless ``tool_route`` is written)."""
+        if isinstance(data, dict) and data.get("send_tools") is True and "tool_route" not in data:
+            return {**data, "tool_route": "parameter"}
+        return data
 
 
 class BudgetSettings(BaseModel):
@@ -404,6 +421,8 @@ class Settings(BaseSettings):
             origin = origin_of(name, path, self._layers)
             if path == ("mode",) and value is None:
                 value, origin = self.provider.mode, "provider"
+            if path == ("tool_route",) and origin == "built-in" and value == "parameter":
+                origin = origin_of(name, ("send_tools",), self._layers)  # an old send_tools = true
             shown[".".join(path)] = (value, origin)
         return shown
 

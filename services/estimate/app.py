@@ -1,7 +1,8 @@
 """The shell of ``draftstream estimate``: prompts from files, ids from the profile, spend from Kafka.
 
 Each prompt is rendered as the server renders it (the dataset's profile: its chat template
-and template kwargs, with ``tools`` only when the dataset sends them) and its ids are
+and template kwargs, with the row's tools wherever it offers them: they reach the model by
+one route or another, services/inference/tool_route.py) and its ids are
 counted; a ``turns = "all"`` conversation counts one request per turn it regenerates;
 responses already observed come from the budget service's checkpoints on the
 ``budget-state`` topic when a broker answers.
@@ -21,8 +22,8 @@ from services.common.config import DatasetSettings, Settings
 from services.common.errors import CommandError
 from services.continuation.core import turn_points
 from services.estimate.core import Caps, DatasetEstimate, EstimateReport, Observed, build_report
-from services.inference.adapters.request_bodies import sends_tools
 from services.inference.core import request_max_tokens
+from services.inference.tool_route import can_write_in_text, renders_tools, rows_lines
 from services.publish.core import NormaliseOptions
 from services.publish.reading import PublishError, Rejection, check_arguments, iter_prompts
 
@@ -56,13 +57,15 @@ class Estimator:
             self.profile = load_profile(name, settings)
         except ProfileError as exc:
             raise CommandError(f"dataset {dataset}: profile {name}: {exc}") from None
-        self.estimate = DatasetEstimate(dataset=dataset, profile=name, observed=observed)
+        profile = self.profile
+        in_text = can_write_in_text(lambda m, t: profile.render_prompt(m, t))
+        self.estimate = DatasetEstimate(dataset=dataset, profile=name, observed=observed, tools_in_prompt=in_text)
         self._texts: list[str] = []
-        self._limits: list[tuple[int, bool]] = []
+        self._limits: list[tuple[int, bool, bool]] = []
 
     def render(self, prompt: PromptPublished) -> str:
-        """The prompt text the server would tokenize for this request."""
-        tools = prompt.tools if sends_tools(prompt, self.dataset_settings) else None
+        """The prompt text the server would tokenize for this request (the row's tools in it, once)."""
+        tools = prompt.tools if renders_tools(prompt) else None
         return self.profile.render_prompt(prompt.messages, tools, reasoning=prompt.conversation is not None)
 
     def add(self, prompt: PromptPublished) -> None:
@@ -70,20 +73,27 @@ class Estimator:
         for request in turn_requests(prompt):
             self._texts.append(self.render(request))
             limit = request_max_tokens(request, self.dataset_settings.max_tokens)
-            self._limits.append((limit, sends_tools(request, self.dataset_settings)))
+            self._limits.append((limit, bool(request.tools), request.tools_in_text))
         if len(self._texts) >= _BATCH:
             self.flush()
 
     def flush(self) -> DatasetEstimate:
         """Tokenize what is buffered; returns the estimate so far."""
         if self._texts:
-            for ids, (max_tokens, tools) in zip(
+            for ids, (max_tokens, tools, in_text) in zip(
                 self.profile.encode_prompt_batch(self._texts), self._limits, strict=True
             ):
-                self.estimate.add(len(ids), max_tokens, tools_sent=tools)
+                self.estimate.add(len(ids), max_tokens, tools_sent=tools, in_text=in_text)
             self._texts.clear()
             self._limits.clear()
         return self.estimate
+
+
+def tool_lines(settings: Settings, est: DatasetEstimate) -> list[str]:
+    """By which route the dataset's rows send their tools, and whether their calls can be proven."""
+    fielded, own = est.tools_sent - est.tools_in_text, est.tools_in_text
+    lines = rows_lines(settings, est.dataset, in_text=est.tools_in_prompt, fielded=fielded, own_text=own)
+    return [line for line, _sound in lines]
 
 
 @dataclass(frozen=True)

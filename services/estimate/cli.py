@@ -36,7 +36,7 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
     console = data_console(file=console.file, width=max(console.width, 140))
 
     table = Table(title="cost estimate (nothing sent)")
-    for name in ("dataset", "profile", "prompts", "prompt tok (exact)", "tools sent"):
+    for name in ("dataset", "profile", "prompts", "prompt tok (exact)", "with tools"):
         table.add_column(name, justify="left" if name in ("dataset", "profile") else "right")
     for name in ("completion tok: bound", "expected", "$ at the bound", "$ expected"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -62,9 +62,12 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
         )  # fmt: skip
     console.print(table)
     from services.common.plan import plan_line
+    from services.estimate.app import tool_lines
 
     for est in report.datasets:  # what the workers' pre-flight will log, value by value with its origin
         console.print(f"plan: {plan_line(settings, est.dataset)}", soft_wrap=True, markup=False, highlight=False)
+        for line in tool_lines(settings, est):  # by which route the rows' tools travel; provable or not
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
     if report.checks:
         caps = Table(title="caps: spent so far + this estimate")
         for name in ("scope", "cap", "spent", "+ expected", "+ bound", "verdict"):

@@ -49,15 +49,21 @@ class DatasetEstimate:
     observed: Observed | None = None
     prompts: int = 0
     prompt_tokens: int = 0
+    # Requests whose prompt offers tools (each reaches the model once: services/inference/tool_route.py),
+    # and of those, the rows whose own system text carries them (Glaive style).
     tools_sent: int = 0
+    tools_in_text: int = 0
     completion_bound: int = 0
     completion_expected: float = 0.0
+    # Whether the profile can write its tool block into system text (raw tool text in chat mode).
+    tools_in_prompt: bool = False
 
-    def add(self, prompt_tokens: int, max_tokens: int, *, tools_sent: bool = False) -> None:
+    def add(self, prompt_tokens: int, max_tokens: int, *, tools_sent: bool = False, in_text: bool = False) -> None:
         """Count one prompt of ``prompt_tokens`` ids whose request allows ``max_tokens``."""
         self.prompts += 1
         self.prompt_tokens += prompt_tokens
         self.tools_sent += int(tools_sent)
+        self.tools_in_text += int(tools_sent and in_text)
         self.completion_bound += max_tokens
         self.completion_expected += expected_completion(max_tokens, self.observed)
 

@@ -95,7 +95,10 @@ class Answerer:
         max_tokens = request_max_tokens(prompt, dataset.max_tokens)
         if not self._guard.checked(prompt.dataset):
             await self._guard.check_dataset(prompt.dataset)  # a dataset the configuration does not name
-        digest = request_hash(self._provider.request_identity(prompt, dataset, max_tokens=max_tokens))
+        identity = self._provider.request_identity(prompt, dataset, max_tokens=max_tokens)
+        if isinstance(identity.get("body"), dict) and identity["body"].get("tools"):
+            self._guard.parsed_tools(prompt.dataset)  # before money moves, where no pre-flight said it
+        digest = request_hash(identity)
         key = store_key(prompt.dataset, prompt.sample_id, digest)
         if self._store is not None and not (self._repay or wants_repay(record.headers)):
             earlier = self._pending.get(key)

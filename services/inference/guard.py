@@ -42,6 +42,8 @@ from services.inference.core import (
     outage_reason,
 )
 from services.inference.throttle import ProviderThrottle
+from services.inference.tool_route import PARSED_ADVICE, SOUND, can_write_in_text, dataset_route, route_line
+from services.profiles import Profile
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class ProviderGuard:
         self._rate_limit_published = False
         self.preflight: dict[str, ProviderCheck] = {}
         self._checked: dict[str, bool] = {}
+        self._parsed_tools_said: set[str] = set()  # datasets told their tools go through the server's parser
         self._completions_check: ProviderCheck | None = None
         self._check_lock = asyncio.Lock()
         self._outage_published = False
@@ -117,7 +120,7 @@ class ProviderGuard:
 
             profile = self._settings.dataset(name).profile
             try:
-                await asyncio.to_thread(load_profile, profile, self._settings)
+                loaded = await asyncio.to_thread(load_profile, profile, self._settings)
             except Exception as exc:  # noqa: BLE001 - any failure to load means: do not pay for it
                 code = getattr(exc, "reason", type(exc).__name__)
                 message = f"pre-flight: dataset {name}: profile {profile!r} cannot be used ({code}): {exc}"
@@ -125,6 +128,7 @@ class ProviderGuard:
                 self._checked[name] = False
                 await self._halt_dataset(name, message)
                 return False
+            await asyncio.to_thread(self._say_tool_route, name, loaded)
             if self._settings.mode_of(self._settings.dataset(name)) == "completions":
                 refused = await self._completions_refused(name)
                 if refused is not None:
@@ -134,6 +138,23 @@ class ProviderGuard:
             self._checked[name] = True
             await self._resume_own(name, (PREFLIGHT_ACTOR,), f"pre-flight passed: profile {profile} loads")
             return True
+
+    def _say_tool_route(self, name: str, profile: Profile) -> None:
+        """By which route the dataset's tools travel; a warning where their calls cannot be proven."""
+        in_text = can_write_in_text(lambda m, t: profile.render_prompt(m, t))
+        line = route_line(self._settings, name, in_text=in_text, ahead=True)
+        if dataset_route(self._settings, self._settings.dataset(name), in_text=in_text) in SOUND:
+            log.info("pre-flight: %s", line)
+        else:
+            self._parsed_tools_said.add(name)
+            log.warning("pre-flight: %s", line)
+
+    def parsed_tools(self, name: str) -> None:
+        """A prompt of ``name`` goes with the ``tools`` parameter: said once, unless its pre-flight said it."""
+        if name not in self._parsed_tools_said:
+            self._parsed_tools_said.add(name)
+            log.warning("dataset %s: a prompt's tools go as the tools parameter, through the server's tool parser "
+                        "(its template could not write them into the system text): %s", name, PARSED_ADVICE)
 
     async def _completions_refused(self, name: str) -> ProviderCheck | None:
         """Completions mode: halt ``name`` when the provider refuses its text-completions endpoint.

@@ -42,6 +42,7 @@ from services.inference.calls import ProviderCall
 from services.inference.core import request_hash, request_max_tokens, store_key
 from services.inference.guard import ProviderGuard
 from services.inference.store import ResponseStore, open_store
+from services.inference.tool_route import can_write_in_text, rows_lines
 from services.probe.core import DatasetReport, Findings, ProbeAnswer, ProbeRun, by_upstream, forecast, summarize
 from services.profiles import Profile
 from services.profiles.conventions import Convention
@@ -156,6 +157,9 @@ class Prober:
         if answerer is None:
             raise RuntimeError("start() the prober first")
         records, total = await first_prompts(self.settings, dataset, n)
+        tools = await asyncio.to_thread(self.tool_lines, dataset, records)
+        for line, sound in tools:  # said before the probe pays for an answer
+            log.log(logging.INFO if sound else logging.WARNING, "probe %s: %s", dataset, line)
         paid_before = answerer.responded
         await asyncio.gather(*(answerer.answer(r) for r in records))
         responses = [r for r in [await self._stored(record) for record in records] if r is not None]
@@ -189,18 +193,36 @@ class Prober:
             profile=dataset_settings.profile,
             prompt_offset=prompt_offset,
             strips=strips,
+            tools=tuple(line for line, _ in tools),
+            tools_unproven=not all(sound for _, sound in tools),
         )
+
+    def tool_lines(self, dataset: str, records: Sequence[Record]) -> list[tuple[str, bool]]:
+        """By which route the probed prompts' tools travel, and whether their calls can be proven."""
+        prompts = [p for p in (_prompt(r) for r in records) if p is not None and p.tools]
+        if not prompts:
+            return []
+        profile = ProfileCache(self.settings).get(self.settings.dataset(dataset).profile)
+        in_text = isinstance(profile, Profile) and can_write_in_text(lambda m, t: profile.render_prompt(m, t))
+        own = sum(1 for p in prompts if p.tools_in_text)
+        return rows_lines(self.settings, dataset, in_text=in_text, fielded=len(prompts) - own, own_text=own)
 
     async def _stored(self, record: Record) -> ResponseReceived | None:
         """The response the store holds for a prompt record (None: it ended as a dead letter)."""
-        try:
-            prompt = decode(record.value, PromptPublished)
-        except SchemaError:
+        prompt = _prompt(record)
+        if prompt is None:
             return None
         dataset = self.settings.dataset(prompt.dataset)
         max_tokens = request_max_tokens(prompt, dataset.max_tokens)
         digest = request_hash(self.provider.request_identity(prompt, dataset, max_tokens=max_tokens))
         return await self.store.get(store_key(prompt.dataset, prompt.sample_id, digest))
+
+
+def _prompt(record: Record) -> PromptPublished | None:
+    try:
+        return decode(record.value, PromptPublished)
+    except SchemaError:
+        return None
 
 
 async def run_probe(

@@ -36,6 +36,8 @@ def probe_command(
     min_yield = settings.budget.min_yield
     Console(width=260).print(render(run, min_yield))
     for report in run.reports:
+        for line in report.tools:
+            print(line)
         if report.tokenizer_mismatch:
             print(f"{report.dataset}: {report.tokenizer_mismatch}")
     if run.failed(min_yield):

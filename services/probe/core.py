@@ -239,6 +239,10 @@ class DatasetReport:
     prompt_offset: int = 0
     # Upstreams whose answers showed they strip whitespace their convention says they keep (strips_at_edges).
     strips: tuple[str, ...] = ()
+    # By which route the probed prompts' tools travel (services/inference/tool_route.py), and
+    # whether one of those routes is the server's parser (calls that cannot be proven).
+    tools: tuple[str, ...] = ()
+    tools_unproven: bool = False
 
     def below(self, min_yield: float) -> bool:
         """Whether the forecast yield is under the floor (the probe exits 1)."""

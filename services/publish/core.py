@@ -11,7 +11,8 @@ A trailing assistant turn is dropped (it is what the target model regenerates). 
 is its turn 0 (see ``services/continuation/core.py``). Tool
 definitions come from a ``tools`` field (or the one named by ``tools_field``), or, in the
 Glaive style, from JSON function specs written inside the system message: the system
-text is kept verbatim and the specs are also parsed into ``tools``.
+text is kept verbatim, the specs are also parsed into ``tools`` and the prompt says
+``tools_in_text`` (the model reads them there; they are never rendered again).
 
 Every problem is a :class:`RowError` with a stable reason code, so the publisher can
 report it with file and line and skip the row (or refuse the whole run with ``--strict``).
@@ -352,9 +353,11 @@ def normalise(record: Any, options: NormaliseOptions, *, source: str = "") -> Pr
 
     tools_field = options.tools_field or "tools"
     tools = parse_tools(record.get(tools_field))
+    in_text = False
     if tools is None:
         system_text = "\n".join(m.content for m in messages if m.role == "system")
         tools = tools_from_system_text(system_text) if system_text else None
+        in_text = tools is not None
 
     size = prompt_chars(messages, tools)
     if size > options.max_prompt_chars:
@@ -362,13 +365,16 @@ def normalise(record: Any, options: NormaliseOptions, *, source: str = "") -> Pr
 
     sample_id = own_id(record) or content_hash(messages, tools)
     if options.turns == "all":
-        return _first_turn(options.dataset, sample_id, messages, tools, source)
+        return msgspec.structs.replace(
+            _first_turn(options.dataset, sample_id, messages, tools, source), tools_in_text=in_text
+        )
     return PromptPublished(
         dataset=options.dataset,
         sample_id=sample_id,
         messages=messages,
         tools=tools,
         source=source,
+        tools_in_text=in_text,
     )
 
 

@@ -19,6 +19,7 @@ from schemas import (
 from services.common.records import DeadLetter
 from services.profiles import GAP_ARGUMENTS, ProfileError, ProfileLike
 from services.profiles.conventions import Convention
+from services.profiles.tooltext import server_tools as server_tools  # re-exported: reconstruct.core
 from services.reconstruct.facts import ARGUMENTS_PLACE
 from services.reconstruct.plan import (
     EMPTY_RESPONSE,
@@ -345,31 +346,6 @@ def _argument_choices(tool_format: str, calls: Sequence[ToolCall]) -> list[tuple
             for name_text in dict.fromkeys(json.dumps(name, ensure_ascii=a) for a in (False, True)):
                 bodies += [f'{{"name"{key}{name_text}{item}"arguments"{key}{form}}}' for form in forms]
         out.append((current, tuple(dict.fromkeys(bodies))))
-    return out
-
-
-# vLLM's FunctionDefinition field order: its request model dumps a function's keys in this order.
-_FUNCTION_ORDER = ("name", "description", "parameters")
-
-
-def server_tools(tools: Sequence[dict[str, object]], null_fields: Sequence[str]) -> list[dict[str, object]]:
-    """The tools as the server's request model hands them to the template: absent fields rendered null.
-
-    ``description`` (vLLM): a function without one gets ``"description": null``, its keys in
-    the request model's order (name, description, parameters, then the rest).
-    ``defer_loading`` (SGLang 0.5.23): every tool gets ``"defer_loading": null`` after its
-    own keys. Facts of PARSERS.md "Corrections"; the key placement is the models' field order.
-    """
-    out: list[dict[str, object]] = []
-    for tool in tools:
-        served = dict(tool)
-        function = served.get("function")
-        if "description" in null_fields and isinstance(function, dict):
-            named = {key: function.get(key) for key in _FUNCTION_ORDER if key in function or key == "description"}
-            served["function"] = {**named, **{k: v for k, v in function.items() if k not in named}}
-        if "defer_loading" in null_fields:
-            served.setdefault("defer_loading", None)
-        out.append(served)
     return out
 
 

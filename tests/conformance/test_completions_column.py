@@ -102,9 +102,11 @@ def run_column(model: str) -> Column:
         name, sections = _profile_settings(model, conv.thinking)
         settings = load_settings(None, profiles=sections, provider={"mode": "completions"})
         provider = SimulatorProvider(settings, client=None)  # type: ignore[arg-type]  # no request is sent
+        # A row's tools always reach the model (services/inference/tool_route.py): a case whose request offers
+        # none (its history holds tool turns all the same) is a row without tools.
         prompt = PromptPublished(dataset="conf", sample_id=f"{model}-{index}", messages=_messages(conv),
-                                 tools=conv.tools, max_tokens=conv.max_tokens)
-        dataset = DatasetSettings(profile=name, send_tools=conv.tools_sent)
+                                 tools=conv.tools if conv.tools_sent else None, max_tokens=conv.max_tokens)
+        dataset = DatasetSettings(profile=name)
         sent = provider.completion_prompt(prompt, dataset)
         by_thinking.setdefault(conv.thinking, []).append((case, _completions_response(case, index, sent, prompt)))
     for thinking, members in by_thinking.items():

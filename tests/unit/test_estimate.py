@@ -3,6 +3,7 @@ tokenizer, not our own renderer), completion bounds, dollars and cap verdicts.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -68,17 +69,34 @@ def test_prompt_tokens_match_the_official_template_and_tokenizer(name: str, send
     assert estimate.prompts == len(prompts) > 0
     expected = sum(server_count(p, settings.dataset(name)) for p in prompts)
     assert estimate.prompt_tokens == expected
-    assert estimate.tools_sent == (sum(1 for p in prompts if p.tools) if send_tools else 0)
+    assert estimate.tools_sent == sum(1 for p in prompts if p.tools)  # they reach the model whatever send_tools says
+    assert estimate.tools_in_text == sum(1 for p in prompts if p.tools_in_text)
     assert estimate.completion_bound == 2048 * len(prompts)
 
 
-def test_sending_tools_changes_the_count() -> None:
-    """The tools parameter is rendered into the prompt: the estimate must follow the dataset's choice."""
-    off = estimate_files(Settings(), DatasetFiles("tools", [DEMO / "tools.jsonl"]))
-    on = estimate_files(
-        Settings(datasets={"tools": DatasetSettings(send_tools=True)}), DatasetFiles("tools", [DEMO / "tools.jsonl"])
-    )
-    assert on.prompt_tokens > off.prompt_tokens
+@pytest.mark.parametrize(
+    "section", [{}, {"send_tools": False}, {"send_tools": True}, {"tool_route": "prompt"}, {"mode": "completions"}]
+)
+def test_every_row_s_tools_reach_the_model_exactly_once(section: dict[str, object]) -> None:
+    """Whatever the setting, each row counts as the OFFICIAL template renders it with its tools, once.
+
+    Read from the file itself, not through publish: a row with a ``tools`` field is rendered with
+    them; a Glaive row (functions in its own system text, no field) without a second ``# Tools``.
+    """
+    rows = [json.loads(line) for line in (DEMO / "tools.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert any("tools" in r for r in rows) and any("tools" not in r for r in rows)
+    settings = Settings(datasets={"tools": DatasetSettings.model_validate(section)})
+    estimate = estimate_files(settings, DatasetFiles("tools", [DEMO / "tools.jsonl"]))
+    tokenizer = truth.truth_tokenizer("qwen3")
+    expected = 0
+    for row in rows:
+        text = truth.render_template(
+            truth.template_source(QWEN3_TEMPLATE), truth.server_messages("qwen3", row["messages"]),
+            tools=row.get("tools"), add_generation_prompt=True, bos_token="", eos_token="<|im_end|>",
+        )  # fmt: skip
+        expected += len(tokenizer.encode_prompt(text))
+    assert estimate.prompt_tokens == expected
+    assert (estimate.tools_sent, estimate.tools_in_text) == (len(rows), sum(1 for r in rows if "tools" not in r))
 
 
 def test_prompt_max_tokens_wins_over_the_dataset() -> None:
@@ -193,3 +211,22 @@ def test_a_multi_turn_dataset_counts_every_turn(tmp_path: Path) -> None:
     assert estimate.prompt_tokens == expected
     last = estimate_files(Settings(datasets={"chat": DatasetSettings(max_tokens=100)}), DatasetFiles("chat", [path]))
     assert last.prompts == 1  # turns = "last": the final question only
+
+
+def test_estimate_says_by_which_route_the_tools_travel(tmp_path: Path) -> None:
+    """The demo tools file (16 rows with a tools field, 64 Glaive rows) under an old ``send_tools = true``."""
+    from services.cli import app
+    from services.inference.tool_route import PARSED_ADVICE
+
+    config = tmp_path / "draftstream.toml"
+    config.write_text("[datasets.tools]\nsend_tools = true\n")
+    no_broker = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
+    result = CliRunner().invoke(app, ["estimate", str(DEMO / "tools.jsonl"), "-c", str(config)], env=no_broker)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("tools of dataset tools: ")]
+    assert len(lines) == 2, result.stdout
+    assert PARSED_ADVICE in lines[0] and '[send_tools = true: read as tool_route = "parameter"]' in lines[0]
+    assert lines[0].endswith("(16 request(s) with a tools field)")
+    assert "own system text" in lines[1] and lines[1].endswith("provable (64 request(s))")
+    row = next(line for line in result.stdout.splitlines() if line.startswith("│ tools"))
+    assert row.split("│")[5].strip() == "80"  # with tools: every row offers some

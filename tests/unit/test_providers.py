@@ -24,6 +24,7 @@ from services.inference.adapters.transport import make_http_client
 from services.inference.adapters.wire import parse_openai, parse_openrouter, parse_sglang
 from services.inference.core import ProviderFailure
 from services.profiles import load_profile
+from tests.conformance import truth as T
 
 SECRET = "sk-or-v1-test-secret-0123456789"
 
@@ -263,16 +264,23 @@ async def test_openrouter_request_headers_body_and_options() -> None:
     assert SIMULATOR_FAULT_HEADER not in req.headers
     body = rec.body()
     assert body["model"] == "deepseek/deepseek-r1" and body["max_tokens"] == 321
-    assert body["messages"] == [{"role": "user", "content": "what is 2+2?"}]
+    # The row's tools reach the model in the prompt text (raw tool text: no tools parameter, no parser):
+    # the messages sent render, by the OFFICIAL Qwen3 template without tools, to its render of the row with them.
+    def official(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return T.render_template(T.template_source("Qwen-Qwen3-0.6B.jinja"), messages, tools=tools,
+                                 add_generation_prompt=True, bos_token="", eos_token="<|im_end|>")  # fmt: skip
+
+    assert body["messages"][0]["role"] == "system" and body["messages"][1:] == prompt.wire
+    assert official(body["messages"], None) == official(prompt.wire, tools)
     assert body["reasoning"] == {"effort": "high"}
     assert body["provider"] == {"order": ["DeepInfra"], "require_parameters": True}
     assert body["logprobs"] is True
-    assert "tools" not in body  # default: tool definitions stay in the prompt
+    assert "tools" not in body
     assert "return_token_ids" not in body
-    assert provider.tools_sent(prompt, settings.dataset("tools")) is False
+    assert provider.tools_sent(prompt, settings.dataset("tools")) is True  # the template renders them: reconstruct too
 
 
-async def test_tools_sent_only_when_the_dataset_says_so() -> None:
+async def test_an_old_send_tools_true_still_sends_the_tools_parameter() -> None:
     settings = load_settings(
         None,
         provider={"kind": "openrouter", "base_url": "http://provider.test/api/v1"},
@@ -285,8 +293,9 @@ async def test_tools_sent_only_when_the_dataset_says_so() -> None:
         await provider.complete(_prompt(tools=tools), settings.dataset("tools"), max_tokens=10)
         await provider.complete(_prompt(), settings.dataset("tools"), max_tokens=10)
         assert provider.tools_sent(_prompt(tools=tools), settings.dataset("tools")) is True
-        assert provider.tools_sent(_prompt(tools=tools), settings.dataset("chat")) is False
-    assert rec.body(0)["tools"] == tools
+        assert provider.tools_sent(_prompt(), settings.dataset("tools")) is False
+    assert settings.dataset("tools").tool_route == "parameter"
+    assert rec.body(0)["tools"] == tools and rec.body(0)["messages"] == _prompt().wire  # once: not in the text too
     assert "tools" not in rec.body(1)
     assert "Authorization" not in rec.requests[0].headers  # no key configured, none sent
 

@@ -14,7 +14,6 @@ import msgspec
 
 from schemas import PromptPublished, sample_key
 from services.common.config import DatasetSettings, Settings
-from services.inference.adapters.request_bodies import sends_tools
 from services.inference.adapters.transport import (
     HttpPoster,
     MaySend,
@@ -26,6 +25,7 @@ from services.inference.adapters.transport import (
 from services.inference.adapters.wire import MAX_ERROR_TEXT, decode_json_body, error_text, error_upstream
 from services.inference.core import NotSent, ProviderFailure, classify_status
 from services.inference.pacer import stated_count, stated_rate
+from services.inference.tool_route import renders_tools
 
 KEY_HEADER = "X-Draftstream-Key"
 
@@ -45,8 +45,8 @@ class HttpProvider:
         self._secret = self._provider.api_key.get_secret_value() if self._provider.api_key else None
 
     def tools_sent(self, prompt: PromptPublished, dataset: DatasetSettings) -> bool:
-        """Whether a request for ``prompt`` carries ``tools``."""
-        return sends_tools(prompt, dataset)
+        """Whether the template renders the row's tools for the model (whatever the route: tool_route.py)."""
+        return renders_tools(prompt)
 
     def _headers(self, prompt: PromptPublished) -> dict[str, str]:
         headers = {

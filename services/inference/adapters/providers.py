@@ -13,14 +13,13 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from schemas import PromptPublished
+from schemas import PromptPublished, wire_messages
 from services.common.config import DatasetSettings, Settings
 from services.inference.adapters.preflight import PreflightProvider, key_rate_limit
 from services.inference.adapters.request_bodies import (
     COMPLETIONS_PATH,
     chat_request_body,
     completions_request_body,
-    sends_tools,
 )
 from services.inference.adapters.transport import HttpPoster, MaySend
 from services.inference.adapters.wire import (
@@ -32,6 +31,7 @@ from services.inference.adapters.wire import (
 )
 from services.inference.core import ProviderCheck, ProviderFailure, ProviderResult
 from services.inference.pacer import key_rate
+from services.inference.tool_route import prompt_route, renders_tools
 
 SIMULATOR_FAULT_HEADER = "X-Simulator-Fault"
 # PromptPublished.metadata keys honoured only by the simulator provider (fault injection in tests).
@@ -55,7 +55,7 @@ class Provider(Protocol):
         ...
 
     def tools_sent(self, prompt: PromptPublished, dataset: DatasetSettings) -> bool:
-        """Whether a request for ``prompt`` carries ``tools``."""
+        """Whether the template renders the row's tools for the model (by whichever route: tool_route.py)."""
         ...
 
     def request_identity(self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int) -> dict[str, Any]:
@@ -69,6 +69,16 @@ class Provider(Protocol):
     async def check_completions(self) -> ProviderCheck:
         """Completions mode: whether the provider serves ``POST .../completions`` (one 1-token request)."""
         ...
+
+
+def _unrenderable(where: str, dataset: DatasetSettings, exc: Exception) -> ProviderFailure:
+    """A prompt the dataset's template cannot render: a final ``chat_template_error`` (a dead letter)."""
+    return ProviderFailure(
+        reason="chat_template_error",
+        message=f"{where}: profile {dataset.profile!r} cannot render the prompt: "
+        f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT],
+        retryable=False,
+    )
 
 
 class OpenRouterProvider(PreflightProvider):
@@ -88,19 +98,43 @@ class OpenRouterProvider(PreflightProvider):
         A template that cannot render this prompt is the prompt's fault: a final
         ``chat_template_error`` (a dead letter), never a crash.
         """
-        if self._load_profile is None:
-            self._load_profile = default_profile_loader(self._settings)
-        tools = prompt.tools if sends_tools(prompt, dataset) else None
+        tools = prompt.tools if renders_tools(prompt) else None
         try:
-            profile = self._load_profile(dataset.profile)
+            profile = self._profile(dataset)
             return profile.render_prompt(prompt.messages, tools, reasoning=prompt.conversation is not None)
         except Exception as exc:  # noqa: BLE001 - jinja2 and profile errors alike: this prompt cannot be sent
-            raise ProviderFailure(
-                reason="chat_template_error",
-                message=f"completions mode: profile {dataset.profile!r} cannot render the prompt: "
-                f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT],
-                retryable=False,
-            ) from None
+            raise _unrenderable("completions mode", dataset, exc) from None
+
+    def _profile(self, dataset: DatasetSettings) -> PromptEncoder:
+        if self._load_profile is None:
+            self._load_profile = default_profile_loader(self._settings)
+        return self._load_profile(dataset.profile)
+
+    def tools_in_text(self, prompt: PromptPublished, dataset: DatasetSettings) -> list[dict[str, Any]] | None:
+        """Chat mode, ``tool_route = "prompt"``: the messages with the row's tools in the system text, as sent.
+
+        They render (without tools) to the text the template renders with the tools as the
+        server hands them over (its convention's null fields), which is what reconstruction
+        renders. None: the route is another (the ``tools`` parameter where the template cannot
+        write its tool block in system text, or the row's own text carries them).
+        """
+        if prompt_route(self._settings, dataset, prompt) != "prompt_text" or not prompt.tools:
+            return None
+        from services.profiles.conventions import convention_for
+        from services.profiles.tooltext import server_tools, tools_in_system_text
+
+        reasoning = prompt.conversation is not None
+        nulls = convention_for(self.name, self._settings.provider.convention).tool_null_fields
+        try:
+            profile = self._profile(dataset)
+            written = tools_in_system_text(
+                lambda m, t: profile.render_prompt(m, t, reasoning=reasoning),
+                prompt.messages,
+                server_tools(prompt.tools, nulls),
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja2 and profile errors alike: this prompt cannot be sent
+            raise _unrenderable("tools in the prompt text", dataset, exc) from None
+        return None if written is None else wire_messages(written, reasoning=reasoning)
 
     def _completions(self, dataset: DatasetSettings) -> bool:
         return self._settings.mode_of(dataset) == "completions"
@@ -135,6 +169,7 @@ class OpenRouterProvider(PreflightProvider):
             logprobs=self._provider.request_logprobs,
             native_ids=self.native_ids,
             template_kwargs=self.template_kwargs(dataset),
+            messages=self.tools_in_text(prompt, dataset),
         )
 
     def request_identity(self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int) -> dict[str, Any]:
@@ -143,12 +178,11 @@ class OpenRouterProvider(PreflightProvider):
         In completions mode the identity also names the mode: a chat and a completions request
         for the same prompt are different requests (their bodies differ too: ``prompt`` text).
         """
-        if not self._completions(dataset):
-            return {"provider": self.name, "body": self._body(prompt, dataset, max_tokens)}
+        mode = {"mode": "completions"} if self._completions(dataset) else {}
         try:
-            return {"provider": self.name, "mode": "completions", "body": self._body(prompt, dataset, max_tokens)}
+            return {"provider": self.name, **mode, "body": self._body(prompt, dataset, max_tokens)}
         except ProviderFailure as failure:  # complete() raises it again: a dead letter, nothing paid
-            return {"provider": self.name, "mode": "completions", "unrenderable": failure.message}
+            return {"provider": self.name, **mode, "unrenderable": failure.message}
 
     async def complete(
         self, prompt: PromptPublished, dataset: DatasetSettings, *, max_tokens: int, may_send: MaySend | None = None
@@ -279,12 +313,8 @@ class SGLangProvider(PreflightProvider):
         self._load_profile = profile_loader or default_profile_loader(settings)
 
     def tools_sent(self, prompt: PromptPublished, dataset: DatasetSettings) -> bool:
-        """Whether the chat template renders the tool definitions into ``input_ids``.
-
-        Same rule as the chat APIs' ``tools`` parameter (the dataset's ``send_tools``), so
-        reconstruction renders the prompt exactly as the model saw it.
-        """
-        return sends_tools(prompt, dataset)
+        """Whether the chat template renders the row's tools into ``input_ids`` (unless its own text carries them)."""
+        return renders_tools(prompt)
 
     async def input_ids(self, prompt: PromptPublished, dataset: DatasetSettings) -> list[int]:
         """The prompt's token ids under the dataset's profile (rendered off the event loop)."""

@@ -9,11 +9,7 @@ from typing import Any
 
 from schemas import PromptPublished
 from services.common.config import DatasetSettings
-
-
-def sends_tools(prompt: PromptPublished, dataset: DatasetSettings) -> bool:
-    """Whether the request carries the ``tools`` parameter (dataset opt-in, prompt has tools)."""
-    return bool(dataset.send_tools and prompt.tools)
+from services.inference.tool_route import renders_tools
 
 
 def chat_request_body(
@@ -26,18 +22,22 @@ def chat_request_body(
     logprobs: bool,
     native_ids: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    messages: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The chat-completions request body; ``extra_body`` (routing, reasoning...) is merged last.
 
     ``template_kwargs`` (the profile's thinking switch and kwargs) go out as
     ``chat_template_kwargs``, so the server renders the prompt the way reconstruction does.
+    The row's tools reach the model once: ``messages`` with the tools written into the system
+    text (raw tool text, services/inference/tool_route.py) replace the prompt's own, else the
+    tools the template renders go as the ``tools`` parameter.
     """
     body: dict[str, Any] = {
         "model": model,
-        "messages": prompt.wire,
+        "messages": prompt.wire if messages is None else messages,
         "max_tokens": max_tokens,
     }
-    if sends_tools(prompt, dataset):
+    if messages is None and renders_tools(prompt):
         body["tools"] = prompt.tools
     if template_kwargs:
         body["chat_template_kwargs"] = template_kwargs
