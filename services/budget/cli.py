@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.text import Text
 
+from services.common.console import Column
 from services.common.logs import LogLevelOption
 
 if TYPE_CHECKING:
@@ -115,33 +117,37 @@ def _fmt_usd(value: float | None) -> str:
     return "-" if value is None else f"${value:,.4f}"
 
 
-def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt | Resume], settings: Settings) -> Table:
-    """The budget table: one row per dataset and one for the global scope."""
-    from rich.table import Table
+BUDGET_COLUMNS = (
+    Column("scope"),
+    Column("spent", "right", "compact"),
+    Column("completion tok", "right", "wide"),
+    Column("prompt tok", "right", "wide"),
+    Column("reasoning tok", "right", "wide"),
+    Column("spent $", "right", "wide"),
+    Column("cap", "right"),
+    Column("remaining", "right"),
+    Column("in flight", "right", "wide"),
+    Column("rate", "right"),
+    Column("projection", "right", "wide"),
+    Column("yield (window; per upstream)", "left", "wide"),
+    Column("yield", "left", "compact"),
+    Column("$/accepted", "right", "wide"),
+    Column("state"),
+)
+"""The budget table's columns: the compact view by default, every column with ``--wide``."""
 
+
+def budget_table(
+    snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt | Resume], settings: Settings, *, wide: bool = False
+) -> Table:
+    """The budget table: one row per dataset and one for the global scope (compact unless ``wide``)."""
     from schemas import GLOBAL_SCOPE, Halt
     from services.budget.core import BUDGET_ACTOR
     from services.budget.leases import capped_summary
     from services.budget.quality import dollars_per_accepted, yield_text
-    from services.common.console import styled
+    from services.common.console import FittedTable, styled
 
-    table = Table(title="draftstream budget")
-    for name, justify in (
-        ("scope", "left"),
-        ("completion tok", "right"),
-        ("prompt tok", "right"),
-        ("reasoning tok", "right"),
-        ("spent $", "right"),
-        ("cap", "right"),
-        ("remaining", "right"),
-        ("in flight", "right"),
-        ("rate", "right"),
-        ("projection", "right"),
-        ("yield (window; per upstream)", "left"),
-        ("$/accepted", "right"),
-        ("state", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    fitted = FittedTable("draftstream budget", BUDGET_COLUMNS, wide=wide)
     scopes = sorted(set(snapshots) | {s for s in control if s != GLOBAL_SCOPE} | set(settings.datasets))
     scopes = [s for s in scopes if s != GLOBAL_SCOPE] + [GLOBAL_SCOPE]
     global_halt = control.get(GLOBAL_SCOPE)
@@ -184,26 +190,36 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
             state = styled("soft-limit", "yellow")
         else:
             state = styled("running", "green")
-        table.add_row(
-            scope,
-            f"{tokens:,}",
-            _fmt_int(snap.prompt_tokens if snap else 0),
-            _fmt_int(snap.reasoning_tokens if snap else 0),
-            _fmt_usd(usd),
-            " / ".join(c for c in caps if c) or "none",
-            " / ".join(remaining) or "-",
-            _fmt_int(snap.inflight_tokens if snap else 0),
-            rate,
-            projection,
-            yield_text(snap) if snap else "-",
-            _fmt_usd(dollars_per_accepted(snap) if snap else None),
-            state,
+        yields = yield_text(snap) if snap else "-"
+        fitted.add_row(
+            {
+                "scope": Text(scope),
+                "spent": f"{tokens:,} tok, {_fmt_usd(usd)}",
+                "completion tok": f"{tokens:,}",
+                "prompt tok": _fmt_int(snap.prompt_tokens if snap else 0),
+                "reasoning tok": _fmt_int(snap.reasoning_tokens if snap else 0),
+                "spent $": _fmt_usd(usd),
+                "cap": " / ".join(c for c in caps if c) or "none",
+                "remaining": " / ".join(remaining) or "-",
+                "in flight": _fmt_int(snap.inflight_tokens if snap else 0),
+                "rate": rate,
+                "projection": projection,
+                "yield (window; per upstream)": yields,
+                "yield": yields,
+                "$/accepted": _fmt_usd(dollars_per_accepted(snap) if snap else None),
+                "state": state,
+            }
         )
-    return table
+    return fitted.table
 
 
-def budget_command(config: ConfigOption = None) -> None:
-    """Print spend, caps, rate, projection and state per dataset (from Kafka)."""
+WideOption = Annotated[
+    bool, typer.Option("--wide", help="Every column (tokens by kind, in flight, projection, $/accepted)")
+]
+
+
+def budget_command(config: ConfigOption = None, wide: WideOption = False) -> None:
+    """Print spend, caps, remaining, rate, yield and state per dataset (from Kafka); --wide for every column."""
     import asyncio
 
     from services.common.cli import fail, settings_from
@@ -221,8 +237,8 @@ def budget_command(config: ConfigOption = None) -> None:
         fail(f"could not read from {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
     from services.budget.lost import lost_attempt_lines
 
-    console = data_console(width=280)
-    console.print(budget_table(snapshots, control, settings))  # every column on one line
+    console = data_console()  # the terminal's own width: the table wraps its cells to fit
+    console.print(budget_table(snapshots, control, settings, wide=wide))
     for line in lost_attempt_lines(snapshots.values()):
         console.print(line, style="yellow", markup=False)
 
