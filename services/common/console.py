@@ -12,7 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rich.console import Console, RenderableType
+from rich import box
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
@@ -37,6 +38,9 @@ class Column:
     name: str
     justify: Literal["left", "right", "center"] = "left"
     view: Literal["compact", "wide", "both"] = "both"
+    whole: bool = False
+    """Figures: the column is as wide as its longest line, so a number never breaks across lines
+    (the other columns wrap to make room, as far as the terminal allows)."""
 
 
 class FittedTable:
@@ -51,13 +55,32 @@ class FittedTable:
     def __init__(self, title: str, columns: Iterable[Column], *, wide: bool = False, **options: Any) -> None:
         shown = "wide" if wide else "compact"
         self.columns = [c for c in columns if c.view in ("both", shown)]
-        self.table = Table(title=title, **options)
+        self.table = Table(title=title, box=box.SIMPLE_HEAD, **options)
+        self._whole: dict[int, int] = {}
         for column in self.columns:
             self.table.add_column(column.name, justify=column.justify, overflow="fold")
 
     def add_row(self, cells: Mapping[str, RenderableType]) -> None:
         """Add one row: each shown column's cell by name."""
-        self.table.add_row(*(cells.get(c.name, "-") for c in self.columns))
+        row = [cells.get(c.name, "-") for c in self.columns]
+        for index, (spec, cell) in enumerate(zip(self.columns, row, strict=True)):
+            if spec.whole:
+                lines = str(cell).splitlines() or [""]
+                self._whole[index] = max(self._whole.get(index, len(spec.name)), *(len(line) for line in lines))
+        self.table.add_row(*row)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """The table, its figure columns kept whole when the width leaves the others room to wrap."""
+        others = len(self.columns) - len(self._whole)
+        needed = sum(self._whole.values()) + others * _NARROWEST + len(self.columns) * 3 + 4  # padding, edges
+        keep = needed <= options.max_width
+        for index, width in self._whole.items():
+            self.table.columns[index].min_width = width if keep else None
+        yield self.table
+
+
+_NARROWEST = 10
+"""Columns a wrapping column keeps when the figure columns are held whole."""
 
 
 __all__ = ["Column", "FittedTable", "data_console", "styled"]

@@ -25,10 +25,14 @@ LONG_REASON = (
 
 
 def rendered(renderable: RenderableType, width: int) -> list[str]:
-    """The lines ``renderable`` prints on a terminal ``width`` columns wide."""
-    console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
-    console.print(renderable)
-    return console.export_text().splitlines()
+    """The lines ``renderable`` prints when laid out for ``width`` columns.
+
+    The console itself is wider, so a table that overflows its width shows as a long line
+    instead of being cropped (silently losing its last columns) by a console of that width.
+    """
+    console = Console(width=4 * width, file=io.StringIO(), record=True, color_system=None)
+    console.print(renderable, width=width)
+    return [line.rstrip() for line in console.export_text().splitlines()]
 
 
 def assert_fits(lines: list[str], width: int) -> None:
@@ -71,7 +75,7 @@ def test_budget_table_fits_the_terminal(width: int, wide: bool) -> None:
     lines = rendered(table, width)
     assert_fits(lines, width)
     # Both views keep the columns that matter; only the wide one has the projection and tokens by kind.
-    headers = [str(c.header) for c in table.columns]
+    headers = [c.name for c in table.columns]
     assert {"scope", "cap", "remaining", "rate", "state"} <= set(headers)
     assert ("projection" in headers) is wide and ("reasoning tok" in headers) is wide
     assert len(headers) == (15 - 2 if wide else 7)
