@@ -53,6 +53,6 @@ async def test_budget_and_status_commands_fit_80_100_120_columns(settings_factor
             )
             assert done.returncode == 0, done.stderr
             lines = done.stdout.splitlines()
-            assert "draftstream" in done.stdout and "global" in done.stdout, done.stdout
+            assert "draftstream" in done.stdout and "$99" in done.stdout.replace("\n", ""), done.stdout
             too_long = [line for line in lines if len(line) > width]
             assert not too_long, f"draftstream {' '.join(command)} at {width} columns: {too_long[0]!r}"
