@@ -208,8 +208,9 @@ def lag_table(snapshot: StatusSnapshot) -> Table:
 
 
 def dead_letter_table(snapshot: StatusSnapshot) -> Table:
-    """Dead letters by stage and reason, largest first."""
-    table = Table(title=f"dead letters: {sum(snapshot.dead_letters.values()):,}", title_justify="left")
+    """Dead-lettered prompts by stage and reason, largest first: each key once, by its latest dead letter."""
+    total = sum(snapshot.dead_letters.values())
+    table = Table(title=f"dead letters: {total:,} prompts (latest per key)", title_justify="left")
     table.add_column("stage")
     table.add_column("reason")
     table.add_column("count", justify="right")
