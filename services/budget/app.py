@@ -417,9 +417,10 @@ class BudgetService:
                 parts = [TopicPartition(physical, p) for p in await self._producer.partitions_for(physical)]
                 ends = await consumer.end_offsets(parts)
                 starts = await consumer.beginning_offsets(parts)
-                self._waiting_prompts[dataset] = sum(
-                    max(0, end - committed.get(tp, starts.get(tp, 0))) for tp, end in ends.items()
-                )
+                waiting = sum(max(0, end - committed.get(tp, starts.get(tp, 0))) for tp, end in ends.items())
+                if self._waiting_prompts.get(dataset) != waiting:
+                    self._waiting_prompts[dataset] = waiting
+                    self.ledger.touch(dataset)  # the next checkpoint carries the new projection
         except Exception:  # noqa: BLE001 - a projection is not worth stopping the budget for
             log.warning("could not read the end offsets of the prompts topics", exc_info=True)
 
