@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 from services.common.cli import ConfigOption, Hooks, fail, loaded_bootstrap, run_app, settings_from
 from services.common.config import ConfigError
 from services.common.errors import CommandError
+from services.common.logs import LogLevelOption
 
 if TYPE_CHECKING:
     from services.common.broker import BrokerStatus
@@ -319,6 +320,29 @@ def config_show(
             print(f"{key} = {json.dumps(value)}  # {origin}")
         return
     print(json.dumps({**settings.redacted(), "origins": settings.origins()}, indent=2))
+
+
+@run_app.command("all")
+def run_all(
+    config: ConfigOption = None,
+    logs: Annotated[Path, typer.Option("--logs", help="Folder of the services' logs, one file each")] = Path(
+        ".run/logs"
+    ),
+    log_level: LogLevelOption = None,
+) -> None:
+    """Run every service the config needs (budget, inference, reconstruct, audit, sink; continuation when a
+    dataset has turns = "all") as child processes, one log each; Ctrl-C stops them all within 10 s."""
+    from services.common.supervise import Supervisor, services_for
+
+    settings = settings_from(config)
+    names = services_for(settings)
+    extra = [*(["--config", str(config)] if config else []), *(["--log-level", log_level] if log_level else [])]
+    supervisor = Supervisor(
+        lambda name: [sys.executable, "-m", "services.cli", "run", name, *extra], logs,
+        say=lambda line: print(line, flush=True),
+    )
+    print(f"running {', '.join(names)}; Ctrl-C stops them all", flush=True)
+    raise typer.Exit(supervisor.run(names))
 
 
 _CONTRIBUTORS = (

@@ -40,7 +40,14 @@ from services.common.kafka import header, make_admin, make_consumer
 from services.common.topics import partitions_of, read_to_end
 from services.control import read_budget_snapshots, read_control_state
 from services.reconstruct.facts import STRIPS_PLACE
-from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot, rate_limits_from_metrics
+from services.status.core import (
+    GROUP_INPUTS,
+    STAGE_TOPICS,
+    GroupLag,
+    StatusSnapshot,
+    rate_limits_from_metrics,
+    stopped_conversations,
+)
 
 
 async def _committed(admin: Any, group: str) -> dict[TopicPartition, int]:
@@ -131,6 +138,8 @@ async def collect(
         for reason, count in reasons.items():
             snapshot.dead_letters[(stage, reason)] += count
     await read_to_end(kafka, kafka.topic(CONVERSATIONS_TOPIC), lambda r: _conversation(snapshot, r))
+    multi_turn = {name for name in settings.datasets if settings.dataset(name).turns == "all"}
+    snapshot.stopped = stopped_conversations(snapshot.conversations, standing, multi_turn)
     await read_to_end(kafka, kafka.topic(PROVIDER_FACTS_TOPIC), lambda r: _strips_fact(snapshot, r))
     snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]

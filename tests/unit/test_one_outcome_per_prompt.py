@@ -109,3 +109,36 @@ def test_a_fresh_replay_asks_inference_to_pay_again_and_only_inference() -> None
     assert dict(fresh.send[0].headers)[topology.REPAY_HEADER] == b"1"
     with pytest.raises(FilterError, match="--to inference"):
         plan_replay(records, fresh=True, **common)  # type: ignore[arg-type]
+
+
+def test_status_lists_every_conversation_once_with_how_it_ended() -> None:
+    """Died at turn 0 (no state record): listed as stopped by a dead letter; so is one stopped at turn 1."""
+    import io
+
+    from rich.console import Console
+
+    from schemas import ConversationProgressed
+    from services.status.core import StatusSnapshot, conversation_endings, render, stopped_conversations
+
+    def state(cid: str, kind: str, turns: int, next_turn: int | None = None) -> ConversationProgressed:
+        return ConversationProgressed(dataset="chat", conversation_id=cid, state=kind,  # type: ignore[arg-type]
+                                      turns_done=turns, next_turn=next_turn)
+
+    conversations = {"chat:a": state("a", "finished", 3), "chat:b": state("b", "in_progress", 1, 1),
+                     "chat:c": state("c", "in_progress", 2, 2)}
+    standing = {"chat:z:0": ("inference", "http_500"), "chat:b:1": ("reconstruct", "unknown_profile"),
+                "chat:c:1": ("audit", "usage_mismatch"),  # an earlier turn's letter, superseded by the state
+                "math:s1": ("audit", "usage_mismatch")}  # not a multi-turn dataset
+    stopped = stopped_conversations(conversations, standing, {"chat"})
+    assert stopped == {"chat:z": "inference http_500", "chat:b": "reconstruct unknown_profile"}
+    snap = StatusSnapshot(taken_at=1.0, conversations=conversations, stopped=stopped)
+    assert conversation_endings(snap) == {
+        "chat:a": ("finished", ""), "chat:b": ("dead_letter", "reconstruct unknown_profile"),
+        "chat:c": ("in_progress", ""), "chat:z": ("dead_letter", "inference http_500"),
+    }
+    console = Console(width=120, file=io.StringIO(), record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "conversations: 4" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("chat") or "│ chat" in line)
+    assert [c for c in row.replace("│", " ").split()][:5] == ["chat", "1", "1", "0", "2"]
