@@ -25,6 +25,7 @@ from services.common.logs import LogLevelOption
 
 if TYPE_CHECKING:
     from services.common.broker import BrokerStatus
+    from services.common.config import Settings
 
 class _OneLineErrors(TyperGroup):
     """The root command: errors a person can act on become one line on stderr and exit 2.
@@ -143,7 +144,7 @@ def broker_start(
     try:
         status = broker.start(port=port, nodes=nodes, node=node)
     except broker.BrokerError as exc:
-        fail(str(exc), 1)
+        fail(str(exc))
     print(_describe(status))
     if status.bootstrap:
         print("to use it from draftstream commands in other shells:")
@@ -158,7 +159,7 @@ def broker_stop(node: NodeOption = None) -> None:
     try:
         print("stopped" if broker.stop(node=node) else "was not running")
     except broker.BrokerError as exc:
-        fail(str(exc), 1)
+        fail(str(exc))
 
 
 @broker_app.command("status")
@@ -314,6 +315,8 @@ def config_show(
         from services.common.config import check_dataset_name
 
         check_dataset_name(dataset)
+    _check_profiles(settings, [dataset] if dataset is not None else list(settings.datasets))
+    if dataset is not None:
         named = "" if dataset in settings.datasets else "  # not in [datasets]: [defaults] and built-ins"
         print(f"[datasets.{dataset}]{named}")
         for key, (value, origin) in settings.dataset_origins(dataset).items():
@@ -343,6 +346,18 @@ def run_all(
     )
     print(f"running {', '.join(names)}; Ctrl-C stops them all", flush=True)
     raise typer.Exit(supervisor.run(names))
+
+
+def _check_profiles(settings: Settings, datasets: list[str]) -> None:
+    """Load each dataset's profile as ``estimate`` and the workers do: one that cannot load is a one-line error."""
+    from services.profiles import ProfileError, load_profile
+
+    for name in datasets:
+        profile = settings.dataset(name).profile
+        try:
+            load_profile(profile, settings)
+        except ProfileError as exc:
+            fail(f"dataset {name}: profile {profile}: {exc}")
 
 
 _CONTRIBUTORS = (

@@ -52,6 +52,15 @@ class DatasetEstimate:
     tools_sent: int = 0
     completion_bound: int = 0
     completion_expected: float = 0.0
+    # Rows left out, by reason code (``publish``'s: the same rows it would skip), and the first few by file:line.
+    skipped: dict[str, int] = field(default_factory=dict)
+    skipped_examples: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: str | None = None, *, examples: int = 3) -> None:
+        """Count one row left out for ``reason``; keep its ``file:line: reason: message`` among the first few."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if where is not None and len(self.skipped_examples) < examples:
+            self.skipped_examples.append(where)
 
     def add(self, prompt_tokens: int, max_tokens: int, *, tools_sent: bool = False) -> None:
         """Count one prompt of ``prompt_tokens`` ids whose request allows ``max_tokens``."""

@@ -1,4 +1,5 @@
-"""``draftstream budget`` and ``draftstream status``, run as a person runs them, fit the terminal.
+"""``draftstream budget`` and ``draftstream status``, run as a person runs them: they fit the terminal,
+and ``status --watch`` into a pipe writes a snapshot per interval.
 
 The real commands in a subprocess against the broker, with ``COLUMNS`` set as a terminal of
 80, 100 and 120 columns sets it, reading budget snapshots with every figure filled in and a
@@ -56,3 +57,38 @@ async def test_budget_and_status_commands_fit_80_100_120_columns(settings_factor
             assert "draftstream" in done.stdout and "$99" in done.stdout.replace("\n", ""), done.stdout
             too_long = [line for line in lines if len(line) > width]
             assert not too_long, f"draftstream {' '.join(command)} at {width} columns: {too_long[0]!r}"
+
+
+async def test_status_watch_into_a_pipe_writes_one_snapshot_per_interval(
+    settings_factory: Callable[..., Settings],
+) -> None:
+    """Not a terminal: each interval's snapshot is printed whole and flushed as it is taken (a live
+    display there wrote nothing until Ctrl-C)."""
+    import asyncio
+    import signal
+
+    settings = settings_factory()
+    await ensure_topics(settings.kafka, [])
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
+        "DRAFTSTREAM_KAFKA__TOPIC_PREFIX": settings.kafka.topic_prefix,
+        "DRAFTSTREAM_METRICS__INFERENCE_PORT": "0",
+        "COLUMNS": "100",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "status", "--watch", "--interval", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )
+    assert proc.stdout is not None
+    seen = 0
+    try:
+        while seen < 3:  # three snapshots, each arriving while the command still runs
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            assert line, (await proc.stderr.read()).decode() if proc.stderr else "no output"
+            seen += line.startswith("draftstream status at")
+        assert proc.returncode is None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0
