@@ -36,6 +36,15 @@ def services_for(settings: Settings) -> list[str]:
     return names
 
 
+def last_line(path: Path, tail: int = 4096) -> str:
+    """The last non-empty line of a log (a service's one-line error, when it failed to start)."""
+    with path.open("rb") as log:
+        log.seek(0, 2)
+        log.seek(max(0, log.tell() - tail))
+        lines = [line.strip() for line in log.read().decode("utf-8", "replace").splitlines()]
+    return next((line for line in reversed(lines) if line), "")
+
+
 @dataclass
 class Child:
     """One service process and its log."""
@@ -81,9 +90,10 @@ class Supervisor:
             while not self._stop.wait(poll_s):
                 ended = next((c for c in self.children if c.process.poll() is not None), None)
                 if ended is not None:
+                    last = last_line(ended.log_path)
                     self.say(
-                        f"{ended.name} exited with status {ended.process.returncode}: stopping the others "
-                        f"(see {ended.log_path})"
+                        f"{ended.name} exited with status {ended.process.returncode}"
+                        f"{f' ({last})' if last else ''}: stopping the others (see {ended.log_path})"
                     )
                     self.stop()
                     return 1
@@ -122,4 +132,4 @@ class Supervisor:
         return not killed
 
 
-__all__ = ["MULTI_TURN", "STAGES", "Child", "Supervisor", "services_for"]
+__all__ = ["MULTI_TURN", "STAGES", "Child", "Supervisor", "last_line", "services_for"]

@@ -28,7 +28,7 @@ from services.simulator.app import start_simulator
 from services.simulator.options import SimulatorOptions
 from services.status.app import collect
 from services.status.core import conversation_endings
-from tests.e2e.harness import sink_rows
+from tests.e2e.harness import pipeline_config, sink_rows
 from tests.e2e.test_multi_turn import sharegpt_rows
 
 pytestmark = pytest.mark.e2e
@@ -51,32 +51,11 @@ async def test_run_all_runs_a_multi_turn_dataset_to_completion_and_ctrl_c_stops_
 ) -> None:
     sim = await start_simulator(SimulatorOptions(seed=5, reasoning_tokens=(4, 10), content_tokens=(4, 10)))
     config = tmp_path / "draftstream.toml"
-    config.write_text(f"""
-[kafka]
-bootstrap_servers = "{kafka_bootstrap}"
-topic_prefix = "{unique_prefix}"
-
-[provider]
-kind = "simulator"
-base_url = "{sim.url}"
-concurrency = 16
-
-[sink]
-out_dir = "{tmp_path / "out"}"
-
-[metrics]
-inference_port = 0
-reconstruct_port = 0
-audit_port = 0
-budget_port = 0
-sink_port = 0
-continuation_port = 0
-
-[datasets.chat]
-profile = "qwen3"
-max_tokens = 256
-turns = "all"
-""")
+    multi_turn = '[datasets.chat]\nprofile = "qwen3"\nmax_tokens = 256\nturns = "all"\n'
+    config.write_text(
+        pipeline_config(tmp_path, kafka_bootstrap, sim.port, [], prefix=unique_prefix, concurrency=16, timeout_s=30)
+        + multi_turn
+    )
     rows = sharegpt_rows(N, random.Random(3))
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))

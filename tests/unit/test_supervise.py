@@ -39,8 +39,9 @@ def test_a_child_that_ignores_sigint_is_killed_at_the_end_of_the_grace_period(tm
 
 def test_a_child_that_exits_stops_the_others(tmp_path: Path) -> None:
     said: list[str] = []
-    code = {"short": "import sys; sys.exit(3)", "long": POLITE}
+    code = {"short": "import sys; print('error: cannot reach Kafka'); sys.exit(3)", "long": POLITE}
     sup = Supervisor(lambda name: [sys.executable, "-c", code[name]], tmp_path, grace_s=5.0, say=said.append)
     assert sup.run(["long", "short"], poll_s=0.05) == 1
-    assert any(line.startswith("short exited with status 3") for line in said), said
+    assert any(line.startswith("short exited with status 3 (error: cannot reach Kafka): stopping the others")
+               for line in said), said
     assert all(c.process.poll() is not None for c in sup.children)
