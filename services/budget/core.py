@@ -154,13 +154,13 @@ class Ledger:
         """Count a new record of ``dead-letter`` as its key's latest outcome (``status`` reads the tally)."""
         total = self.scopes[GLOBAL_SCOPE]
         if total.dead_letters is not None and self._uncounted(position, offset):
-            outcomes.dead_lettered(total.dead_letters, total.dead_letter_keys, key, stage, reason)
+            outcomes.record_dead_letter(total.dead_letters, total.dead_letter_keys, key, stage, reason)
 
     def tally_accepted(self, position: str, offset: int, key: str) -> None:
         """An accepted sample not counted before: its key's earlier dead letter no longer stands."""
         total = self.scopes[GLOBAL_SCOPE]
         if total.dead_letters is not None and key in total.dead_letter_keys and self._uncounted(position, offset):
-            outcomes.accepted(total.dead_letters, total.dead_letter_keys, key)
+            outcomes.record_accepted(total.dead_letters, total.dead_letter_keys, key)
 
     def tally_truncated(self, position: str, offset: int, dataset: str) -> None:
         """Count a truncated answer accepted, once (``status`` reads the tally)."""

@@ -34,7 +34,7 @@ def _take(tally: Tally, standing: Standing, key: str) -> bool:
     return True
 
 
-def dead_lettered(tally: Tally, standing: Standing, key: str, stage: str, reason: str) -> bool:
+def record_dead_letter(tally: Tally, standing: Standing, key: str, stage: str, reason: str) -> bool:
     """Count a dead letter as ``key``'s outcome; True when it supersedes an earlier one (a replay failed again)."""
     again = _take(tally, standing, key) if key else False
     reasons = tally.setdefault(stage, {})
@@ -44,9 +44,9 @@ def dead_lettered(tally: Tally, standing: Standing, key: str, stage: str, reason
     return again
 
 
-def accepted(tally: Tally, standing: Standing, key: str) -> bool:
+def record_accepted(tally: Tally, standing: Standing, key: str) -> bool:
     """An accepted sample is ``key``'s outcome; True when it supersedes a dead letter (a replay succeeded)."""
     return _take(tally, standing, key) if key else False
 
 
-__all__ = ["Standing", "Tally", "accepted", "dead_lettered"]
+__all__ = ["Standing", "Tally", "record_accepted", "record_dead_letter"]

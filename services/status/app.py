@@ -122,11 +122,11 @@ async def collect(
         headers = list(record.headers or ())
         stage = header(headers, DLQ_HEADERS.STAGE) or "unknown"
         reason = header(headers, DLQ_HEADERS.REASON) or "unknown"
-        outcomes.dead_lettered(tally, standing, (record.key or b"").decode("utf-8", "replace"), stage, reason)
+        outcomes.record_dead_letter(tally, standing, (record.key or b"").decode("utf-8", "replace"), stage, reason)
 
     def accepted(record: ConsumerRecord[bytes, bytes]) -> None:
         key = (record.key or b"").decode("utf-8", "replace")
-        outcomes.accepted(tally, standing, key)
+        outcomes.record_accepted(tally, standing, key)
         if header(list(record.headers or ()), topology.TRUNCATED_HEADER) == "1":
             snapshot.accepted_truncated[key.split(":", 1)[0]] += 1
 

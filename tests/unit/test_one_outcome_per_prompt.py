@@ -20,20 +20,20 @@ def test_a_replay_that_fails_again_counts_its_key_once_by_its_latest_reason() ->
     tally: outcomes.Tally = {}
     standing: outcomes.Standing = {}
     for i in range(10):
-        assert not outcomes.dead_lettered(tally, standing, f"math:s{i}", "reconstruct", "unknown_profile")
+        assert not outcomes.record_dead_letter(tally, standing, f"math:s{i}", "reconstruct", "unknown_profile")
     for _ in range(2):  # replayed twice, failing again each time
         for i in range(10):
-            assert outcomes.dead_lettered(tally, standing, f"math:s{i}", "reconstruct", "unknown_profile")
+            assert outcomes.record_dead_letter(tally, standing, f"math:s{i}", "reconstruct", "unknown_profile")
     assert tally == {"reconstruct": {"unknown_profile": 10}}
     # A replay that fails for another reason moves the key; one that is accepted removes it.
-    assert outcomes.dead_lettered(tally, standing, "math:s0", "audit", "usage_mismatch")
-    assert outcomes.accepted(tally, standing, "math:s1")
-    assert not outcomes.accepted(tally, standing, "math:never-failed")
+    assert outcomes.record_dead_letter(tally, standing, "math:s0", "audit", "usage_mismatch")
+    assert outcomes.record_accepted(tally, standing, "math:s1")
+    assert not outcomes.record_accepted(tally, standing, "math:never-failed")
     assert tally == {"reconstruct": {"unknown_profile": 8}, "audit": {"usage_mismatch": 1}}
     assert len(standing) == 9
     # Records without a key cannot be superseded: each counts.
-    outcomes.dead_lettered(tally, standing, "", "inference", "bad_json")
-    outcomes.dead_lettered(tally, standing, "", "inference", "bad_json")
+    outcomes.record_dead_letter(tally, standing, "", "inference", "bad_json")
+    outcomes.record_dead_letter(tally, standing, "", "inference", "bad_json")
     assert tally["inference"] == {"bad_json": 2}
 
 
