@@ -207,10 +207,11 @@ def budget_table(
         if capped is not None:
             state, label = styled(capped, "red"), styled("capped", "red")
         elif isinstance(event, Halt):
-            state, label = styled("halted", "red", f" by {event.by}: {event.reason}"), styled("halted", "red")
+            state = styled("halted", "red", f" by {event.by}: {event.reason}")
+            label = styled("halted", "red", f" by {event.by}")
         elif scope != GLOBAL_SCOPE and isinstance(global_halt, Halt):
             state = styled("halted", "red", f" (global) by {global_halt.by}: {global_halt.reason}")
-            label = styled("halted", "red", " (global)")
+            label = styled("halted", "red", f" (global) by {global_halt.by}")
         elif snap and snap.state == "soft-limit":
             state = label = styled("soft-limit", "yellow")
         else:
