@@ -211,8 +211,8 @@ def dlq_replay(
     table = Table(title=f"{verb} {len(report.replayed)} of {report.matched} matching dead letter(s)")
     table.add_column("dlq id")
     table.add_column("key", overflow="fold")
-    table.add_column("stage/reason")
-    table.add_column("to topic")
+    table.add_column("stage/reason", overflow="fold")
+    table.add_column("to topic", overflow="fold")
     table.add_column("replay #", justify="right")
     for p in report.replayed:
         r = p.record
