@@ -8,7 +8,9 @@ dead letters on the topic, 10 prompts. Then:
 - ``status`` (``collect``) counts 10 dead-lettered prompts, and the budget's yield is over 10
   verdicts (0% of 10), not 30;
 - ``dlq list`` lists 10 keys, ``dlq list --all`` 30 records (the real command);
-- the budget projects 0 prompts left: none waits, the replays were answered;
+- the budget projects 0 prompts left: none waits, the replays were answered, also after a replay
+  ``--to inference`` answered from the response store (nothing paid, 10 more records on the prompts
+  topic);
 - ``dlq replay --to inference --fresh`` pays the provider again for each of the 10 (the simulator
   counts 20 requests) and the budget counts those answers under the cap (20 responses, their
   completion tokens added); the answers fail again and are still 10 prompts.
@@ -99,11 +101,18 @@ async def test_replays_that_fail_again_count_each_prompt_once_and_a_fresh_one_is
         listed_all = await asyncio.to_thread(
             runner.invoke, app, ["dlq", "list", "--all", "-c", str(config)], terminal_width=200
         )
-        paid_before = sum(paid(sim).values())
         before = snaps[DATASET]
 
-        fresh = await replay(wrong, Filters(stage="reconstruct"), to="inference", fresh=True)
-        await pipeline.wait(lambda: letters(4 * N), 120, "the fresh answers failed again")
+        # Back through inference without --fresh: answered from the response store, nothing paid;
+        # the prompts topic grows by 10 records, and still no prompt waits.
+        reused = await replay(wrong, Filters(stage="reconstruct"), to="inference")
+        await pipeline.wait(lambda: letters(4 * N), 120, "the reused answers failed again")
+        await pipeline.wait(budget_read_all, 60, "the budget counted the reused answers")
+        after_reuse = (await read_budget_snapshots(wrong))[DATASET]
+        paid_before = sum(paid(sim).values())
+
+        fresh = await replay(wrong, Filters(stage="reconstruct"), to="inference", fresh=True, max_replays=5)
+        await pipeline.wait(lambda: letters(5 * N), 120, "the fresh answers failed again")
         await pipeline.wait(budget_read_all, 60, "the budget counted the fresh answers")
         after = (await read_budget_snapshots(wrong))[DATASET]
         status_after = await collect(wrong)
@@ -117,6 +126,7 @@ async def test_replays_that_fail_again_count_each_prompt_once_and_a_fresh_one_is
         status_dead_lettered=sum(status.dead_letters.values()),
         yield_window=before.quality.window_verdicts if before.quality else None,
         verdicts=before.quality.verdicts if before.quality else None,
+        reused_replayed=len(reused.replayed),
         fresh_replayed=len(fresh.replayed),
         paid_before=paid_before,
         paid_after=paid_after,
@@ -138,8 +148,12 @@ async def test_replays_that_fail_again_count_each_prompt_once_and_a_fresh_one_is
     assert f"dead letters on {topic}: {3 * N}" in words(listed_all.output)
     row = next(ln for ln in listed.output.splitlines() if "unknown_profile" in ln)
     assert f" {N} " in row, listed.output
+    # The reused answers cost nothing and left no prompt waiting (the projection counts the prompts
+    # the inference group has not consumed, not records on the topic less the answers paid for).
+    assert len(reused.replayed) == N and paid_before == N, line
+    assert after_reuse.responses == N and after_reuse.remaining_prompts == 0, line
     # Only the latest dead letter of each key was still to replay: 10 fresh answers, paid and counted.
-    assert len(fresh.replayed) == N and paid_before == N and paid_after == 2 * N, line
+    assert len(fresh.replayed) == N and paid_after == 2 * N, line
     assert after.responses == 2 * N and after.completion_tokens > before.completion_tokens, line
     assert after.cap_completion_tokens == CAP and after.completion_tokens <= CAP, line
     assert sum(status_after.dead_letters.values()) == N, line
