@@ -102,6 +102,11 @@ async def test_replays_that_fail_again_count_each_prompt_once_and_a_fresh_one_is
             runner.invoke, app, ["dlq", "list", "--all", "-c", str(config)], terminal_width=200
         )
         before = snaps[DATASET]
+        would = await asyncio.to_thread(
+            runner.invoke, app,
+            ["dlq", "replay", "--stage", "reconstruct", "--to", "inference", "--dry-run", "-c", str(config)],
+            terminal_width=200,
+        )
 
         # Back through inference without --fresh: answered from the response store, nothing paid;
         # the prompts topic grows by 10 records, and still no prompt waits.
@@ -135,14 +140,19 @@ async def test_replays_that_fail_again_count_each_prompt_once_and_a_fresh_one_is
         tokens_before=before.completion_tokens,
         tokens_after=after.completion_tokens,
     )
+
+    def words(text: str) -> str:
+        return " ".join(text.split())  # a title wraps at the terminal's width
+
     assert status.topic_records.get(wrong.kafka.topic("dead-letter")) == 3 * N, line
     assert dict(status.dead_letters) == {("reconstruct", "unknown_profile"): N}, line
     assert before.quality is not None and (before.quality.verdicts, before.quality.window_verdicts) == (N, N), line
     assert before.quality.window_accepted == 0 and before.remaining_prompts == 0, line
     assert listed.exit_code == 0 and listed_all.exit_code == 0, listed.output + listed_all.output
-    def words(text: str) -> str:
-        return " ".join(text.split())  # a title wraps at the terminal's width
-
+    assert would.exit_code == 0 and f"would replay {N} of {3 * N}" in words(would.output), would.output
+    assert "from its response store (the answers already paid for, no new charge); add --fresh" in words(
+        would.output
+    )
     topic = wrong.kafka.topic("dead-letter")
     assert f"keys dead-lettered (latest per key; --all for every record) on {topic}: {N}" in words(listed.output)
     assert f"dead letters on {topic}: {3 * N}" in words(listed_all.output)
