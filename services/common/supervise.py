@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -24,7 +24,7 @@ from services.common.config import Settings
 
 STAGES = ("budget", "inference", "reconstruct", "audit", "sink")
 """What every configuration needs, the budget first (it announces the lease policy the workers wait for)."""
-CONTINUATION = "continuation"
+MULTI_TURN = "continuation"
 """Needed when a dataset regenerates every turn (``turns = "all"``)."""
 
 
@@ -32,7 +32,7 @@ def services_for(settings: Settings) -> list[str]:
     """The services ``settings`` needs, in the order they start."""
     names = list(STAGES)
     if any(settings.dataset(name).turns == "all" for name in settings.datasets):
-        names.append(CONTINUATION)
+        names.append(MULTI_TURN)
     return names
 
 
@@ -63,8 +63,6 @@ class Supervisor:
     log_dir: Path
     grace_s: float = 10.0
     say: Callable[[str], None] = print
-    env: Mapping[str, str] | None = None
-    """The children's environment (None: this process's)."""
     children: list[Child] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -75,20 +73,10 @@ class Supervisor:
             path = self.log_dir / f"{name}.log"
             log = path.open("ab")
             process = subprocess.Popen(  # noqa: S603 - our own CLI, argv built here
-                self.argv_of(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+                self.argv_of(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
             self.children.append(Child(name, process, path, log))
             self.say(f"started {name} (pid {process.pid}, log {path})")
-
-    def check_alive(self) -> None:
-        """Raise :class:`RuntimeError` naming the first child that exited, with its last log line."""
-        for child in self.children:
-            if child.process.poll() is not None:
-                last = last_line(child.log_path)
-                raise RuntimeError(
-                    f"{child.name} exited with {child.process.returncode}{f' ({last})' if last else ''}; "
-                    f"see {child.log_path}"
-                )
 
     def request_stop(self, *_: object) -> None:
         """A signal handler: stop every child (from the main loop, not inside the handler)."""
@@ -144,4 +132,4 @@ class Supervisor:
         return not killed
 
 
-__all__ = ["CONTINUATION", "STAGES", "Child", "Supervisor", "last_line", "services_for"]
+__all__ = ["MULTI_TURN", "STAGES", "Child", "Supervisor", "last_line", "services_for"]

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -29,22 +30,18 @@ from rich.table import Table
 import schemas as s
 from services.common.config import Settings, load_settings
 from services.common.console import data_console, styled
-from services.common.supervise import CONTINUATION, STAGES, Supervisor
 from services.sink.core import torn_tail
 
 DATA = Path(__file__).parent / "data"
 DATASETS = ("math", "code", "tools", "chat")
 # Multi-turn regeneration: every assistant turn regenerated on the regenerated history.
 MULTI_TURN = ("chat",)
-# What `run all` starts for a config with a `turns = "all"` dataset (the budget first: it announces
-# the lease policy the workers wait for).
-SERVICES = (*STAGES, CONTINUATION)
+# The budget first: it announces the lease policy the workers wait for (docs/operations.md, "Leases").
+SERVICES = ("budget", "inference", "reconstruct", "audit", "sink", "continuation")
 REPO = Path(__file__).resolve().parents[2]
 # The columns of the two tables the demo ends with (the README's demo excerpt shows them).
 SUMMARY_COLUMNS = ("dataset", "published", "accepted", "dead-lettered", "accounted")  # topology: not a topic
 CONVERSATION_COLUMNS = ("dataset", "conversations", "rows", "how they ended")
-# The simulator's faults: 429s, 5xx, truncations, wrong usage counts, non-canonical token splits.
-SIMULATOR_FAULTS = ("429=0.15", "5xx=0.05", "truncate=0.03", "bad_usage=0.03", "noncanonical_len=0.02")
 
 console = data_console()
 
@@ -107,6 +104,44 @@ profile = "qwen3"
 max_tokens = 2048
 turns = "all"
 """
+
+
+@dataclass
+class Processes:
+    """The processes the demo started, stopped in reverse order on exit."""
+
+    log_dir: Path
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    logs: list[IO[bytes]] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Start one process with its output in ``<log_dir>/<name>.log``."""
+        log = (self.log_dir / f"{name}.log").open("wb")
+        self.logs.append(log)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)  # noqa: S603 - our own CLI
+        self.procs.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        """Fail loudly when a service died."""
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.log_dir / name}.log")
+
+    def stop_all(self) -> None:
+        """SIGTERM everything, then SIGKILL what is left after 20 s."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for _, proc in reversed(self.procs):
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
 
 
 def shown(path: Path) -> str:
@@ -240,7 +275,7 @@ def count_prompts(files: dict[str, Path]) -> dict[str, int]:
 
 
 def wait_accounted(
-    settings: Settings, out_dir: Path, expected: int, procs: Supervisor, timeout: float, conversations: dict[str, int]
+    settings: Settings, out_dir: Path, expected: int, procs: Processes, timeout: float, conversations: dict[str, int]
 ) -> None:
     """Block until accepted keys plus dead-lettered keys cover every published prompt.
 
@@ -381,14 +416,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     config.write_text(demo_config(run_dir, bootstrap, sim_port), encoding="utf-8")
     env["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
     settings = load_settings(config)
-    simulator = cli(
-        "simulate-provider", "--config", str(config), "--port", str(sim_port),
-        *(arg for fault in SIMULATOR_FAULTS for arg in ("--fault-rate", fault)),
-    )  # fmt: skip
-    procs = Supervisor(
-        lambda name: simulator if name == "simulator" else cli("run", name, "--config", str(config)),
-        run_dir / "logs", env=env, say=lambda _line: None,
-    )  # fmt: skip
+    procs = Processes(run_dir / "logs")
     files = {name: DATA / f"{name}.jsonl" for name in DATASETS}
     published = count_prompts(files)
     conversations = conversation_ids(files)
@@ -397,9 +425,30 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
         run_cli(
             cli("topics", "create", "--config", str(config), *sum((["-d", d] for d in DATASETS), [])), env, "topics"
         )
-        procs.start(["simulator"])
+        procs.start(
+            "simulator",
+            cli(
+                "simulate-provider",
+                "--config",
+                str(config),
+                "--port",
+                str(sim_port),
+                "--fault-rate",
+                "429=0.15",
+                "--fault-rate",
+                "5xx=0.05",
+                "--fault-rate",
+                "truncate=0.03",
+                "--fault-rate",
+                "bad_usage=0.03",
+                "--fault-rate",
+                "noncanonical_len=0.02",
+            ),
+            env,
+        )
         wait_http(f"http://127.0.0.1:{sim_port}/health", 60)
-        procs.start(SERVICES)
+        for name in SERVICES:
+            procs.start(name, cli("run", name, "--config", str(config)), env)
         started_what = f" simulator on :{sim_port} and {', '.join(SERVICES)} (logs in {shown(procs.log_dir)})"
         console.print(styled("started", "bold", started_what))
         for name, path in files.items():
@@ -454,7 +503,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
         return 1
     finally:
         if not keep:
-            procs.stop()
+            procs.stop_all()
             if own_broker:
                 from services.common import broker
 
