@@ -349,6 +349,11 @@ class BudgetSnapshot(Struct, kw_only=True):
     # tally (another scope, or a ledger begun before tallies, which ``status`` reads whole).
     dead_letters: dict[str, dict[str, int]] | None = None
     accepted_truncated: dict[str, int] | None = None
+    # Only on ``global``: the keys whose latest outcome is a dead letter, with its stage and
+    # reason. ``dead_letters`` counts each key once, by its latest failure: a replay that fails
+    # again supersedes the dead letter before it, an accepted one removes it. None: not kept
+    # (an older ledger), so a replay of an earlier dead letter is counted as a new one.
+    dead_letter_keys: dict[str, tuple[str, str]] | None = None
     # A dataset scope's attempts sent and not answered (``inflight``'s keys are their
     # :attr:`RequestStarted.attempt_key`), with who sent them and whether they are lost.
     attempts: dict[str, HeldAttempt] = msgspec.field(default_factory=dict)

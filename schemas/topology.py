@@ -280,6 +280,8 @@ _roles = (
             "when the accepted share falls below min_yield."
         ),
         describes=(PROMPTS,),
+        # The projection counts the prompts the inference group has not consumed yet.
+        describes_groups=(INFERENCE_GROUP,),
         creates=_ALL_CREATED,
     ),
     Role(

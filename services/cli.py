@@ -21,9 +21,11 @@ from typer.core import TyperGroup
 from services.common.cli import ConfigOption, Hooks, fail, loaded_bootstrap, run_app, settings_from
 from services.common.config import ConfigError
 from services.common.errors import CommandError
+from services.common.logs import LogLevelOption
 
 if TYPE_CHECKING:
     from services.common.broker import BrokerStatus
+    from services.common.config import Settings
 
 class _OneLineErrors(TyperGroup):
     """The root command: errors a person can act on become one line on stderr and exit 2.
@@ -142,7 +144,7 @@ def broker_start(
     try:
         status = broker.start(port=port, nodes=nodes, node=node)
     except broker.BrokerError as exc:
-        fail(str(exc), 1)
+        fail(str(exc))
     print(_describe(status))
     if status.bootstrap:
         print("to use it from draftstream commands in other shells:")
@@ -157,7 +159,7 @@ def broker_stop(node: NodeOption = None) -> None:
     try:
         print("stopped" if broker.stop(node=node) else "was not running")
     except broker.BrokerError as exc:
-        fail(str(exc), 1)
+        fail(str(exc))
 
 
 @broker_app.command("status")
@@ -313,12 +315,49 @@ def config_show(
         from services.common.config import check_dataset_name
 
         check_dataset_name(dataset)
+    _check_profiles(settings, [dataset] if dataset is not None else list(settings.datasets))
+    if dataset is not None:
         named = "" if dataset in settings.datasets else "  # not in [datasets]: [defaults] and built-ins"
         print(f"[datasets.{dataset}]{named}")
         for key, (value, origin) in settings.dataset_origins(dataset).items():
             print(f"{key} = {json.dumps(value)}  # {origin}")
         return
     print(json.dumps({**settings.redacted(), "origins": settings.origins()}, indent=2))
+
+
+@run_app.command("all")
+def run_all(
+    config: ConfigOption = None,
+    logs: Annotated[Path, typer.Option("--logs", help="Folder of the services' logs, one file each")] = Path(
+        ".run/logs"
+    ),
+    log_level: LogLevelOption = None,
+) -> None:
+    """Run every service the config needs (budget, inference, reconstruct, audit, sink; continuation when a
+    dataset has turns = "all") as child processes, one log each; Ctrl-C stops them all within 10 s."""
+    from services.common.supervise import Supervisor, services_for
+
+    settings = settings_from(config)
+    names = services_for(settings)
+    extra = [*(["--config", str(config)] if config else []), *(["--log-level", log_level] if log_level else [])]
+    supervisor = Supervisor(
+        lambda name: [sys.executable, "-m", "services.cli", "run", name, *extra], logs,
+        say=lambda line: print(line, flush=True),
+    )
+    print(f"running {', '.join(names)}; Ctrl-C stops them all", flush=True)
+    raise typer.Exit(supervisor.run(names))
+
+
+def _check_profiles(settings: Settings, datasets: list[str]) -> None:
+    """Load each dataset's profile as ``estimate`` and the workers do: one that cannot load is a one-line error."""
+    from services.profiles import ProfileError, load_profile
+
+    for name in datasets:
+        profile = settings.dataset(name).profile
+        try:
+            load_profile(profile, settings)
+        except ProfileError as exc:
+            fail(f"dataset {name}: profile {profile}: {exc}")
 
 
 _CONTRIBUTORS = (

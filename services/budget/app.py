@@ -156,7 +156,7 @@ class BudgetService:
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._logical = {settings.kafka.topic(n): n for n in CONSUMED}
-        self._published_prompts: dict[str, int] = {}
+        self._waiting_prompts: dict[str, int] = {}  # per dataset: prompts not yet consumed by inference
         self._last_checkpoint = 0.0
         self._last_prompts_refresh = 0.0
         self._unpriced_models: set[str] = set()
@@ -278,8 +278,10 @@ class BudgetService:
                 if header(record.headers, topology.TRUNCATED_HEADER) == "1":
                     dataset = (record.key or b"").decode("utf-8", "replace").split(":", 1)[0]
                     self.ledger.tally_truncated(position, record.offset, dataset)
+                key = (record.key or b"").decode("utf-8", "replace")
+                self.ledger.tally_accepted(position, record.offset, key)
                 self.ledger.skip(position, record.offset)
-                return self._judge(accepted_verdict(record.value))
+                return self._judge(accepted_verdict(record.value, key))
             if logical == DEAD_LETTER_TOPIC:
                 # To learn which requests ended without a response (their failed attempts
                 # cost nothing the provider reported) and which paid answers were thrown
@@ -287,7 +289,7 @@ class BudgetService:
                 key = (record.key or b"").decode("utf-8", "replace")
                 stage = header(record.headers, DLQ_HEADERS.STAGE)
                 reason = header(record.headers, DLQ_HEADERS.REASON)
-                self.ledger.tally_dead_letter(position, record.offset, stage or "unknown", reason or "unknown")
+                self.ledger.tally_dead_letter(position, record.offset, stage or "unknown", reason or "unknown", key)
                 if stage == "inference" and ":" in key:
                     dataset, _, sample_id = key.partition(":")
                     self.ledger.on_request_failed(dataset, sample_id, position, record.offset, reason=reason or "")
@@ -295,7 +297,7 @@ class BudgetService:
                         self.leases.on_failed(dataset, sample_id, reason or "")
                     return []
                 self.ledger.skip(position, record.offset)
-                return self._judge(dead_letter_verdict(stage, reason, record.value))
+                return self._judge(dead_letter_verdict(stage, reason, record.value, key))
             if logical == REQUESTS_TOPIC:
                 request = decode(record.value, RequestStarted)
                 self._check_dataset(request.dataset)
@@ -380,7 +382,7 @@ class BudgetService:
         now = self.clock()
         if now - self._last_prompts_refresh >= self.prompts_refresh_s:
             self._last_prompts_refresh = now
-            await self._refresh_published_prompts()
+            await self._refresh_waiting_prompts()
         if self._key_usage is not None and now - self._last_key_usage >= self.settings.budget.key_usage_interval_s:
             await self._read_key_usage(now)
         if now - self._last_checkpoint >= self.checkpoint_interval_s:
@@ -394,7 +396,7 @@ class BudgetService:
         if self._key_usage is not None and (usage := await self._key_usage.read()) is not None:
             self.ledger.reconcile(usage, now)
 
-    async def _refresh_published_prompts(self) -> None:
+    async def _refresh_waiting_prompts(self) -> None:
         consumer = self._consumer
         if consumer is None:
             return
@@ -406,23 +408,42 @@ class BudgetService:
                 self._admin = admin
             # The metadata of these topics only: the cluster's whole list grows with every topic on it.
             topics = await existing_topics(self._admin, physical_of.values())
+            # Prompts still waiting: written and not yet consumed by the inference group (a replay
+            # already answered is neither; a prompt published twice is one prompt waiting once).
+            committed = await self._inference_committed()
             for dataset, physical in physical_of.items():
                 if physical not in topics or self._producer is None:
                     continue
                 parts = [TopicPartition(physical, p) for p in await self._producer.partitions_for(physical)]
                 ends = await consumer.end_offsets(parts)
-                self._published_prompts[dataset] = sum(ends.values())
+                starts = await consumer.beginning_offsets(parts)
+                waiting = sum(max(0, end - committed.get(tp, starts.get(tp, 0))) for tp, end in ends.items())
+                if self._waiting_prompts.get(dataset) != waiting:
+                    self._waiting_prompts[dataset] = waiting
+                    self.ledger.touch(dataset)  # the next checkpoint carries the new projection
         except Exception:  # noqa: BLE001 - a projection is not worth stopping the budget for
             log.warning("could not read the end offsets of the prompts topics", exc_info=True)
 
+    async def _inference_committed(self) -> dict[TopicPartition, int]:
+        """The inference group's committed offsets (none when it has not committed yet)."""
+        if self._admin is None:
+            return {}
+        try:
+            group = self.settings.kafka.group(topology.GROUPS["inference"])
+            offsets = await self._admin.list_consumer_group_offsets(group)
+        except Exception:  # noqa: BLE001 - an unknown group simply has no offsets
+            return {}
+        return {tp: meta.offset for tp, meta in offsets.items() if meta is not None and meta.offset >= 0}
+
     def remaining_prompts(self) -> dict[str, int | None]:
-        """Prompts not yet answered per dataset (expected_prompts, else topic end offsets)."""
+        """Prompts not yet answered per dataset: expected_prompts less the answers, else those still waiting."""
         out: dict[str, int | None] = {}
         for dataset in self.ledger.datasets:
             expected = self.settings.dataset(dataset).expected_prompts
-            published = expected if expected is not None else self._published_prompts.get(dataset)
-            answered = self.ledger.scopes[dataset].responses
-            out[dataset] = None if published is None else max(0, published - answered)
+            if expected is not None:
+                out[dataset] = max(0, expected - self.ledger.scopes[dataset].responses)
+            else:
+                out[dataset] = self._waiting_prompts.get(dataset)
         return out
 
     async def _checkpoint(self, now: float, *, everything: bool = False) -> None:

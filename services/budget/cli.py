@@ -6,11 +6,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.text import Text
 
+from services.common.console import Column, FittedTable
 from services.common.logs import LogLevelOption
 
 if TYPE_CHECKING:
-    from rich.table import Table
 
     from schemas import BudgetSnapshot, Halt, Resume
     from services.common.config import Settings
@@ -115,36 +116,63 @@ def _fmt_usd(value: float | None) -> str:
     return "-" if value is None else f"${value:,.4f}"
 
 
-def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt | Resume], settings: Settings) -> Table:
-    """The budget table: one row per dataset and one for the global scope."""
-    from rich.table import Table
+def _short(value: float) -> str:
+    """A count in a few characters (``950``, ``12.3k``, ``4.5M``, ``1.2B``): the compact view's figures."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= size:
+            return f"{value / size:.1f}".removesuffix(".0") + unit
+    return f"{value:,.0f}"
 
+
+def _short_usd(value: float) -> str:
+    return f"${value:,.2f}" if value < 10_000 else f"${_short(value)}"
+
+
+def _amounts(tokens: int | None, usd: float | None, *, wide: bool) -> str:
+    """Tokens and dollars as one cell ("12.3M tok / $1,234.57" compact, every digit wide); "" for neither."""
+    parts = []
+    if tokens is not None:
+        parts.append(f"{tokens:,} tok" if wide else f"{_short(tokens)} tok")
+    if usd is not None:
+        parts.append(f"${usd:,.2f}" if wide else _short_usd(usd))
+    return (" / " if wide else "\n").join(parts)
+
+
+BUDGET_COLUMNS = (
+    Column("scope"),
+    Column("spent", "right", "compact", whole=True),
+    Column("completion tok", "right", "wide"),
+    Column("prompt tok", "right", "wide"),
+    Column("reasoning tok", "right", "wide"),
+    Column("spent $", "right", "wide"),
+    Column("cap", "right", whole=True),
+    Column("remaining", "right", whole=True),
+    Column("in flight", "right", "wide"),
+    Column("rate", "right", whole=True),
+    Column("projection", "right", "wide"),
+    Column("yield (window; per upstream)", "left", "wide"),
+    Column("yield", "left", "compact", whole=True),
+    Column("$/accepted", "right", "wide"),
+    Column("state"),
+)
+"""The budget table's columns: the compact view by default, every column with ``--wide``."""
+
+
+def budget_table(
+    snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt | Resume], settings: Settings, *, wide: bool = False
+) -> FittedTable:
+    """The budget table: one row per dataset and one for the global scope (compact unless ``wide``)."""
     from schemas import GLOBAL_SCOPE, Halt
     from services.budget.core import BUDGET_ACTOR
     from services.budget.leases import capped_summary
     from services.budget.quality import dollars_per_accepted, yield_text
     from services.common.console import styled
 
-    table = Table(title="draftstream budget")
-    for name, justify in (
-        ("scope", "left"),
-        ("completion tok", "right"),
-        ("prompt tok", "right"),
-        ("reasoning tok", "right"),
-        ("spent $", "right"),
-        ("cap", "right"),
-        ("remaining", "right"),
-        ("in flight", "right"),
-        ("rate", "right"),
-        ("projection", "right"),
-        ("yield (window; per upstream)", "left"),
-        ("$/accepted", "right"),
-        ("state", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    fitted = FittedTable("draftstream budget", BUDGET_COLUMNS, wide=wide)
     scopes = sorted(set(snapshots) | {s for s in control if s != GLOBAL_SCOPE} | set(settings.datasets))
     scopes = [s for s in scopes if s != GLOBAL_SCOPE] + [GLOBAL_SCOPE]
     global_halt = control.get(GLOBAL_SCOPE)
+    notes: list[Text] = []
     for scope in scopes:
         snap = snapshots.get(scope)
         if scope == GLOBAL_SCOPE:
@@ -155,15 +183,17 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
             cap_usd = settings.dataset(scope).cap_usd
         tokens = snap.completion_tokens if snap else 0
         usd = snap.cost_usd if snap else 0.0
-        caps = [f"{cap_tokens:,} tok" if cap_tokens else "", f"${cap_usd:,.2f}" if cap_usd else ""]
-        remaining = []
-        if cap_tokens:
-            remaining.append(f"{max(0, cap_tokens - tokens):,} tok")
-        if cap_usd:
-            remaining.append(f"${max(0.0, cap_usd - usd):,.2f}")
+        caps = _amounts(cap_tokens or None, cap_usd or None, wide=wide)
+        remaining = _amounts(
+            max(0, cap_tokens - tokens) if cap_tokens else None,
+            max(0.0, cap_usd - usd) if cap_usd else None,
+            wide=wide,
+        )
         rate = "-"
         if snap and (snap.rate_tokens_per_s or snap.rate_usd_per_s):
-            rate = f"{snap.rate_tokens_per_s:,.0f} tok/s, ${snap.rate_usd_per_s * 3600:,.2f}/h"
+            per_s = f"{snap.rate_tokens_per_s:,.0f}" if wide else _short(snap.rate_tokens_per_s)
+            per_h = f"${snap.rate_usd_per_s * 3600:,.2f}" if wide else _short_usd(snap.rate_usd_per_s * 3600)
+            rate = f"{per_s} tok/s{', ' if wide else chr(10)}{per_h}/h"
         projection = "-"
         if snap and snap.projected_completion_tokens is not None:
             projection = (
@@ -175,35 +205,53 @@ def budget_table(snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt |
         if snap is not None and isinstance(event, Halt) and event.by == BUDGET_ACTOR:
             capped = capped_summary(snap, event.reason)
         if capped is not None:
-            state = styled(capped, "red")
+            state, label = styled(capped, "red"), styled("capped", "red")
         elif isinstance(event, Halt):
             state = styled("halted", "red", f" by {event.by}: {event.reason}")
+            label = styled("halted", "red", f" by {event.by}")
         elif scope != GLOBAL_SCOPE and isinstance(global_halt, Halt):
             state = styled("halted", "red", f" (global) by {global_halt.by}: {global_halt.reason}")
+            label = styled("halted", "red", f" (global) by {global_halt.by}")
         elif snap and snap.state == "soft-limit":
-            state = styled("soft-limit", "yellow")
+            state = label = styled("soft-limit", "yellow")
         else:
-            state = styled("running", "green")
-        table.add_row(
-            scope,
-            f"{tokens:,}",
-            _fmt_int(snap.prompt_tokens if snap else 0),
-            _fmt_int(snap.reasoning_tokens if snap else 0),
-            _fmt_usd(usd),
-            " / ".join(c for c in caps if c) or "none",
-            " / ".join(remaining) or "-",
-            _fmt_int(snap.inflight_tokens if snap else 0),
-            rate,
-            projection,
-            yield_text(snap) if snap else "-",
-            _fmt_usd(dollars_per_accepted(snap) if snap else None),
-            state,
+            state = label = styled("running", "green")
+        if not wide and state is not label:
+            # The compact row says what; why (a halt's reason, a cap's summary) is a line below the table.
+            notes.append(Text.assemble(f"{scope}: ", state))
+        yields = yield_text(snap) if snap else "-"
+        fitted.add_row(
+            {
+                "scope": Text(scope),
+                "spent": f"{_short(tokens)} tok\n{_short_usd(usd)}",
+                "completion tok": f"{tokens:,}",
+                "prompt tok": _fmt_int(snap.prompt_tokens if snap else 0),
+                "reasoning tok": _fmt_int(snap.reasoning_tokens if snap else 0),
+                "spent $": _fmt_usd(usd),
+                "cap": caps or "none",
+                "remaining": remaining or "-",
+                "in flight": _fmt_int(snap.inflight_tokens if snap else 0),
+                "rate": rate,
+                "projection": projection,
+                "yield (window; per upstream)": yields,
+                "yield": yields.split("; ", 1)[0],  # the dataset's share; its upstreams' with --wide
+                "$/accepted": _fmt_usd(dollars_per_accepted(snap) if snap else None),
+                "state": state if wide else label,
+            }
         )
-    return table
+    if notes:
+        fitted.table.caption = Text("\n").join(notes)
+        fitted.table.caption_justify = "left"
+    return fitted
 
 
-def budget_command(config: ConfigOption = None) -> None:
-    """Print spend, caps, rate, projection and state per dataset (from Kafka)."""
+WideOption = Annotated[
+    bool, typer.Option("--wide", help="Every column (tokens by kind, in flight, projection, $/accepted)")
+]
+
+
+def budget_command(config: ConfigOption = None, wide: WideOption = False) -> None:
+    """Print spend, caps, remaining, rate, yield and state per dataset (from Kafka); --wide for every column."""
     import asyncio
 
     from services.common.cli import fail, settings_from
@@ -221,8 +269,8 @@ def budget_command(config: ConfigOption = None) -> None:
         fail(f"could not read from {settings.kafka.bootstrap_servers}: {type(exc).__name__}: {exc}")
     from services.budget.lost import lost_attempt_lines
 
-    console = data_console(width=280)
-    console.print(budget_table(snapshots, control, settings))  # every column on one line
+    console = data_console()  # the terminal's own width: the table wraps its cells to fit
+    console.print(budget_table(snapshots, control, settings, wide=wide))
     for line in lost_attempt_lines(snapshots.values()):
         console.print(line, style="yellow", markup=False)
 

@@ -50,6 +50,7 @@ from services.budget.usage import Answer as Answer
 from services.budget.usage import completion_tokens_of as completion_tokens_of
 from services.budget.usage import estimate_usage as estimate_usage
 from services.budget.usage import price_usd as price_usd
+from services.common import outcomes
 
 BUDGET_ACTOR = "budget"
 """The ``by`` of every halt and resume the budget service publishes itself."""
@@ -149,12 +150,17 @@ class Ledger:
         self._scope(scope)
         self._dirty.add(scope)
 
-    def tally_dead_letter(self, position: str, offset: int, stage: str, reason: str) -> None:
-        """Count a record of ``dead-letter`` not counted before (``status`` reads the tally)."""
-        tally = self.scopes[GLOBAL_SCOPE].dead_letters
-        if tally is not None and self._uncounted(position, offset):
-            reasons = tally.setdefault(stage, {})
-            reasons[reason] = reasons.get(reason, 0) + 1
+    def tally_dead_letter(self, position: str, offset: int, stage: str, reason: str, key: str = "") -> None:
+        """Count a new record of ``dead-letter`` as its key's latest outcome (``status`` reads the tally)."""
+        total = self.scopes[GLOBAL_SCOPE]
+        if total.dead_letters is not None and self._uncounted(position, offset):
+            outcomes.record_dead_letter(total.dead_letters, total.dead_letter_keys, key, stage, reason)
+
+    def tally_accepted(self, position: str, offset: int, key: str) -> None:
+        """An accepted sample not counted before: its key's earlier dead letter no longer stands."""
+        total = self.scopes[GLOBAL_SCOPE]
+        if total.dead_letters is not None and key in total.dead_letter_keys and self._uncounted(position, offset):
+            outcomes.record_accepted(total.dead_letters, total.dead_letter_keys, key)
 
     def tally_truncated(self, position: str, offset: int, dataset: str) -> None:
         """Count a truncated answer accepted, once (``status`` reads the tally)."""
@@ -554,6 +560,9 @@ class Ledger:
             projected_completion_tokens=projected_tokens,
             updated_at=now,
             dead_letters=copy_tally(totals.dead_letters) if scope == GLOBAL_SCOPE else None,
+            dead_letter_keys=(
+                dict(totals.dead_letter_keys) if scope == GLOBAL_SCOPE and totals.dead_letters is not None else None
+            ),
             accepted_truncated=(
                 dict(totals.accepted_truncated)
                 if scope == GLOBAL_SCOPE and totals.accepted_truncated is not None

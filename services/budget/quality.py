@@ -54,6 +54,8 @@ class Verdict:
     reason: str = ""
     received_at: float = 0.0
     completion_tokens: int = 0
+    key: str = ""
+    """The record key (``<dataset>:<sample_id>``): a later verdict of the same key supersedes this one."""
 
 
 # Partial views of the wire records: only the fields a verdict needs are decoded (msgspec
@@ -85,7 +87,7 @@ _sample_view = msgspec.json.Decoder(_SampleView, strict=False)
 _audited_view = msgspec.json.Decoder(_AuditedView, strict=False)
 
 
-def _of_response(dataset: str, response: _ResponseView, *, accepted: bool, reason: str = "") -> Verdict:
+def _of_response(dataset: str, response: _ResponseView, *, accepted: bool, reason: str = "", key: str = "") -> Verdict:
     return Verdict(
         dataset=dataset,
         accepted=accepted,
@@ -93,10 +95,11 @@ def _of_response(dataset: str, response: _ResponseView, *, accepted: bool, reaso
         reason=reason,
         received_at=response.received_at,
         completion_tokens=response.usage.completion_tokens or 0,
+        key=key,
     )
 
 
-def accepted_verdict(value: bytes | None) -> Verdict | None:
+def accepted_verdict(value: bytes | None, key: str = "") -> Verdict | None:
     """The verdict of an ``accepted`` record; None for one that is no passed sample (the sink's concern)."""
     if not value:
         return None
@@ -106,10 +109,10 @@ def accepted_verdict(value: bytes | None) -> Verdict | None:
         return None
     if not audited.passed:
         return None
-    return _of_response(audited.dataset, audited.sample.response, accepted=True)
+    return _of_response(audited.dataset, audited.sample.response, accepted=True, key=key)
 
 
-def dead_letter_verdict(stage: str | None, reason: str | None, value: bytes | None) -> Verdict | None:
+def dead_letter_verdict(stage: str | None, reason: str | None, value: bytes | None, key: str = "") -> Verdict | None:
     """The verdict a dead letter carries; None unless a judging stage refused a real answer.
 
     A dead letter whose value is no answer (a malformed record fed to the stage) judges no
@@ -124,12 +127,16 @@ def dead_letter_verdict(stage: str | None, reason: str | None, value: bytes | No
             response = _sample_view.decode(value).response
     except (msgspec.DecodeError, UnicodeDecodeError):  # msgspec checks UTF-8 only inside the strings it reads
         return None
-    return _of_response(response.dataset, response, accepted=False, reason=reason or "unknown")
+    return _of_response(response.dataset, response, accepted=False, reason=reason or "unknown", key=key)
 
 
 @dataclass
 class _Window:
-    """The last ``size`` verdicts of one scope, with running counts, and totals since the start."""
+    """The last ``size`` verdicts of one scope, with running counts, and totals since the start.
+
+    One prompt, one verdict: a verdict of a key whose latest verdict was a dead letter (a
+    replay) replaces that one, in the totals and in the window, instead of adding a prompt.
+    """
 
     size: int
     items: deque[Verdict] = field(default_factory=deque)
@@ -138,25 +145,42 @@ class _Window:
     verdicts: int = 0
     accepted: int = 0
     kept_completion_tokens: int = 0
+    # Keys whose latest verdict is a dead letter: the only ones a replay judges again.
+    standing: set[str] = field(default_factory=set)
 
     def add(self, verdict: Verdict, *, in_window: bool) -> None:
-        self.verdicts += 1
+        again = bool(verdict.key) and verdict.key in self.standing
+        if verdict.key:
+            if verdict.accepted:
+                self.standing.discard(verdict.key)
+            else:
+                self.standing.add(verdict.key)
+        if not again:
+            self.verdicts += 1
         if verdict.accepted:
             self.accepted += 1
             self.kept_completion_tokens += verdict.completion_tokens
         if not in_window:
             return
+        if again:
+            earlier = next((v for v in self.items if v.key == verdict.key), None)
+            if earlier is not None:
+                self.items.remove(earlier)
+                self._forget(earlier)
         self.items.append(verdict)
         if not verdict.accepted:
             self.rejected += 1
             self.reasons[verdict.reason] += 1
         if len(self.items) > self.size:
-            old = self.items.popleft()
-            if not old.accepted:
-                self.rejected -= 1
-                self.reasons[old.reason] -= 1
-                if not self.reasons[old.reason]:
-                    del self.reasons[old.reason]
+            self._forget(self.items.popleft())
+
+    def _forget(self, old: Verdict) -> None:
+        """Take a verdict that left the window out of its counts."""
+        if not old.accepted:
+            self.rejected -= 1
+            self.reasons[old.reason] -= 1
+            if not self.reasons[old.reason]:
+                del self.reasons[old.reason]
 
     def clear(self) -> None:
         self.items.clear()
@@ -258,12 +282,20 @@ class QualityGate:
         return (win.figures() if win else None), ups
 
     def restore(self, snapshots: Iterable[BudgetSnapshot]) -> None:
-        """Totals from checkpointed snapshots (the windows start empty after a restart)."""
+        """Totals from checkpointed snapshots (the windows start empty after a restart).
+
+        The keys whose latest outcome is a judging stage's dead letter (the ``global``
+        snapshot's ``dead_letter_keys``) stand again, so a replay after the restart is still
+        judged as the same prompt.
+        """
         for snap in snapshots:
             if snap.quality is not None:
                 self._dataset(snap.scope).restore(snap.quality)
             for upstream, figures in snap.upstreams.items():
                 self._upstream(snap.scope, upstream).restore(figures)
+            for key, (stage, _reason) in (snap.dead_letter_keys or {}).items():
+                if stage in JUDGING_STAGES and ":" in key:
+                    self._dataset(key.partition(":")[0]).standing.add(key)
 
     @property
     def datasets(self) -> list[str]:

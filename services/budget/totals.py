@@ -70,6 +70,8 @@ class ScopeTotals:
     # Only on ``global``: dead letters read (stage -> reason -> count), truncated answers accepted
     # per dataset; None when restored from a snapshot written before tallies (never tallied then).
     dead_letters: dict[str, dict[str, int]] | None = field(default_factory=dict)
+    # Only on ``global``: key -> (stage, reason) of the keys whose latest outcome is a dead letter.
+    dead_letter_keys: dict[str, tuple[str, str]] = field(default_factory=dict)
     accepted_truncated: dict[str, int] | None = field(default_factory=dict)
     window: deque[tuple[float, float, int]] = field(default_factory=deque)
     first_event_at: float | None = None
@@ -114,5 +116,6 @@ def totals_from_snapshot(snap: BudgetSnapshot, now: float) -> ScopeTotals:
         floor=dict(snap.offsets),
         previous_caps=Caps(snap.cap_completion_tokens, snap.cap_usd),
         dead_letters=copy_tally(snap.dead_letters),
+        dead_letter_keys=dict(snap.dead_letter_keys or {}),
         accepted_truncated=None if snap.accepted_truncated is None else dict(snap.accepted_truncated),
     )

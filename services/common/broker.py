@@ -18,12 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services import local_kafka
+from services.common.errors import CommandError
 
 __all__ = ["BrokerError", "BrokerStatus", "NodeStatus", "QuorumStatus", "quorum", "start", "status", "stop"]
 
 
-class BrokerError(RuntimeError):
-    """A command of the launcher failed (its output is in the message)."""
+class BrokerError(CommandError):
+    """A command of the launcher failed: its reason in one line when it gave one, else its output.
+
+    A :class:`~services.common.errors.CommandError`: every command prints it as one line, exit 2.
+    """
 
 
 @dataclass(frozen=True)
@@ -204,8 +208,16 @@ def _call(command: str, overrides: Mapping[str, object | None], args: tuple[str,
     return _Done(code, out.getvalue(), err.getvalue())
 
 
+_ERROR_PREFIX = "kafka.sh: error: "
+
+
 def _failure(command: str, completed: _Done) -> str:
-    details = "\n".join(part.strip() for part in (completed.stderr, completed.stdout) if part.strip())
+    """Why a launcher command failed: its own error line (``kafka.sh: error: ...``), else its output."""
+    lines = [line.strip() for part in (completed.stderr, completed.stdout) for line in part.splitlines()]
+    reasons = [line.removeprefix(_ERROR_PREFIX) for line in lines if line.startswith(_ERROR_PREFIX)]
+    if reasons:
+        return f"broker {command}: {reasons[-1]}"
+    details = "\n".join(line for line in lines if line)
     return f"kafka.sh {command} failed with exit code {completed.returncode}:\n{details[-4000:]}"
 
 

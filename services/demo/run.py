@@ -310,10 +310,14 @@ def conversation_summary(settings: Settings, out_dir: Path, conversations: dict[
     ``dead``: the keys whose last dead letter stands (not replayed since).
     """
     accepted = accepted_keys(out_dir)
-    ends = concluded(settings, set(accepted), dead, conversations)
+    console.print(conversation_table(accepted, concluded(settings, set(accepted), dead, conversations), conversations))
+
+
+def conversation_table(accepted: Counter[str], ends: dict[str, str], conversations: dict[str, int]) -> Table:
+    """The multi-turn table: conversations per dataset, rows written, how they ended."""
     table = Table(title="multi-turn conversations: one row per regenerated turn")
     for col in CONVERSATION_COLUMNS:
-        table.add_column(col, justify="left" if col in ("dataset", "how they ended") else "right")
+        table.add_column(col, justify="left" if col in ("dataset", "how they ended") else "right", overflow="fold")
     for name in MULTI_TURN:
         outcomes = Counter(v for k, v in ends.items() if k.startswith(f"{name}:"))
         in_progress = sum(1 for k in conversations if k.startswith(f"{name}:")) - sum(outcomes.values())
@@ -322,7 +326,7 @@ def conversation_summary(settings: Settings, out_dir: Path, conversations: dict[
         rows = sum(1 for k in accepted if k.startswith(f"{name}:"))
         table.add_row(name, str(sum(1 for k in conversations if k.startswith(f"{name}:"))), str(rows),
                       ", ".join(f"{what} {n}" for what, n in outcomes.most_common()))
-    console.print(table)
+    return table
 
 
 def summary(
@@ -335,31 +339,52 @@ def summary(
     accepted = accepted_keys(out_dir)
     view = asyncio.run(read_dead_letters(settings))
     dead_only = view.keys() - set(accepted)
-    table = Table(title="draftstream demo: where every prompt ended")
-    for col in SUMMARY_COLUMNS:
-        table.add_column(col, justify="right" if col != "dataset" else "left")
-    for name, n in published.items():
-        acc = sum(1 for k in accepted if k.startswith(f"{name}:"))
-        dead = sum(1 for k in dead_only if k.startswith(f"{name}:"))
-        if name in MULTI_TURN:
-            ours = {k: 1 for k in conversations if k.startswith(f"{name}:")}
-            done = len(concluded(settings, set(accepted), view.keys(), ours))
-            table.add_row(f"{name} (turns)", f"{n} conv.", str(acc), str(dead), "yes" if done == n else "NO")
-            continue
-        table.add_row(name, str(n), str(acc), str(dead), "yes" if acc + dead == n else "NO")
-    console.print(table)
+    ends = {name: len(concluded(settings, set(accepted), view.keys(), {k: 1 for k in conversations
+                                                                       if k.startswith(f"{name}:")}))
+            for name in MULTI_TURN if name in published}
     reasons: Counter[tuple[str, str]] = Counter((stage, reason) for k, stage, reason in view.records if k in dead_only)
-    rt = Table(title="dead letters by stage and reason")
-    rt.add_column("stage")
-    rt.add_column("reason")
-    rt.add_column("count", justify="right")
-    for (stage, reason), n in reasons.most_common():
-        rt.add_row(stage, reason, str(n))
-    console.print(rt)
+    for table in summary_tables(published, accepted, dead_only, ends, reasons):
+        console.print(table)
     duplicates = sum(1 for n in accepted.values() if n > 1)
     console.print(f"duplicate keys in the training files: {duplicates}")
     console.print(f"training files: {shown(out_dir)}/<dataset>/part-*.jsonl")
     return accepted, view
+
+
+def summary_tables(
+    published: dict[str, int],
+    accepted: Counter[str],
+    dead_only: set[str],
+    concluded_per_dataset: dict[str, int],
+    reasons: Counter[tuple[str, str]],
+) -> list[Table]:
+    """Where every prompt ended, per dataset, and the dead letters by stage and reason.
+
+    ``concluded_per_dataset``: for a multi-turn dataset, how many of its conversations ended.
+    """
+    table = Table(title="draftstream demo: where every prompt ended")
+    for col in SUMMARY_COLUMNS:
+        table.add_column(col, justify="right" if col != "dataset" else "left", overflow="fold")
+    for name, n in published.items():
+        acc = sum(1 for k in accepted if k.startswith(f"{name}:"))
+        dead = sum(1 for k in dead_only if k.startswith(f"{name}:"))
+        if name in concluded_per_dataset:
+            done = concluded_per_dataset[name]
+            table.add_row(f"{name} (turns)", f"{n} conv.", str(acc), str(dead), "yes" if done == n else "NO")
+            continue
+        table.add_row(name, str(n), str(acc), str(dead), "yes" if acc + dead == n else "NO")
+    rt = Table(title="dead letters by stage and reason")
+    rt.add_column("stage", overflow="fold")
+    rt.add_column("reason", overflow="fold")
+    rt.add_column("count", justify="right")
+    for (stage, reason), n in reasons.most_common():
+        rt.add_row(stage, reason, str(n))
+    return [table, rt]
+
+
+def subcommand_env(env: dict[str, str], width: int) -> dict[str, str]:
+    """The environment of the subcommands whose tables the demo shows: laid out at the demo's own width."""
+    return {**env, "COLUMNS": str(width)}
 
 
 def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
@@ -371,7 +396,7 @@ def run_demo(keep: bool = False, timeout: float = 600.0) -> int:
     (run_dir / "logs").mkdir(parents=True)
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("COLUMNS", "160")  # tables printed by the subcommands stay readable in a log
+    env = subcommand_env(env, console.width)  # the subcommands' tables fit the demo's terminal
     own_broker = False  # started here, so stopped here; a broker that was running stays running
     bootstrap = env.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:

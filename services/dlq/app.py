@@ -117,12 +117,15 @@ async def replay(
     to: str | None = None,
     max_replays: int = DEFAULT_MAX_REPLAYS,
     dry_run: bool = False,
+    fresh: bool = False,
     now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
 ) -> ReplayReport:
     """Re-send matching dead letters to their original topic (or ``to``'s input topic).
 
     Skips records already replayed (ledger), refuses those replayed ``max_replays`` times,
     reports those whose target topic does not exist. ``dry_run`` sends and records nothing.
+    ``fresh`` (with ``to="inference"``) has each prompt paid for again instead of answered from
+    the response store.
     """
     kafka = settings.kafka
     records = await read_dead_letters(settings, filters)
@@ -134,6 +137,7 @@ async def replay(
         replayed_ids=replayed_ids,
         to=to,
         max_replays=max_replays,
+        fresh=fresh,
     )
     lists = {f.name: getattr(plan, f.name) for f in fields(plan)}
     report = ReplayReport(**lists, matched=len(records), dry_run=dry_run)

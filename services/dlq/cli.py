@@ -75,21 +75,31 @@ def dlq_list(
     since: SinceOpt = None,
     until: UntilOpt = None,
     key: KeyOpt = None,
+    history: Annotated[
+        bool, typer.Option("--all", help="Every dead letter, also those a later replay of the same key superseded")
+    ] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Dead letters grouped by stage and reason, with counts and one example key each."""
+    """Dead letters grouped by stage and reason, with counts and one example key each.
+
+    One row per key by default: the latest dead letter of each key (a replay that failed again
+    supersedes the one before it); --all counts every record on the topic.
+    """
     from rich.table import Table
 
     from schemas import DEAD_LETTER_TOPIC
     from services.common.cli import settings_from
     from services.dlq.app import read_dead_letters
-    from services.dlq.core import group_by_reason
+    from services.dlq.core import group_by_reason, latest_per_key
 
     settings = settings_from(config)
     filters = _filters_or_fail(stage, reason, dataset, since, until, key)
-    records = asyncio.run(read_dead_letters(settings, filters))
+    found = asyncio.run(read_dead_letters(settings))
+    # The latest per key first, then the filters: a key whose latest failure no longer matches is not listed.
+    records = [r for r in (found if history else latest_per_key(found)) if filters.matches(r)]
     groups = group_by_reason(records)
-    table = Table(title=f"dead letters on {settings.kafka.topic(DEAD_LETTER_TOPIC)}: {len(records)}")
+    what = "dead letters" if history else "keys dead-lettered (latest per key; --all for every record)"
+    table = Table(title=f"{what} on {settings.kafka.topic(DEAD_LETTER_TOPIC)}: {len(records)}")
     table.add_column("stage")
     table.add_column("reason")
     table.add_column("count", justify="right")
@@ -153,8 +163,22 @@ def dlq_replay(
     key: KeyOpt = None,
     to: Annotated[
         str | None,
-        typer.Option("--to", help="Send to this stage's input instead (inference, reconstruct, audit, sink)"),
+        typer.Option(
+            "--to",
+            help=(
+                "Send to this stage's input instead (inference, reconstruct, audit, sink). --to inference reuses "
+                "the answer already paid for (the inference worker's response store): no new charge"
+            ),
+        ),
     ] = None,
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            "--fresh",
+            help="With --to inference: ask the provider for a new answer (paid again, counted under the cap), "
+            "for when the answer itself was the problem",
+        ),
+    ] = False,
     max_replays: Annotated[
         int, typer.Option("--max-replays", help="Refuse records replayed this often", min=1)
     ] = 3,
@@ -172,10 +196,14 @@ def dlq_replay(
 
     if to is not None and to not in STAGES:
         fail(f"unknown stage {to!r} for --to; use one of: {', '.join(STAGES)}")
+    if fresh and to != "inference":
+        fail("--fresh asks the provider for a new answer: use it with --to inference")
     settings = settings_from(config)
     filters = _filters_or_fail(stage, reason, dataset, since, until, key)
     try:
-        report = asyncio.run(replay(settings, filters, to=to, max_replays=max_replays, dry_run=dry_run))
+        report = asyncio.run(
+            replay(settings, filters, to=to, max_replays=max_replays, dry_run=dry_run, fresh=fresh)
+        )
     except FilterError as exc:
         fail(str(exc))
     console = data_console()
@@ -183,13 +211,20 @@ def dlq_replay(
     table = Table(title=f"{verb} {len(report.replayed)} of {report.matched} matching dead letter(s)")
     table.add_column("dlq id")
     table.add_column("key", overflow="fold")
-    table.add_column("stage/reason")
-    table.add_column("to topic")
+    table.add_column("stage/reason", overflow="fold")
+    table.add_column("to topic", overflow="fold")
     table.add_column("replay #", justify="right")
     for p in report.replayed:
         r = p.record
         table.add_row(r.id, r.key_text, f"{r.stage}/{r.reason}", p.topic, str(r.replay_count + 1))
     console.print(table)
+    if to == "inference" and report.replayed:
+        console.print(
+            f"paid again: {len(report.replayed)} prompt(s), counted under the cap"
+            if fresh
+            else "the inference worker answers these from its response store (the answers already paid for, "
+            "no new charge); add --fresh to pay for new answers"
+        )
     if report.already_replayed:
         console.print(f"skipped {len(report.already_replayed)} already replayed record(s)")
     for record in report.over_max_replays:

@@ -225,7 +225,27 @@ def group_by_reason(records: Iterable[DeadLetterRecord]) -> list[ReasonGroup]:
     ]
 
 
-def replay_headers(record: DeadLetterRecord) -> Headers:
+def latest_per_key(records: Iterable[DeadLetterRecord]) -> list[DeadLetterRecord]:
+    """The latest dead letter of each key (a replay that failed again supersedes the one before), in order.
+
+    A key's records share a partition, so the latest is the one at the highest offset. A record
+    without a key stands alone.
+    """
+    latest: dict[str, DeadLetterRecord] = {}
+    alone: list[DeadLetterRecord] = []
+    for record in records:
+        if record.key is None:
+            alone.append(record)
+            continue
+        seen = latest.get(record.key_text)
+        if seen is None or (record.replay_count, record.partition, record.offset) > (
+            seen.replay_count, seen.partition, seen.offset
+        ):
+            latest[record.key_text] = record
+    return sorted([*latest.values(), *alone], key=lambda r: (r.partition, r.offset))
+
+
+def replay_headers(record: DeadLetterRecord, *, repay: bool = False) -> Headers:
     """Headers of the re-sent record: its own, the replay count plus one, the first failure.
 
     The error headers of the dead letter are dropped (they describe the failure, not the
@@ -234,6 +254,8 @@ def replay_headers(record: DeadLetterRecord) -> Headers:
     kept: Headers = [(k, v) for k, v in record.headers if not k.startswith(ERROR_HEADER_PREFIX)]
     kept.append((DLQ_HEADERS.REPLAY_COUNT, str(record.replay_count + 1).encode()))
     kept.append((DLQ_HEADERS.FIRST_FAILURE, str(record.first_failure_ms).encode()))
+    if repay:
+        kept.append((topology.REPAY_HEADER, b"1"))
     return kept
 
 
@@ -344,10 +366,17 @@ def plan_replay(
     replayed_ids: Iterable[str],
     to: str | None = None,
     max_replays: int = DEFAULT_MAX_REPLAYS,
+    fresh: bool = False,
 ) -> ReplayPlan:
-    """Decide, per dead letter, whether to re-send it and where; pure over its inputs."""
+    """Decide, per dead letter, whether to re-send it and where; pure over its inputs.
+
+    ``fresh`` (only with ``to="inference"``) marks each prompt to be paid for again rather than
+    answered from the response store.
+    """
     if to is not None and to not in STAGES:
         raise FilterError(f"unknown stage {to!r} for --to; use one of: {', '.join(STAGES)}")
+    if fresh and to != "inference":
+        raise FilterError("--fresh asks the provider for a new answer: use it with --to inference")
     topics = set(existing_topics)
     done = set(replayed_ids)
     plan = ReplayPlan()
@@ -371,7 +400,7 @@ def plan_replay(
                 plan.wrong_kind.append(record)
             else:
                 converted = None if value == record.value else value
-                plan.send.append(PlannedReplay(record, topic, replay_headers(record), converted))
+                plan.send.append(PlannedReplay(record, topic, replay_headers(record, repay=fresh), converted))
     return plan
 
 
@@ -403,6 +432,7 @@ __all__ = [
     "ReplayPlan",
     "format_ms",
     "group_by_reason",
+    "latest_per_key",
     "parse_time",
     "plan_replay",
     "preview",

@@ -24,7 +24,7 @@ from services.continuation.core import turn_points
 from services.estimate.core import Caps, DatasetEstimate, EstimateReport, Observed, build_report
 from services.inference.core import request_max_tokens
 from services.inference.tool_route import can_write_in_text, renders_tools, rows_lines
-from services.publish.core import NormaliseOptions
+from services.publish.core import DUPLICATE, NormaliseOptions
 from services.publish.reading import PublishError, Rejection, check_arguments, iter_prompts
 
 _BATCH = 64  # prompts tokenized per call
@@ -125,7 +125,11 @@ def estimate_files(settings: Settings, files: DatasetFiles, observed: Observed |
     )
     estimator = Estimator(settings, files.dataset, observed)
     for item in iter_prompts(paths, options, limit=files.limit):
-        if item is not None and not isinstance(item, Rejection):
+        if item is None:
+            estimator.estimate.skip(DUPLICATE)
+        elif isinstance(item, Rejection):
+            estimator.estimate.skip(item.reason, str(item))
+        else:
             estimator.add(item)
     return estimator.flush()
 

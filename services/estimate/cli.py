@@ -32,14 +32,12 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
     """The per-dataset table, the cap checks, and what the numbers rest on."""
     from rich.table import Table
 
-    # Wide enough that numbers are never cut to "…" in a narrow terminal or a pipe.
-    console = data_console(file=console.file, width=max(console.width, 140))
-
+    # The terminal's own width: a number that does not fit folds onto the next line, never cut to "…".
     table = Table(title="cost estimate (nothing sent)")
     for name in ("dataset", "profile", "prompts", "prompt tok (exact)", "with tools"):
-        table.add_column(name, justify="left" if name in ("dataset", "profile") else "right")
+        table.add_column(name, justify="left" if name in ("dataset", "profile") else "right", overflow="fold")
     for name in ("completion tok: bound", "expected", "$ at the bound", "$ expected"):
-        table.add_column(name, justify="right", no_wrap=True)
+        table.add_column(name, justify="right", overflow="fold")
     for est in report.datasets:
         usd_bound, usd_expected = report.usd[est.dataset]
         expected = _int(est.completion_expected) if est.has_observations else "= bound"
@@ -61,6 +59,15 @@ def print_estimate(console: Console, settings: Settings, report: EstimateReport)
             _int(total.completion_expected), _usd(total.usd_bound), _usd(total.usd_expected),
         )  # fmt: skip
     console.print(table)
+    for est in report.datasets:  # the rows publish would skip, for the same reasons
+        if est.skipped:
+            reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(est.skipped.items(), key=lambda kv: -kv[1]))
+            console.print(
+                f"skipped {sum(est.skipped.values()):,} row(s) of {est.dataset}, as publish would: {reasons}",
+                soft_wrap=True,
+            )
+            for example in est.skipped_examples:
+                console.print(f"  {example}", soft_wrap=True)
     from services.common.plan import plan_line
     from services.estimate.app import tool_lines
 

@@ -57,6 +57,15 @@ class DatasetEstimate:
     completion_expected: float = 0.0
     # Whether the profile can write its tool block into system text (raw tool text in chat mode).
     tools_in_prompt: bool = False
+    # Rows left out, by reason code (``publish``'s: the same rows it would skip), and the first few by file:line.
+    skipped: dict[str, int] = field(default_factory=dict)
+    skipped_examples: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: str | None = None, *, examples: int = 3) -> None:
+        """Count one row left out for ``reason``; keep its ``file:line: reason: message`` among the first few."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if where is not None and len(self.skipped_examples) < examples:
+            self.skipped_examples.append(where)
 
     def add(self, prompt_tokens: int, max_tokens: int, *, tools_sent: bool = False, in_text: bool = False) -> None:
         """Count one prompt of ``prompt_tokens`` ids whose request allows ``max_tokens``."""

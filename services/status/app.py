@@ -33,12 +33,21 @@ from schemas import (
     decode,
     topology,
 )
+from services.budget.totals import copy_tally
+from services.common import outcomes
 from services.common.config import Settings
 from services.common.kafka import header, make_admin, make_consumer
 from services.common.topics import partitions_of, read_to_end
 from services.control import read_budget_snapshots, read_control_state
 from services.reconstruct.facts import STRIPS_PLACE
-from services.status.core import GROUP_INPUTS, STAGE_TOPICS, GroupLag, StatusSnapshot, rate_limits_from_metrics
+from services.status.core import (
+    GROUP_INPUTS,
+    STAGE_TOPICS,
+    GroupLag,
+    StatusSnapshot,
+    rate_limits_from_metrics,
+    stopped_conversations,
+)
 
 
 async def _committed(admin: Any, group: str) -> dict[TopicPartition, int]:
@@ -105,21 +114,32 @@ async def collect(
     def unreadable(_key: bytes) -> None:
         snapshot.unreadable_budget_records += 1
 
+    # One prompt, one outcome: dead letters counted by key, the latest one standing (services.common.outcomes).
+    tally: outcomes.Tally = {}
+    standing: outcomes.Standing = {}
+
     def dead(record: ConsumerRecord[bytes, bytes]) -> None:
         headers = list(record.headers or ())
         stage = header(headers, DLQ_HEADERS.STAGE) or "unknown"
         reason = header(headers, DLQ_HEADERS.REASON) or "unknown"
-        snapshot.dead_letters[(stage, reason)] += 1
+        outcomes.record_dead_letter(tally, standing, (record.key or b"").decode("utf-8", "replace"), stage, reason)
 
     def accepted(record: ConsumerRecord[bytes, bytes]) -> None:
+        key = (record.key or b"").decode("utf-8", "replace")
+        outcomes.record_accepted(tally, standing, key)
         if header(list(record.headers or ()), topology.TRUNCATED_HEADER) == "1":
-            snapshot.accepted_truncated[(record.key or b"").decode("utf-8", "replace").split(":", 1)[0]] += 1
+            snapshot.accepted_truncated[key.split(":", 1)[0]] += 1
 
     budgets = await read_budget_snapshots(settings, on_unreadable=unreadable)
-    dead_from, accepted_from = _tallied(budgets.get(GLOBAL_SCOPE), snapshot)
+    dead_from, accepted_from = _tallied(budgets.get(GLOBAL_SCOPE), snapshot, tally, standing)
     await read_to_end(kafka, kafka.topic(DEAD_LETTER_TOPIC), dead, from_offsets=dead_from)
     await read_to_end(kafka, kafka.topic(ACCEPTED_TOPIC), accepted, from_offsets=accepted_from)
+    for stage, reasons in tally.items():
+        for reason, count in reasons.items():
+            snapshot.dead_letters[(stage, reason)] += count
     await read_to_end(kafka, kafka.topic(CONVERSATIONS_TOPIC), lambda r: _conversation(snapshot, r))
+    multi_turn = {name for name in settings.datasets if settings.dataset(name).turns == "all"}
+    snapshot.stopped = stopped_conversations(snapshot.conversations, standing, multi_turn)
     await read_to_end(kafka, kafka.topic(PROVIDER_FACTS_TOPIC), lambda r: _strips_fact(snapshot, r))
     snapshot.budgets = list(budgets.values())
     snapshot.halts = [e for e in (await read_control_state(settings)).values() if isinstance(e, Halt)]
@@ -137,19 +157,22 @@ def _partition_offsets(offsets: Mapping[str, int], logical: str) -> dict[int, in
     return marks
 
 
-def _tallied(budget: BudgetSnapshot | None, snapshot: StatusSnapshot) -> tuple[dict[int, int], dict[int, int]]:
+def _tallied(
+    budget: BudgetSnapshot | None, snapshot: StatusSnapshot, tally: outcomes.Tally, standing: outcomes.Standing
+) -> tuple[dict[int, int], dict[int, int]]:
     """Start from the budget's tallies; the offsets of ``dead-letter`` and ``accepted`` they cover.
 
     A tally is exact up to the offsets of the same checkpoint, so only the records after
     them are read: bounded by what arrived since the last checkpoint, not by history. No
     tally (no budget ran, or its ledger began before tallies) reads the topic whole.
+    The keys standing with a dead letter come along, so a later record of the same key
+    supersedes its earlier outcome instead of adding one.
     """
     dead_from: dict[int, int] = {}
     accepted_from: dict[int, int] = {}
     if budget is not None and budget.dead_letters is not None:
-        for stage, reasons in budget.dead_letters.items():
-            for reason, count in reasons.items():
-                snapshot.dead_letters[(stage, reason)] += count
+        tally.update(copy_tally(budget.dead_letters) or {})
+        standing.update(budget.dead_letter_keys or {})
         dead_from = _partition_offsets(budget.offsets, DEAD_LETTER_TOPIC)
     if budget is not None and budget.accepted_truncated is not None:
         snapshot.accepted_truncated.update(budget.accepted_truncated)

@@ -9,7 +9,10 @@ import typer
 
 
 def status_command(
-    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C")] = False,
+    watch: Annotated[
+        bool,
+        typer.Option("--watch", "-w", help="Refresh until Ctrl-C (not on a terminal: one snapshot per interval)"),
+    ] = False,
     interval: Annotated[
         float, typer.Option("--interval", "-n", help="Seconds between refreshes", min=0.5)
     ] = 2.0,
@@ -32,7 +35,20 @@ def status_command(
         # A broker that does not answer is one line on stderr (the root command's error printer).
         return await collect(settings)
 
+    async def snapshots() -> None:
+        """Not on a terminal (a pipe, a file, a log): one whole snapshot per interval, each flushed."""
+        previous: StatusSnapshot | None = None
+        while True:
+            current = await once()
+            console.print(render(current, previous))
+            console.file.flush()
+            previous = current
+            await asyncio.sleep(interval)
+
     async def loop() -> None:
+        if not console.is_terminal:
+            await snapshots()
+            return
         previous = await once()
         with Live(render(previous), console=console, auto_refresh=False, screen=False) as live:
             while True:

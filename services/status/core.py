@@ -15,6 +15,7 @@ accepted answers that were truncated (``accept_truncated``), counted apart per d
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Final
@@ -85,6 +86,8 @@ class StatusSnapshot:
     rate_limits_source: str = ""
     # Multi-turn regeneration: the latest state per conversation key.
     conversations: dict[str, ConversationProgressed] = field(default_factory=dict)
+    # Conversations whose next turn (turn 0 included) stands as a dead letter: key -> "stage reason".
+    stopped: dict[str, str] = field(default_factory=dict)
     # Upstreams declared (or defaulted) lossless whose answers showed they strip: strips_at_edges facts.
     strips: dict[str, ProviderFactRecorded] = field(default_factory=dict)
 
@@ -208,8 +211,9 @@ def lag_table(snapshot: StatusSnapshot) -> Table:
 
 
 def dead_letter_table(snapshot: StatusSnapshot) -> Table:
-    """Dead letters by stage and reason, largest first."""
-    table = Table(title=f"dead letters: {sum(snapshot.dead_letters.values()):,}", title_justify="left")
+    """Dead-lettered prompts by stage and reason, largest first: each key once, by its latest dead letter."""
+    total = sum(snapshot.dead_letters.values())
+    table = Table(title=f"dead letters: {total:,} prompts (latest per key)", title_justify="left")
     table.add_column("stage")
     table.add_column("reason")
     table.add_column("count", justify="right")
@@ -218,24 +222,63 @@ def dead_letter_table(snapshot: StatusSnapshot) -> Table:
     return table
 
 
+def stopped_conversations(
+    conversations: Mapping[str, ConversationProgressed], standing: Mapping[str, tuple[str, str]], multi_turn: set[str]
+) -> dict[str, str]:
+    """Conversations (``dataset:conversation``) whose next turn stands as a dead letter, with its stage and reason.
+
+    ``standing``: key -> (stage, reason) of the keys whose latest outcome is a dead letter. A turn's
+    key is ``dataset:conversation:turn``; the conversation stopped there when it has no state yet
+    and the turn is 0, or its state is in progress and that turn is the next one.
+    """
+    out: dict[str, str] = {}
+    for key, (stage, reason) in standing.items():
+        conversation, _, turn = key.rpartition(":")
+        if conversation.split(":", 1)[0] not in multi_turn or not turn.isdigit():
+            continue
+        state = conversations.get(conversation)
+        waiting = int(turn) == 0 if state is None else state.state == "in_progress" and state.next_turn == int(turn)
+        if waiting:
+            out[conversation] = f"{stage} {reason}"
+    return out
+
+
+def conversation_endings(snapshot: StatusSnapshot) -> dict[str, tuple[str, str]]:
+    """Every conversation once, with how it stands: (dataset, in_progress | finished | ended_early |
+    dead_letter) and why (the end reason, or the dead letter's stage and reason).
+
+    A conversation whose next turn stands as a dead letter stopped there, whether or not a turn
+    was ever accepted (one that died at turn 0 has no state record: it is listed from its dead letter).
+    """
+    out: dict[str, tuple[str, str]] = {}
+    for key, state in snapshot.conversations.items():
+        out[key] = (state.state, state.reason if state.state == "ended_early" else "")
+    for key, why in snapshot.stopped.items():
+        out[key] = ("dead_letter", why)
+    return out
+
+
 def conversation_table(snapshot: StatusSnapshot) -> Table:
-    """Multi-turn conversations per dataset: in progress, finished, and ended early by reason."""
+    """Multi-turn conversations per dataset: in progress, finished, ended early and stopped by a dead letter, why."""
     counts: Counter[tuple[str, str]] = Counter()
-    early: dict[str, Counter[str]] = {}
-    for state in snapshot.conversations.values():
-        counts[(state.dataset, state.state)] += 1
-        if state.state == "ended_early":
-            early.setdefault(state.dataset, Counter())[state.reason] += 1
-    table = Table(title=f"conversations: {len(snapshot.conversations):,}", title_justify="left")
-    for name in ("dataset", "in progress", "finished", "ended early", "why"):
-        table.add_column(name, justify="left" if name in ("dataset", "why") else "right")
+    why: dict[str, Counter[str]] = {}
+    endings = conversation_endings(snapshot)
+    for key, (state, reason) in endings.items():
+        dataset = key.split(":", 1)[0]
+        counts[(dataset, state)] += 1
+        if reason:
+            why.setdefault(dataset, Counter())[reason] += 1
+    table = Table(title=f"conversations: {len(endings):,}", title_justify="left")
+    for name in ("dataset", "in progress", "finished", "ended early", "dead letter", "why"):
+        table.add_column(name, justify="left" if name in ("dataset", "why") else "right", overflow="fold")
     for dataset in sorted({d for d, _ in counts}):
-        reasons = ", ".join(f"{r} {n}" for r, n in sorted(early.get(dataset, Counter()).items(), key=lambda kv: -kv[1]))
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(why.get(dataset, Counter()).items(), key=lambda kv: -kv[1]))
         table.add_row(
             dataset,
             f"{counts[(dataset, 'in_progress')]:,}",
             f"{counts[(dataset, 'finished')]:,}",
             f"{counts[(dataset, 'ended_early')]:,}",
+            f"{counts[(dataset, 'dead_letter')]:,}",
             reasons or "-",
         )
     return table
@@ -263,7 +306,7 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         per_dataset = ", ".join(f"{d} {n:,}" for d, n in sorted(snapshot.accepted_truncated.items()))
         total = sum(snapshot.accepted_truncated.values())
         parts.append(Text(f"accepted truncated (finish_reason length, accept_truncated): {total:,} ({per_dataset})"))
-    if snapshot.conversations:
+    if snapshot.conversations or snapshot.stopped:
         parts.append(conversation_table(snapshot))
     if snapshot.strips:
         parts.append(strips_table(snapshot))
@@ -279,6 +322,7 @@ __all__ = [
     "RateLimitRow",
     "StatusSnapshot",
     "budget_table",
+    "conversation_endings",
     "conversation_table",
     "dead_letter_table",
     "halts_table",
@@ -286,6 +330,7 @@ __all__ = [
     "rate_limit_table",
     "rate_limits_from_metrics",
     "render",
+    "stopped_conversations",
     "strips_table",
     "throughput_table",
 ]

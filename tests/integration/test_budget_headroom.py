@@ -146,7 +146,9 @@ async def test_a_capped_dataset_ends_at_its_cap_never_past_it(
         snapshot = (await read_budget_snapshots(settings))["capped"]
         assert snapshot.state == "halted" and snapshot.halted_reason == halt.reason
         console = Console(width=400, record=True, file=io.StringIO())
-        console.print(budget_table(await read_budget_snapshots(settings), await read_control_state(settings), settings))
+        console.print(
+            budget_table(await read_budget_snapshots(settings), await read_control_state(settings), settings, wide=True)
+        )
         table = console.export_text()
         assert f"capped: {spent:,} of {CAP:,} tokens used, {PROMPTS - answered} prompts not sent" in table, table
 

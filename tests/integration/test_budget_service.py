@@ -171,12 +171,13 @@ async def test_cap_halts_one_dataset_early_halt_and_resume_on_raised_cap(
     assert GLOBAL_SCOPE not in state
     assert {e.scope for e in service.published_control} == {"math", "chat"}
 
-    # The table, through the real CLI, shows who halted what and why.
+    # The table, through the real CLI, shows who halted what and why (every column: --wide).
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "services.cli",
         "budget",
+        "--wide",
         env={
             **os.environ,
             "KAFKA_BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,

@@ -42,7 +42,7 @@ async def prepare(settings) -> None:
                     stage="audit",
                     verdict=DeadLetter("usage_mismatch", "off by 3"),
                     value=b"{}",
-                    key=b"math:a",
+                    key=f"math:{'ab'[i]}".encode(),  # two prompts (one key's dead letters count once)
                     topic=kafka.topic("samples"),
                     partition=0,
                     offset=i,

@@ -61,7 +61,9 @@ def test_inference_and_budget_get_exactly_their_topics_and_group() -> None:
     assert ("TOPIC", "LITERAL", "control", "WRITE") in budget
     assert ("TOPIC", "LITERAL", "leases", "WRITE") in budget
     assert ("TOPIC", "PREFIXED", "prompts.", "DESCRIBE") in budget
-    assert not any(r[0] == "GROUP" for r in budget)  # it reads by manual assignment
+    # It reads by manual assignment (no group of its own); it describes the inference group's offsets
+    # (the prompts still waiting, for its projection).
+    assert {r for r in budget if r[0] == "GROUP"} == {("GROUP", "LITERAL", "draftstream-inference", "DESCRIBE")}
 
 
 def test_no_service_may_create_the_pipelines_topics_or_touch_the_cluster() -> None:

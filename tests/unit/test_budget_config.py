@@ -57,7 +57,7 @@ def test_budget_table_renders_state_who_and_why() -> None:
     }
     control = {"code": Halt(scope="code", reason="bad outputs", by="ann@host")}
     console = Console(width=250, record=True)
-    console.print(budget_table(snaps, control, settings))
+    console.print(budget_table(snaps, control, settings, wide=True))
     text = console.export_text()
     math_row = next(line for line in text.splitlines() if "math" in line)
     assert "900" in math_row and "1,000 tok" in math_row and "100 tok" in math_row and "soft-limit" in math_row

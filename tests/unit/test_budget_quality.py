@@ -233,7 +233,8 @@ def test_budget_and_status_tables_show_yield_per_dataset_and_upstream_and_cost_p
     snap = quality_snapshot()
     settings = load_settings(None, datasets={"math": {}})
     console = Console(width=320, record=True)
-    console.print(budget_table({"math": snap, GLOBAL_SCOPE: BudgetSnapshot(scope=GLOBAL_SCOPE)}, {}, settings))
+    snaps = {"math": snap, GLOBAL_SCOPE: BudgetSnapshot(scope=GLOBAL_SCOPE)}
+    console.print(budget_table(snaps, {}, settings, wide=True))
     row = next(line for line in console.export_text().splitlines() if " math " in line)
     assert "25% of 8; Lossless 100% of 2; Stripper 0% of 6" in row
     assert "$0.5000" in row  # $1.50 over 3 accepted samples

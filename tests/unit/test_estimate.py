@@ -172,7 +172,8 @@ def test_estimate_command_on_the_demo_datasets(tmp_path: Path) -> None:
         "[datasets.math]\nmax_tokens = 2048\ncap_completion_tokens = 100000\n"
     )
     files = [str(DEMO / f"{n}.jsonl") for n in ("math", "code", "tools")]
-    no_broker = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
+    # The table is laid out at the terminal's width: a terminal wide enough for every figure whole.
+    no_broker = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "COLUMNS": "160"}
     result = CliRunner().invoke(app, ["estimate", *files, "-c", str(config)], env=no_broker)
     assert result.exit_code == 0, result.output
     settings = Settings(datasets={"math": DatasetSettings(max_tokens=2048)})

@@ -56,7 +56,7 @@ def test_render_shows_every_panel_and_rates() -> None:
     assert "2.0/s" in text  # 20 more prompts and 20 more responses in 10 s
     inference = next(line for line in text.splitlines() if "draftstream-inference" in line)
     assert "36 (not started)" not in inference and " 36 " in inference
-    assert "usage_mismatch" in text and "dead letters: 4" in text
+    assert "usage_mismatch" in text and "dead letters: 4 prompts" in text
 
 
 def test_standing_halts_show_scope_actor_and_reason_with_brackets_intact() -> None:
