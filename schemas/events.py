@@ -65,6 +65,9 @@ class RequestStarted(Struct, kw_only=True):
     # The id of this worker's previous attempt of the same prompt, which ended with an error
     # the worker read (nothing billed): the budget stops holding it. "" for none.
     supersedes: str = ""
+    # The configured provider (``[providers.NAME]``, else the ``[provider]`` kind) the request
+    # goes to: the budget's figures per provider. "" on records of older workers.
+    provider_name: str = ""
 
     @property
     def attempt_key(self) -> str:
@@ -131,6 +134,9 @@ class ResponseReceived(Struct, kw_only=True):
     sent_prompt: str = ""
     # The id of the attempt (its RequestStarted) this answer answers; "" on older records.
     attempt_id: str = ""
+    # The configured provider that answered (``[providers.NAME]``, else the ``[provider]``
+    # kind); ``provider`` is its kind. "" on older records (read as ``provider``).
+    provider_name: str = ""
 
     @property
     def attempt_key(self) -> str:
@@ -180,7 +186,11 @@ class SampleAudited(Struct, kw_only=True):
 
 
 class Halt(Struct, kw_only=True, tag="halt", tag_field="action"):
-    """Command: stop sending requests for a scope (``global`` or a dataset)."""
+    """Command: stop sending requests for a scope: ``global``, a dataset, or ``provider:<name>``.
+
+    A provider scope (:func:`~schemas.keys.provider_scope`) pauses the workers of that
+    configured provider only: its outage, pre-flight and refused-account halts.
+    """
 
     scope: Name
     reason: str = ""

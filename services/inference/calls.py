@@ -315,6 +315,7 @@ class ProviderCall:
         started.lease_epoch = epoch
         started.attempt_id = uuid.uuid4().hex
         started.supersedes = ended
+        started.provider_name = self._cfg.label
         try:
             await (await self._producer.send(self._requests_topic, encode(started), key=key.encode()))
         except BaseException:
