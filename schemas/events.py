@@ -313,6 +313,8 @@ class HeldAttempt(Struct, kw_only=True, omit_defaults=True):
     # Its worker's lease expired (the worker died) or its answer is overdue: the provider may
     # have billed it, and no answer will come.
     lost: bool = False
+    # The configured provider it was sent to (whose key's usage may release it); "": the default one.
+    provider: str = ""
 
 
 class BudgetSnapshot(Struct, kw_only=True):
@@ -364,10 +366,14 @@ class BudgetSnapshot(Struct, kw_only=True):
     lost_tokens: int = 0
     lost_usd: float | None = None
     lost_repaid: int = 0
-    # Only on ``global``: the provider key's usage in USD when this ledger began (None: the
-    # provider reports none), and what the last reading left unexplained by the answers.
+    # On ``global`` (the default provider's) and on ``provider:<name>`` scopes: the provider key's
+    # usage in USD when this ledger began (None: the provider reports none), and what the last
+    # reading left unexplained by the answers.
     key_usage_base_usd: float | None = None
     key_unexplained_usd: float | None = None
+    # A ``provider:<name>`` scope: why its lost attempts cannot be released by its key's usage
+    # ("" when they can, or none is lost), and its workers (those with attempts in flight).
+    unreconciled: str = ""
 
 
 class ReplayRecorded(Struct, kw_only=True):
