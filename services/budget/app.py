@@ -41,6 +41,7 @@ from schemas import (
     SchemaError,
     decode,
     encode,
+    provider_of_scope,
     topology,
 )
 from services.budget.adapters.key_usage import REPORTING_KINDS, KeyUsageReader
@@ -363,12 +364,12 @@ class BudgetService:
 
     def _on_control(self, event: Halt | Resume) -> None:
         """A resume of a dataset starts its quality windows afresh (the fix is judged by new answers)."""
-        if isinstance(event, Resume) and event.scope != GLOBAL_SCOPE:
+        if isinstance(event, Resume) and event.scope != GLOBAL_SCOPE and provider_of_scope(event.scope) is None:
             self.quality.reset(event.scope, event.at)
 
     def _with_quality(self, snap: BudgetSnapshot) -> BudgetSnapshot:
         """A dataset's snapshot with its quality figures (per dataset and per upstream)."""
-        if snap.scope == GLOBAL_SCOPE:
+        if snap.scope == GLOBAL_SCOPE or provider_of_scope(snap.scope) is not None:
             return snap
         figures, upstreams = self.quality.figures(snap.scope)
         return msgspec.structs.replace(snap, quality=figures, upstreams=upstreams)
@@ -464,6 +465,8 @@ class BudgetService:
         await publish_all(self._producer, [Outgoing(topic, encode(s), s.scope.encode()) for s in scopes])
         await publish_all(self._producer, [Outgoing(topic, encode(total), total.scope.encode())])
         for snap in snaps:
+            if provider_of_scope(snap.scope) is not None:
+                continue  # a provider's figures: no caps, no yield of its own
             self._gauges(snap.scope, snap.state, snap.rate_usd_per_s, snap.projected_usd)
             if snap.scope != GLOBAL_SCOPE:
                 self._quality_gauges(snap)

@@ -141,6 +141,9 @@ class ProviderSettings(BaseModel):
     # Optional ceilings below the provider's own limits (aiolimiter leaky buckets, per worker).
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
+    # The metrics port of this provider's worker (``run inference --provider NAME``), so that two
+    # workers on one host do not share one; ``status`` reads each. None: [metrics] inference_port.
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
     @property
     def label(self) -> str:
@@ -432,7 +435,11 @@ class Settings(BaseSettings):
                 return self
             known = ", ".join(sorted(self.all_providers())) or "none"
             raise ConfigError(f"no provider {name!r} in the configuration ([providers.NAME] sections: {known})")
-        chosen = self.model_copy(update={"provider": self.providers[name]})
+        provider = self.providers[name]
+        update: dict[str, Any] = {"provider": provider}
+        if provider.metrics_port is not None:
+            update["metrics"] = self.metrics.model_copy(update={"inference_port": provider.metrics_port})
+        chosen = self.model_copy(update=update)
         chosen._layers = self._layers
         return chosen
 
