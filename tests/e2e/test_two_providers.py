@@ -266,7 +266,7 @@ async def test_the_local_server_killed_mid_run_hands_its_prompts_to_the_paid_wor
             for a in s.attempts.values() if a.lost]
     count = accounted(keys, rows, letters, {sample_key(r.dataset, r.sample_id) for r in answers})
     report(prompts=len(keys), handed_over_s=round(handed_over_s, 2), rows=len(rows), dead_letters=len(letters),
-           answered=len(answers), answered_by_openrouter_while_down=answered_down, paid_twice=len(twice),
+           answered=len(answers), openrouter_answers_at_hand_over=answered_down, paid_twice=len(twice),
            inflight_bound=inflight_at_kill, control_events=dict(by_scope),
            prompts_lost=sum(c == 0 for c in count.values()), attempts_held_as_lost=len(held),
            completion_tokens=snapshots["global"].completion_tokens, cap=CAP)
