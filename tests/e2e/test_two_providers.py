@@ -16,6 +16,7 @@ whose global cap ends the run, reconstruct, audit and sink, 200 prompts over two
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from services.budget.provider_table import provider_table
 from services.common.config import Settings
 from services.common.kafka import ensure_topics
 from services.control import read_budget_snapshots, read_control_state
+from services.export.app import export
 from services.inference.app import InferenceWorker
 from services.inference.app import create_app as inference_app
 from services.reconstruct.app import create_app as reconstruct_app
@@ -210,6 +212,12 @@ async def test_two_providers_share_the_prompts_under_one_budget(
         assert f"{snap.completion_tokens:,}" in next(
             line for line in status_screen.splitlines() if line.strip("│ ").startswith(name))
     assert per_provider["local"].cost_usd == 0.0 and per_provider["openrouter"].cost_usd > 0  # a free local server
+    # export --provider local: the local server's rows only
+    exported = export("hf", out_dir, out_dir.parent / "export-local", provider="local")
+    local_rows = {row["id"] for row in rows if billed["local"][row["id"]]}
+    assert exported.rows_written == len(local_rows) and exported.left_out == len(rows) - len(local_rows)
+    written = [json.loads(line) for f in exported.files for line in f.read_text().splitlines()]
+    assert {row["id"] for row in written} == local_rows
 
 
 async def test_the_local_server_killed_mid_run_hands_its_prompts_to_the_paid_worker(
