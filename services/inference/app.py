@@ -218,7 +218,12 @@ class InferenceWorker:
             while not self._stopping.is_set():
                 free = self.inflight.room(self.settings.provider.concurrency)
                 if self.halts.provider_halted() != (not self.in_group):
-                    await (self._leave(consumer) if self.in_group else self._rejoin(consumer))
+                    if self.in_group and self.inflight.sending(self.halts.held):
+                        # Its requests at the provider end first (answered, or back at the gate): a
+                        # prompt given away while its request is out would be paid for twice.
+                        await self.inflight.wait_for_room(0.2)
+                    else:
+                        await (self._leave(consumer) if self.in_group else self._rejoin(consumer))
                 elif not self.in_group:  # its provider is halted: no partition is here
                     self.inflight.drop_held(set(), self.halts.held)  # a retry of a prompt given away
                     await self.inflight.wait_for_room(0.2)
@@ -395,6 +400,10 @@ class InFlight:
     def at_provider(self) -> int:
         """Tasks holding a provider slot: requests sent, or waiting to be."""
         return len(self._holding)
+
+    def sending(self, held: Collection[asyncio.Task[Any]]) -> int:
+        """Tasks not done and not ``held`` at the gate: a request out, about to go, or its answer being published."""
+        return sum(1 for task in self._tasks if not task.done() and task not in held)
 
     def partitions(self) -> set[TopicPartition]:
         """The partitions of the prompts in flight."""
