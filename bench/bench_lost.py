@@ -53,8 +53,9 @@ QUICK_LATENCY, QUICK_JITTER, QUICK_TIMEOUT_S = 1.0, 1.5, 4.0
 
 
 def _worker(
-    prefix: str, base_url: str, concurrency: int, timeout_s: float
+    prefix: str, base_url: str, concurrency: int, timeout_s: float, name: str = ""
 ) -> asyncio.Future[asyncio.subprocess.Process]:
+    """``run inference`` in a process of its own; ``name``: its provider's name (halts, budget figures)."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -67,6 +68,7 @@ def _worker(
         "DRAFTSTREAM_PROVIDER__BACKOFF_MAX_S": "2",
         "DRAFTSTREAM_DEFAULTS__MAX_TOKENS": str(MAX_TOKENS),
         "DRAFTSTREAM_METRICS__INFERENCE_PORT": "0",
+        **({"DRAFTSTREAM_PROVIDER__NAME": name} if name else {}),
     }
     env.pop("OPENROUTER_API_KEY", None)
     return asyncio.ensure_future(asyncio.create_subprocess_exec(

@@ -42,7 +42,15 @@ from schemas import (
     sample_key,
 )
 from services.budget.providers import ProviderBook
-from services.budget.totals import Caps, Counted, ScopeTotals, caps_raised, copy_tally, totals_from_snapshot
+from services.budget.totals import (
+    Caps,
+    Counted,
+    ScopeTotals,
+    caps_raised,
+    copy_tally,
+    counted_snapshot,
+    totals_from_snapshot,
+)
 
 # What one answer counts lives in services.budget.usage; re-exported for the modules that read it here.
 from services.budget.usage import CHARS_PER_TOKEN as CHARS_PER_TOKEN
@@ -536,15 +544,8 @@ class Ledger:
         rate_usd, rate_tokens = self.rate(scope, now)
         projected_usd, projected_tokens = self.projection(scope, remaining_prompts)
         lost = self.lost_tokens(scope)
-        return BudgetSnapshot(
-            scope=scope,
-            prompt_tokens=totals.prompt_tokens,
-            completion_tokens=totals.completion_tokens,
-            reasoning_tokens=totals.reasoning_tokens,
-            cost_usd=totals.cost_usd,
-            requests=totals.requests,
-            responses=totals.responses,
-            responses_without_usage=totals.responses_without_usage,
+        return msgspec.structs.replace(
+            counted_snapshot(totals),
             cap_completion_tokens=caps.completion_tokens,
             cap_usd=caps.usd,
             state=self.state(scope),
@@ -620,15 +621,8 @@ class Ledger:
         halt = control if isinstance(control, Halt) else None
         key = self.book.key(name)
         usd_per_token = self.book.usd_per_token(name)
-        return BudgetSnapshot(
-            scope=totals.scope,
-            prompt_tokens=totals.prompt_tokens,
-            completion_tokens=totals.completion_tokens,
-            reasoning_tokens=totals.reasoning_tokens,
-            cost_usd=totals.cost_usd,
-            requests=totals.requests,
-            responses=totals.responses,
-            responses_without_usage=totals.responses_without_usage,
+        return msgspec.structs.replace(
+            counted_snapshot(totals),
             state="halted" if halt else "running",
             halted_by=halt.by if halt else "",
             halted_reason=halt.reason if halt else "",

@@ -479,7 +479,9 @@ async def test_an_outage_halts_within_n_failures_and_resumes_by_itself(
             await first.close()  # connections refused from now on
             first_closed = True
             down_at = time.monotonic()
-            await wait_until(lambda: worker.halted_scopes == ["provider:simulator"], timeout=60, message="the outage halt")
+            await wait_until(
+                lambda: worker.halted_scopes == ["provider:simulator"], timeout=60, message="the outage halt"
+            )
             answered_at_halt = worker.answers.responded
             # ~8 s down: the probe (every 1 s) finds nobody seven times over.
             await asyncio.sleep(max(0.0, 8.0 - (time.monotonic() - down_at)))
