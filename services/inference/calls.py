@@ -8,8 +8,8 @@ record, ``withheld``) and waits at the gate again. Retries back off exponentiall
 (with jitter, capped, honouring ``Retry-After``). A 429 is never a dead letter:
 it shrinks the window, pauses new requests and the prompt waits its turn again, without
 using up the attempts other failures have (a storm that admits nothing for
-``provider.rate_limit_stall_s`` halts every worker, see the guard). After the last attempt a failure
-is one of: the account was refused (halt every worker, wait at the gate, start over), the
+``provider.rate_limit_stall_s`` halts the provider's workers, see the guard). After the last attempt a
+failure is one of: the account was refused (halt the provider's workers, wait at the gate, start over), the
 provider answers nobody (wait out the outage, start over), or this request's own fault (a
 dead letter).
 """
