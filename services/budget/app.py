@@ -349,6 +349,8 @@ class BudgetService:
             return []
         reason = self.quality.observe(verdict)
         self.ledger.touch(verdict.dataset)
+        if verdict.provider:
+            self.ledger.touch_provider(verdict.provider)
         ds = verdict.dataset
         outcome = "accepted" if verdict.accepted else "dead_letter"  # topology: not a topic
         QUALITY_VERDICTS.labels(dataset=ds, upstream=verdict.upstream or "unknown", outcome=outcome).inc()
@@ -369,8 +371,11 @@ class BudgetService:
 
     def _with_quality(self, snap: BudgetSnapshot) -> BudgetSnapshot:
         """A dataset's snapshot with its quality figures (per dataset and per upstream)."""
-        if snap.scope == GLOBAL_SCOPE or provider_of_scope(snap.scope) is not None:
+        if snap.scope == GLOBAL_SCOPE:
             return snap
+        provider = provider_of_scope(snap.scope)
+        if provider is not None:
+            return msgspec.structs.replace(snap, quality=self.quality.provider_figures(provider))
         figures, upstreams = self.quality.figures(snap.scope)
         return msgspec.structs.replace(snap, quality=figures, upstreams=upstreams)
 

@@ -174,6 +174,10 @@ class Ledger:
         self._scope(scope)
         self._dirty.add(scope)
 
+    def touch_provider(self, provider: str) -> None:
+        """Mark a provider changed so the next checkpoint writes its figures (e.g. new audit verdicts)."""
+        self._dirty_providers.add(self.book.name(provider))
+
     def tally_dead_letter(self, position: str, offset: int, stage: str, reason: str) -> None:
         """Count a record of ``dead-letter`` not counted before (``status`` reads the tally)."""
         tally = self.scopes[GLOBAL_SCOPE].dead_letters

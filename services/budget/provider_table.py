@@ -59,6 +59,7 @@ def provider_table(
     """One row per provider (None when a single provider is configured: the dataset rows say it all)."""
     from rich.table import Table
 
+    from services.budget.quality import yield_text
     from services.common.console import styled
 
     names = provider_names(snapshots, settings)
@@ -69,7 +70,8 @@ def provider_table(
     table = Table(title="per provider")
     for column, justify in (
         ("provider", "left"), ("kind", "left"), ("completion tok", "right"), ("spent $", "right"),
-        ("answers", "right"), ("rate", "right"), ("in flight", "right"), ("lost tok", "right"),
+        ("answers", "right"), ("yield (window)", "left"), ("rate", "right"), ("in flight", "right"),
+        ("lost tok", "right"),
         ("workers", "left"), ("key", "left"), ("state", "left"),
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
@@ -85,6 +87,7 @@ def provider_table(
             f"{snap.completion_tokens if snap else 0:,}",
             f"${snap.cost_usd if snap else 0.0:,.4f}",
             f"{snap.responses if snap else 0:,}",
+            yield_text(snap) if snap else "-",
             rate,
             f"{snap.inflight_tokens if snap else 0:,}",
             f"{snap.lost_tokens if snap else 0:,}",

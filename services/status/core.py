@@ -138,7 +138,7 @@ def providers_table(snapshot: StatusSnapshot) -> Table | None:
         return None
     halted = {h.scope: h for h in snapshot.halts}
     table = Table(title="providers", title_justify="left")
-    for name in ("provider", "state", "completion tokens", "spent", "answers", "rate", "in flight", "lost",
+    for name in ("provider", "state", "completion tokens", "spent", "answers", "yield", "rate", "in flight", "lost",
                  "workers", "key"):
         table.add_column(name, justify="right" if name in ("completion tokens", "spent", "answers", "rate",
                                                              "in flight", "lost") else "left")
@@ -152,8 +152,8 @@ def providers_table(snapshot: StatusSnapshot) -> Table | None:
         else:
             key = Text("-" if b.key_unexplained_usd is None else f"{_money(b.key_unexplained_usd)} unexplained")
         table.add_row(Text(provider_of_scope(b.scope) or b.scope), state, _tokens(b.completion_tokens),
-                      _money(b.cost_usd), f"{b.responses:,}", rate, _tokens(b.inflight_tokens), _tokens(b.lost_tokens),
-                      Text(", ".join(workers) or "-"), key)
+                      _money(b.cost_usd), f"{b.responses:,}", yield_text(b), rate, _tokens(b.inflight_tokens),
+                      _tokens(b.lost_tokens), Text(", ".join(workers) or "-"), key)
     return table
 
 

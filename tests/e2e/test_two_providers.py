@@ -177,6 +177,13 @@ async def test_two_providers_share_the_prompts_under_one_budget(
     try:
         pipeline, _, _ = await start_pipeline(settings)
         await settle(pipeline, settings, keys, out_dir)
+
+        async def judged() -> bool:  # every answer's audit verdict counted in its provider's yield
+            snaps = await read_budget_snapshots(settings)
+            found = [snaps.get(f"provider:{name}") for name in ("local", "openrouter")]
+            return all(s is not None and s.quality is not None and s.quality.verdicts == s.responses for s in found)
+
+        await pipeline.wait(judged, 30, "each provider's yield counts its answers' verdicts")
         snapshots = await read_budget_snapshots(settings)
         control = await read_control_state(settings)
         status = await collect(settings)
@@ -207,6 +214,8 @@ async def test_two_providers_share_the_prompts_under_one_budget(
     assert sum(p.completion_tokens for p in per_provider.values()) == spent  # each answer counted for one
     for name, snap in per_provider.items():
         assert snap.responses == sum(billed[name].values()) > 0
+        accepted = sum(1 for row in rows if billed[name][row["id"]])
+        assert snap.quality is not None and snap.quality.accepted == accepted  # the provider's own yield
         row = next(line for line in budget_screen.splitlines() if line.strip("│ ").startswith(name))
         assert f"{snap.completion_tokens:,}" in row and kinds[name] in row
         assert f"{snap.completion_tokens:,}" in next(
