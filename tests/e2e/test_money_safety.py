@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from schemas import Halt, ResponseReceived, Resume, decode, decode_control
+from schemas import Halt, Resume
 from services.audit.app import create_app as audit_app
 from services.budget.app import create_app as budget_app
 from services.common.config import Settings
@@ -49,10 +49,12 @@ from services.status.core import render
 from tests.e2e.harness import (
     Pipeline,
     accepted_keys,
+    control_events,
     dead_letters,
     produce,
     prompt_value,
     read_all,
+    responses,
     small_prompt,
     stage_caught_up,
     wait_until,
@@ -85,18 +87,6 @@ def paid(*sims: RunningSimulator) -> Counter[str]:
     for sim in sims:
         total.update(sim.stats()["keys"])
     return total
-
-
-async def responses(settings: Settings) -> list[ResponseReceived]:
-    """Every record on ``responses``, decoded."""
-    topic = settings.kafka.topic("responses")
-    return [decode(r.value, ResponseReceived) for r in (await read_all(settings, topic))[topic]]
-
-
-async def control_events(settings: Settings) -> list[Halt | Resume]:
-    """Every record on ``control``, in order."""
-    topic = settings.kafka.topic("control")
-    return [decode_control(r.value) for r in (await read_all(settings, topic))[topic]]
 
 
 @contextlib.asynccontextmanager

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from schemas import Halt, ResponseReceived, Resume, decode, decode_control, encode, sample_key
+from schemas import Halt, ResponseReceived, encode, sample_key
 from services.audit.app import create_app as audit_app
 from services.budget.app import create_app as budget_app
 from services.budget.cli import budget_table
@@ -43,7 +43,16 @@ from services.simulator.options import SimulatorOptions
 from services.sink.app import create_app as sink_app
 from services.status.app import collect
 from services.status.core import render
-from tests.e2e.harness import Pipeline, budget_caught_up, dead_letters, produce, read_all, sink_rows, small_prompt
+from tests.e2e.harness import (
+    Pipeline,
+    budget_caught_up,
+    control_events,
+    dead_letters,
+    produce,
+    responses,
+    sink_rows,
+    small_prompt,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -99,18 +108,6 @@ async def publish_prompts(settings: Settings) -> set[str]:
         await produce(settings, settings.kafka.prompts_topic(dataset), records)
         keys |= {sample_key(dataset, p.sample_id) for p in prompts}
     return keys
-
-
-async def responses(settings: Settings) -> list[ResponseReceived]:
-    """Every record on ``responses``."""
-    topic = settings.kafka.topic("responses")
-    return [decode(r.value, ResponseReceived) for r in (await read_all(settings, topic))[topic]]
-
-
-async def control_events(settings: Settings) -> list[Halt | Resume]:
-    """Every record on ``control``, in order."""
-    topic = settings.kafka.topic("control")
-    return [decode_control(r.value) for r in (await read_all(settings, topic))[topic]]
 
 
 async def capped(settings: Settings) -> bool:
