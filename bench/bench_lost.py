@@ -8,6 +8,9 @@ answers whose client went away (as a provider does) and reporting the key's usag
 ``GET /api/v1/key``, which the budget reads. The figures are the simulator's own count of
 the completion tokens it billed once the dataset stands finished at its cap, as a fraction
 of the cap (target >= 0.95), and the overshoot past the cap (target 0).
+
+``BENCH_LOST_NO_PRICE=1``: the budget has no ``[budget.prices]`` (as a new user's run): the
+price per token that turns the key's dollars into tokens comes from the answers' ``usage.cost``.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ QUICK_LATENCY, QUICK_JITTER, QUICK_TIMEOUT_S = 1.0, 1.5, 4.0
 
 
 def _worker(
-    prefix: str, base_url: str, concurrency: int, timeout_s: float
+    prefix: str, base_url: str, concurrency: int, timeout_s: float, name: str = ""
 ) -> asyncio.Future[asyncio.subprocess.Process]:
+    """``run inference`` in a process of its own; ``name``: its provider's name (halts, budget figures)."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -64,6 +68,7 @@ def _worker(
         "DRAFTSTREAM_PROVIDER__BACKOFF_MAX_S": "2",
         "DRAFTSTREAM_DEFAULTS__MAX_TOKENS": str(MAX_TOKENS),
         "DRAFTSTREAM_METRICS__INFERENCE_PORT": "0",
+        **({"DRAFTSTREAM_PROVIDER__NAME": name} if name else {}),
     }
     env.pop("OPENROUTER_API_KEY", None)
     return asyncio.ensure_future(asyncio.create_subprocess_exec(
@@ -116,13 +121,16 @@ async def measure(quick: bool) -> list[Result]:
                              content=f"{CONTENT[0]}-{CONTENT[1]}")
         procs.append(sim)
         await wait_simulator(base_url, sim)
+        priced = os.environ.get("BENCH_LOST_NO_PRICE", "") != "1"
+        prices = {"qwen/qwen3-8b": {"completion": PRICE * 1e6}} if priced else {}
         settings = seeds_settings(
             prefix, f"{base_url}/api/v1", cap, MAX_TOKENS,
             provider={"concurrency": concurrency, "timeout_s": timeout_s, "max_attempts": 2, "backoff_max_s": 2.0},
-            budget={"key_usage_interval_s": 2.0, "prices": {"qwen/qwen3-8b": {"completion": PRICE * 1e6}}},
+            budget={"key_usage_interval_s": 2.0, "prices": prices},
         )
+        how = "[budget.prices] set" if priced else "no [budget.prices]: the price from the answers' usage.cost"
         print(f"cap {cap:,} tokens; {prompts:,} prompts; 1 worker x {concurrency} in flight x {MAX_TOKENS:,} "
-              f"max_tokens; SIGKILL {kill_after_s:.0f} s in", flush=True)
+              f"max_tokens; SIGKILL {kill_after_s:.0f} s in; {how}", flush=True)
         await publish_seeds(settings, prompts)
         budget = create_budget(settings, checkpoint_interval_s=0.5)
         await budget.start()
@@ -164,8 +172,8 @@ async def measure(quick: bool) -> list[Result]:
           f"re-paid; the budget counted {spent:,} in answers; {time.monotonic() - started:.0f} s; {halt.reason}",
           flush=True)
     return [
-        result("cap used after one worker kill (key usage read)", float(billed), float(cap), billed / cap,
-               ">= 0.95", "tokens"),
+        result(f"cap used after one worker kill (key usage read{'' if priced else ', no configured price'})",
+               float(billed), float(cap), billed / cap, ">= 0.95", "tokens"),
         # The row's ratio is its own value over its reference: tokens past the cap per token of cap.
         result("cap overshoot after one worker kill", float(max(0, billed - cap)), float(cap),
                max(0, billed - cap) / cap, "<= 0.0", "tokens"),

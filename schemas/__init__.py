@@ -51,7 +51,16 @@ from schemas.events import (
     lease_key,
 )
 from schemas.fields import SCHEMA_VERSION, SchemaError
-from schemas.keys import DLQ_HEADERS, DeadLetterHeaders, attempt_key, sample_key, split_key
+from schemas.keys import (
+    DLQ_HEADERS,
+    PROVIDER_SCOPE_PREFIX,
+    DeadLetterHeaders,
+    attempt_key,
+    provider_of_scope,
+    provider_scope,
+    sample_key,
+    split_key,
+)
 from schemas.messages import ConversationTurn, Message, ToolCall, ToolFunction, wire_messages
 
 __all__ = [
@@ -62,6 +71,7 @@ __all__ = [
     "DEAD_LETTER_TOPIC",
     "DLQ_HEADERS",
     "GLOBAL_SCOPE",
+    "PROVIDER_SCOPE_PREFIX",
     "HeldAttempt",
     "LEASES_TOPIC",
     "PROMPTS_TOPIC_PREFIX",
@@ -110,6 +120,8 @@ __all__ = [
     "decode_store_index",
     "encode",
     "encode_forwarding",
+    "provider_of_scope",
+    "provider_scope",
     "sample_key",
     "split_key",
     "wire_messages",

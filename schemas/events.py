@@ -68,6 +68,9 @@ class RequestStarted(Struct, kw_only=True):
     # The id of this worker's previous attempt of the same prompt, which ended with an error
     # the worker read (nothing billed): the budget stops holding it. "" for none.
     supersedes: str = ""
+    # The configured provider (``[providers.NAME]``, else the ``[provider]`` kind) the request
+    # goes to: the budget's figures per provider. "" on records of older workers.
+    provider_name: str = ""
 
     @property
     def attempt_key(self) -> str:
@@ -134,6 +137,9 @@ class ResponseReceived(Struct, kw_only=True):
     sent_prompt: str = ""
     # The id of the attempt (its RequestStarted) this answer answers; "" on older records.
     attempt_id: str = ""
+    # The configured provider that answered (``[providers.NAME]``, else the ``[provider]``
+    # kind); ``provider`` is its kind. "" on older records (read as ``provider``).
+    provider_name: str = ""
 
     @property
     def attempt_key(self) -> str:
@@ -183,7 +189,11 @@ class SampleAudited(Struct, kw_only=True):
 
 
 class Halt(Struct, kw_only=True, tag="halt", tag_field="action"):
-    """Command: stop sending requests for a scope (``global`` or a dataset)."""
+    """Command: stop sending requests for a scope: ``global``, a dataset, or ``provider:<name>``.
+
+    A provider scope (:func:`~schemas.keys.provider_scope`) pauses the workers of that
+    configured provider only: its outage, pre-flight and refused-account halts.
+    """
 
     scope: Name
     reason: str = ""
@@ -306,6 +316,8 @@ class HeldAttempt(Struct, kw_only=True, omit_defaults=True):
     # Its worker's lease expired (the worker died) or its answer is overdue: the provider may
     # have billed it, and no answer will come.
     lost: bool = False
+    # The configured provider it was sent to (whose key's usage may release it); "": the default one.
+    provider: str = ""
 
 
 class BudgetSnapshot(Struct, kw_only=True):
@@ -362,10 +374,14 @@ class BudgetSnapshot(Struct, kw_only=True):
     lost_tokens: int = 0
     lost_usd: float | None = None
     lost_repaid: int = 0
-    # Only on ``global``: the provider key's usage in USD when this ledger began (None: the
-    # provider reports none), and what the last reading left unexplained by the answers.
+    # On ``global`` (the default provider's) and on ``provider:<name>`` scopes: the provider key's
+    # usage in USD when this ledger began (None: the provider reports none), and what the last
+    # reading left unexplained by the answers.
     key_usage_base_usd: float | None = None
     key_unexplained_usd: float | None = None
+    # A ``provider:<name>`` scope: why its lost attempts cannot be released by its key's usage
+    # ("" when they can, or none is lost), and its workers (those with attempts in flight).
+    unreconciled: str = ""
 
 
 class ReplayRecorded(Struct, kw_only=True):

@@ -48,3 +48,17 @@ def split_key(key: str) -> tuple[str, str]:
     if not sep:
         raise SchemaError("invalid_key", f"key {key!r} is not '<dataset>:<sample_id>'")
     return dataset, sample_id
+
+
+PROVIDER_SCOPE_PREFIX: Final = "provider:"
+"""The control scope of one configured provider is ``provider:<name>``: a dataset name cannot hold ``:``."""
+
+
+def provider_scope(name: str) -> str:
+    """The halt scope of provider ``name`` (its outage and pre-flight halts pause its workers only)."""
+    return f"{PROVIDER_SCOPE_PREFIX}{name}"
+
+
+def provider_of_scope(scope: str) -> str | None:
+    """The provider a control scope names, or None for ``global`` and dataset scopes."""
+    return scope[len(PROVIDER_SCOPE_PREFIX):] if scope.startswith(PROVIDER_SCOPE_PREFIX) else None

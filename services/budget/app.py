@@ -41,6 +41,7 @@ from schemas import (
     SchemaError,
     decode,
     encode,
+    provider_of_scope,
     topology,
 )
 from services.budget.adapters.key_usage import REPORTING_KINDS, KeyUsageReader
@@ -117,13 +118,22 @@ def ledger_for(settings: Settings) -> Ledger:
 
     provider = settings.provider
     completion_price = budget.prices.get(provider.model, {}).get("completion")
+    # A request unanswered after every attempt's timeout and backoff (of the slowest provider) is not billing.
+    ttl_s = max((p.timeout_s + p.backoff_max_s) * p.max_attempts for p in settings.all_providers().values())
+    providers = settings.all_providers()
+    per_token = {
+        name: price / 1e6
+        for name, p in providers.items()
+        if (price := budget.prices.get(p.model, {}).get("completion"))
+    }
     return Ledger(
         caps_for=caps_for,
+        default_provider=next(iter(providers)) if len(providers) == 1 else "",
+        provider_usd_per_token=per_token,
         soft_threshold=budget.soft_threshold,
         prices=budget.prices,
         include_inflight=budget.include_inflight,
-        # A request unanswered after every attempt's timeout and backoff is not billing.
-        inflight_ttl_s=(provider.timeout_s + provider.backoff_max_s) * provider.max_attempts,
+        inflight_ttl_s=ttl_s,
         rate_window_s=budget.rate_window_s,
         inflight_usd_per_token=completion_price / 1e6 if completion_price else None,
     )
@@ -162,8 +172,8 @@ class BudgetService:
         self._unpriced_models: set[str] = set()
         self._http: httpx.AsyncClient | None = None
         self._admin: AIOKafkaAdminClient | None = None  # the prompts topics' metadata, from the first refresh
-        self._key_usage: KeyUsageReader | None = None
-        self._last_key_usage = 0.0
+        self._key_usage: dict[str, KeyUsageReader] = {}  # per provider whose key reports its usage
+        self._next_key_read: dict[str, float] = {}
         self.started = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -197,9 +207,15 @@ class BudgetService:
             ", ".join(f"{k}@{v}" for k, v in sorted(seek.items())) or "from the beginning",
         )
         await self._publish_control(self.ledger.startup_resumes(now))
-        if self.settings.budget.key_usage_interval_s and self.settings.provider.kind in REPORTING_KINDS:
-            self._http = httpx.AsyncClient(timeout=5.0)
-            self._key_usage = KeyUsageReader(self.settings.provider, self._http)
+        reporting = {n: p for n, p in self.settings.all_providers().items() if p.kind in REPORTING_KINDS}
+        for name, provider in self.settings.all_providers().items():
+            if name not in reporting:
+                self.ledger.book.unreadable[name] = (
+                    f"provider kind {provider.kind!r} reports no key usage: the worst case stands")
+        if self.settings.budget.key_usage_interval_s and reporting:
+            # A busy provider answers /key slowly: a read gets the time a request gets to connect.
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(15.0, connect=5.0))
+            self._key_usage = {name: KeyUsageReader(p, self._http) for name, p in reporting.items()}
             await self._read_key_usage(now)  # a fresh ledger's first reading is its base
         if self.leases is not None:
             await self.leases.start(self._producer, now)
@@ -335,6 +351,8 @@ class BudgetService:
             return []
         reason = self.quality.observe(verdict)
         self.ledger.touch(verdict.dataset)
+        if verdict.provider:
+            self.ledger.touch_provider(verdict.provider)
         ds = verdict.dataset
         outcome = "accepted" if verdict.accepted else "dead_letter"  # topology: not a topic
         QUALITY_VERDICTS.labels(dataset=ds, upstream=verdict.upstream or "unknown", outcome=outcome).inc()
@@ -350,13 +368,16 @@ class BudgetService:
 
     def _on_control(self, event: Halt | Resume) -> None:
         """A resume of a dataset starts its quality windows afresh (the fix is judged by new answers)."""
-        if isinstance(event, Resume) and event.scope != GLOBAL_SCOPE:
+        if isinstance(event, Resume) and event.scope != GLOBAL_SCOPE and provider_of_scope(event.scope) is None:
             self.quality.reset(event.scope, event.at)
 
     def _with_quality(self, snap: BudgetSnapshot) -> BudgetSnapshot:
         """A dataset's snapshot with its quality figures (per dataset and per upstream)."""
         if snap.scope == GLOBAL_SCOPE:
             return snap
+        provider = provider_of_scope(snap.scope)
+        if provider is not None:
+            return msgspec.structs.replace(snap, quality=self.quality.provider_figures(provider))
         figures, upstreams = self.quality.figures(snap.scope)
         return msgspec.structs.replace(snap, quality=figures, upstreams=upstreams)
 
@@ -383,7 +404,7 @@ class BudgetService:
         if now - self._last_prompts_refresh >= self.prompts_refresh_s:
             self._last_prompts_refresh = now
             await self._refresh_waiting_prompts()
-        if self._key_usage is not None and now - self._last_key_usage >= self.settings.budget.key_usage_interval_s:
+        if self._key_usage and now >= min(self._next_key_read.values(), default=0.0):
             await self._read_key_usage(now)
         if now - self._last_checkpoint >= self.checkpoint_interval_s:
             self.ledger.expire_inflight(now)
@@ -391,10 +412,21 @@ class BudgetService:
             await self._checkpoint(now)
 
     async def _read_key_usage(self, now: float) -> None:
-        """Reconcile with the provider key's usage (what lost attempts really cost, once settled)."""
-        self._last_key_usage = now
-        if self._key_usage is not None and (usage := await self._key_usage.read()) is not None:
-            self.ledger.reconcile(usage, now)
+        """Reconcile with each provider key's usage (what its lost attempts really cost, once settled).
+
+        Each key is read every ``[budget] key_usage_interval_s``; a read that failed (a busy
+        provider's ``/key`` timing out) is tried again after a second, not a whole interval.
+        """
+        interval = self.settings.budget.key_usage_interval_s
+        due = [name for name in self._key_usage if now >= self._next_key_read.get(name, 0.0)]
+        readings = await asyncio.gather(*(self._key_usage[name].read() for name in due))
+        for name, usage in zip(due, readings, strict=True):
+            if usage is None:
+                self._next_key_read[name] = now + min(1.0, interval)
+                self.ledger.book.unreadable[name] = "the last read of its key's usage failed: retrying"
+                continue
+            self._next_key_read[name] = now + interval
+            self.ledger.reconcile(usage, now, name)
 
     async def _refresh_waiting_prompts(self) -> None:
         consumer = self._consumer
@@ -459,6 +491,8 @@ class BudgetService:
         await publish_all(self._producer, [Outgoing(topic, encode(s), s.scope.encode()) for s in scopes])
         await publish_all(self._producer, [Outgoing(topic, encode(total), total.scope.encode())])
         for snap in snaps:
+            if provider_of_scope(snap.scope) is not None:
+                continue  # a provider's figures: no caps, no yield of its own
             self._gauges(snap.scope, snap.state, snap.rate_usd_per_s, snap.projected_usd)
             if snap.scope != GLOBAL_SCOPE:
                 self._quality_gauges(snap)

@@ -24,6 +24,9 @@ DatasetOption = Annotated[
     str | None, typer.Option("--dataset", "-d", help="Only this dataset (default: every dataset, global)")
 ]
 ByOption = Annotated[str | None, typer.Option("--by", help="Who (default: $USER@hostname)")]
+ProviderOption = Annotated[
+    str | None, typer.Option("--provider", "-p", help="A provider's workers only (scope provider:NAME)")
+]
 
 
 def default_actor() -> str:
@@ -38,11 +41,15 @@ def default_actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _scope(dataset: str | None) -> str:
-    from schemas import GLOBAL_SCOPE
+def _scope(dataset: str | None, provider: str | None = None) -> str:
+    from schemas import GLOBAL_SCOPE, provider_scope
     from services.common.cli import fail
     from services.common.config import ConfigError, check_dataset_name
 
+    if provider is not None:
+        if dataset is not None:
+            fail("--dataset and --provider name two scopes: give one")
+        return provider_scope(provider)
     if dataset is None:
         return GLOBAL_SCOPE
     if dataset == GLOBAL_SCOPE:
@@ -72,15 +79,16 @@ def halt_command(
     dataset: DatasetOption = None,
     by: ByOption = None,
     config: ConfigOption = None,
+    provider: ProviderOption = None,
 ) -> None:
-    """Stop every inference worker for a dataset, or for everything (global)."""
+    """Stop every inference worker for a dataset, a provider's workers, or everything (global)."""
     from schemas import Halt
     from services.common.cli import fail, settings_from
 
     if not reason.strip():
         fail("--reason must say why")
     settings = settings_from(config)
-    scope = _scope(dataset)
+    scope = _scope(dataset, provider)
     event = Halt(scope=scope, reason=reason, by=by or default_actor())
     _publish(settings, event)
     print(f"halted {scope} (by {event.by}: {reason})")
@@ -91,13 +99,14 @@ def resume_command(
     reason: Annotated[str, typer.Option("--reason", "-r", help="Why")] = "resumed by hand",
     by: ByOption = None,
     config: ConfigOption = None,
+    provider: ProviderOption = None,
 ) -> None:
-    """Lift the halt of a dataset, or the global halt."""
+    """Lift the halt of a dataset, of a provider, or the global halt."""
     from schemas import Resume
     from services.common.cli import settings_from
 
     settings = settings_from(config)
-    scope = _scope(dataset)
+    scope = _scope(dataset, provider)
     event = Resume(scope=scope, reason=reason, by=by or default_actor())
     _publish(settings, event)
     print(f"resumed {scope} (by {event.by}: {reason})")
@@ -162,7 +171,7 @@ def budget_table(
     snapshots: dict[str, BudgetSnapshot], control: dict[str, Halt | Resume], settings: Settings, *, wide: bool = False
 ) -> FittedTable:
     """The budget table: one row per dataset and one for the global scope (compact unless ``wide``)."""
-    from schemas import GLOBAL_SCOPE, Halt
+    from schemas import GLOBAL_SCOPE, PROVIDER_SCOPE_PREFIX, Halt
     from services.budget.core import BUDGET_ACTOR
     from services.budget.leases import capped_summary
     from services.budget.quality import dollars_per_accepted, yield_text
@@ -170,6 +179,7 @@ def budget_table(
 
     fitted = FittedTable("draftstream budget", BUDGET_COLUMNS, wide=wide)
     scopes = sorted(set(snapshots) | {s for s in control if s != GLOBAL_SCOPE} | set(settings.datasets))
+    scopes = [s for s in scopes if not s.startswith(PROVIDER_SCOPE_PREFIX)]  # provider_table's rows
     scopes = [s for s in scopes if s != GLOBAL_SCOPE] + [GLOBAL_SCOPE]
     global_halt = control.get(GLOBAL_SCOPE)
     notes: list[Text] = []
@@ -271,6 +281,11 @@ def budget_command(config: ConfigOption = None, wide: WideOption = False) -> Non
 
     console = data_console()  # the terminal's own width: the table wraps its cells to fit
     console.print(budget_table(snapshots, control, settings, wide=wide))
+    from services.budget.provider_table import provider_table
+
+    providers = provider_table(snapshots, control, settings, wide=wide)
+    if providers is not None:
+        console.print(providers)
     for line in lost_attempt_lines(snapshots.values()):
         console.print(line, style="yellow", markup=False)
 

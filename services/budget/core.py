@@ -38,10 +38,19 @@ from schemas import (
     ResponseReceived,
     Resume,
     attempt_key,
+    provider_of_scope,
     sample_key,
 )
-from services.budget.reconcile import KeyUsage, lost_hold, may_release
-from services.budget.totals import Caps, Counted, ScopeTotals, caps_raised, copy_tally, totals_from_snapshot
+from services.budget.providers import ProviderBook
+from services.budget.totals import (
+    Caps,
+    Counted,
+    ScopeTotals,
+    caps_raised,
+    copy_tally,
+    counted_snapshot,
+    totals_from_snapshot,
+)
 
 # What one answer counts lives in services.budget.usage; re-exported for the modules that read it here.
 from services.budget.usage import CHARS_PER_TOKEN as CHARS_PER_TOKEN
@@ -87,6 +96,8 @@ class Ledger:
         inflight_ttl_s: float = 600.0,
         rate_window_s: float = 60.0,
         inflight_usd_per_token: float | None = None,
+        default_provider: str = "",
+        provider_usd_per_token: Mapping[str, float] | None = None,
     ) -> None:
         self._caps_for = caps_for
         self.soft_threshold = soft_threshold
@@ -102,15 +113,25 @@ class Ledger:
         self._answered: OrderedDict[str, None] = OrderedDict()  # attempt keys answered (read first)
         self._answered_samples: OrderedDict[str, None] = OrderedDict()  # prompts answered (lost attempts re-paid)
         self._resume_candidates: set[str] = set()
-        self.key_usage = KeyUsage()
+        # Spend per provider and each provider key's reading (services.budget.providers).
+        prices_per_token = dict(provider_usd_per_token or {})
+        if inflight_usd_per_token:  # the configured price of the default provider's model
+            prices_per_token.setdefault(default_provider, inflight_usd_per_token)
+        self.book = ProviderBook(default_provider, prices_per_token)
+        self._dirty_providers: set[str] = set()
 
     # ------------------------------------------------------------------ restore
     def restore(self, snapshots: Iterable[BudgetSnapshot], now: float) -> dict[str, int]:
         """Load checkpointed totals; returns the offsets to seek to (``"<topic>:<p>"``)."""
-        for snap in snapshots:
+        for snap in sorted(snapshots, key=lambda s: provider_of_scope(s.scope) is not None):
+            provider = provider_of_scope(snap.scope)
+            if provider is not None:  # after global: a provider's own key figures win
+                self.book.totals[provider] = totals_from_snapshot(snap, now)
+                self.book.key(provider).restore(snap.key_usage_base_usd, snap.key_unexplained_usd)
+                continue
             self.scopes[snap.scope] = totals_from_snapshot(snap, now)
-            if snap.scope == GLOBAL_SCOPE:
-                self.key_usage.restore(snap.key_usage_base_usd, snap.key_unexplained_usd)
+            if snap.scope == GLOBAL_SCOPE:  # written by a budget that read one key: the default provider's
+                self.book.key("").restore(snap.key_usage_base_usd, snap.key_unexplained_usd)
         seek = dict(self.scopes[GLOBAL_SCOPE].floor)
         self.offsets = dict(seek)
         return seek
@@ -118,6 +139,10 @@ class Ledger:
     def apply_control(self, event: Halt | Resume) -> None:
         """Record the standing control event of a scope (from the control topic)."""
         self.control[event.scope] = event
+        provider = provider_of_scope(event.scope)
+        if provider is not None:  # a provider's halt: its workers' own, never a cap's
+            self._dirty_providers.add(provider)
+            return
         self._dirty.add(event.scope)
         if not (isinstance(event, Halt) and event.by == BUDGET_ACTOR):
             self._resume_candidates.discard(event.scope)
@@ -149,6 +174,10 @@ class Ledger:
         """Mark a scope changed so the next checkpoint writes it (e.g. new audit verdicts)."""
         self._scope(scope)
         self._dirty.add(scope)
+
+    def touch_provider(self, provider: str) -> None:
+        """Mark a provider changed so the next checkpoint writes its figures (e.g. new audit verdicts)."""
+        self._dirty_providers.add(self.book.name(provider))
 
     def tally_dead_letter(self, position: str, offset: int, stage: str, reason: str, key: str = "") -> None:
         """Count a new record of ``dead-letter`` as its key's latest outcome (``status`` reads the tally)."""
@@ -195,6 +224,10 @@ class Ledger:
         key = event.attempt_key
         dataset = self._scope(event.dataset)
         total = self.scopes[GLOBAL_SCOPE]
+        provider = self.book.of(event.provider_name)
+        if provider.counts(position, offset):
+            provider.requests += -1 if event.withheld else 1
+            self._dirty_providers.add(self.book.name(event.provider_name))
         for scope in (dataset, total):
             if not scope.counts(position, offset):
                 continue
@@ -219,7 +252,8 @@ class Ledger:
             if key in self._answered:
                 continue  # its answer was read first
             dataset.inflight[key] = HeldAttempt(
-                max_tokens=event.max_tokens, worker=event.worker, started_at=event.started_at or now
+                max_tokens=event.max_tokens, worker=event.worker, started_at=event.started_at or now,
+                provider=event.provider_name,
             )
             if event.lease_epoch:
                 dataset.leased.add(key)
@@ -270,7 +304,10 @@ class Ledger:
             priced = cost is not None
             cost = cost or 0.0
         counted: Counted | None = None
-        for scope in (dataset, total):
+        provider = self.book.of(event.provider_name or event.provider)
+        if provider.counts(position, offset):
+            self._dirty_providers.add(self.book.name(event.provider_name or event.provider))
+        for scope in (dataset, total, provider):
             if not scope.counts(position, offset):
                 continue
             scope.prompt_tokens += prompt
@@ -282,6 +319,8 @@ class Ledger:
             scope.window.append((now, cost, completion))
             if scope.first_event_at is None:
                 scope.first_event_at = now
+            if scope is provider:
+                continue
             self._dirty.add(scope.scope)
             if scope is dataset:
                 dataset.inflight.pop(key, None)
@@ -333,10 +372,14 @@ class Ledger:
                     marked += 1
         return marked
 
-    def reconcile(self, key_usage_usd: float, now: float) -> None:
-        """A reading of the provider key's usage (USD): what the answers do not explain bounds the lost attempts."""
-        self.key_usage.read(key_usage_usd, self.scopes[GLOBAL_SCOPE].cost_usd, now)
+    def reconcile(self, key_usage_usd: float, now: float, provider: str = "") -> None:
+        """A reading of a provider key's usage (USD): what its answers do not explain bounds its lost attempts.
+
+        ``provider``: the configured provider whose key was read ("": the default one).
+        """
+        self.book.reconcile(provider, key_usage_usd, now)
         self._dirty.add(GLOBAL_SCOPE)
+        self._dirty_providers.add(self.book.name(provider))
 
     def may_release(self, scope: str, now: float) -> bool:
         """Whether a later reading of the key's usage may release some of the scope's lost attempts.
@@ -344,15 +387,7 @@ class Ledger:
         Only while the key is being read (a reading within the in-flight TTL): a provider that
         stopped answering ``/key`` must not keep a scope from finishing at its cap.
         """
-        read_at = self.key_usage.read_at
-        can_read = (
-            self.key_usage.base_usd is not None
-            and bool(self.inflight_usd_per_token)
-            and read_at is not None
-            and now - read_at <= self.inflight_ttl_s
-        )
-        settled = self.key_usage.settled_before(self.inflight_ttl_s)
-        return may_release(self.lost_attempts(scope), settled, can_read)
+        return self.book.may_release(self.lost_attempts(scope), now, self.inflight_ttl_s)
 
     def lost_tokens(self, scope: str, *, unleased: bool = False) -> int:
         """What the lost attempts of ``scope`` hold: their worst case, released down to what the key was charged.
@@ -367,8 +402,7 @@ class Ledger:
             for k, held in self.scopes[n].lost_items()
             if not (unleased and k in self.scopes[n].leased)
         ]
-        settled = self.key_usage.settled_before(self.inflight_ttl_s)
-        return lost_hold(lost, settled, self.key_usage.tokens(self.inflight_usd_per_token))
+        return self.book.lost_hold(lost, self.inflight_ttl_s)
 
     def lost_attempts(self, scope: str) -> list[HeldAttempt]:
         """The lost attempts of a scope."""
@@ -497,14 +531,7 @@ class Ledger:
     def rate(self, scope: str, now: float) -> tuple[float, float]:
         """Moving spend rate of a scope: (dollars per second, completion tokens per second)."""
         totals = self.scopes.get(scope)
-        if totals is None or totals.first_event_at is None:
-            return 0.0, 0.0
-        while totals.window and totals.window[0][0] < now - self.rate_window_s:
-            totals.window.popleft()
-        span = max(1.0, min(self.rate_window_s, now - totals.first_event_at))
-        usd = sum(c for _, c, _ in totals.window)
-        tokens = sum(t for _, _, t in totals.window)
-        return usd / span, tokens / span
+        return (0.0, 0.0) if totals is None else _rate(totals, now, self.rate_window_s)
 
     def projection(self, scope: str, remaining_prompts: int | None) -> tuple[float | None, int | None]:
         """Projected total (dollars, completion tokens) once the remaining prompts are answered."""
@@ -527,15 +554,8 @@ class Ledger:
         rate_usd, rate_tokens = self.rate(scope, now)
         projected_usd, projected_tokens = self.projection(scope, remaining_prompts)
         lost = self.lost_tokens(scope)
-        return BudgetSnapshot(
-            scope=scope,
-            prompt_tokens=totals.prompt_tokens,
-            completion_tokens=totals.completion_tokens,
-            reasoning_tokens=totals.reasoning_tokens,
-            cost_usd=totals.cost_usd,
-            requests=totals.requests,
-            responses=totals.responses,
-            responses_without_usage=totals.responses_without_usage,
+        return msgspec.structs.replace(
+            counted_snapshot(totals),
             cap_completion_tokens=caps.completion_tokens,
             cap_usd=caps.usd,
             state=self.state(scope),
@@ -551,8 +571,8 @@ class Ledger:
                 sum(t.lost_repaid for n, t in self.scopes.items() if n != GLOBAL_SCOPE)
                 if scope == GLOBAL_SCOPE else totals.lost_repaid
             ),
-            key_usage_base_usd=self.key_usage.base_usd if scope == GLOBAL_SCOPE else None,
-            key_unexplained_usd=self.key_usage.unexplained_usd if scope == GLOBAL_SCOPE else None,
+            key_usage_base_usd=self.book.key("").base_usd if scope == GLOBAL_SCOPE else None,
+            key_unexplained_usd=self.book.key("").unexplained_usd if scope == GLOBAL_SCOPE else None,
             rate_usd_per_s=rate_usd,
             rate_tokens_per_s=rate_tokens,
             remaining_prompts=remaining_prompts,
@@ -576,19 +596,61 @@ class Ledger:
         """Snapshots of the changed scopes (all with ``everything``), ``global`` last."""
         remaining = remaining or {}
         names = set(self.scopes) if everything else set(self._dirty)
-        if not names:
+        providers = set(self.book.totals) if everything else set(self._dirty_providers)
+        if not names and not providers:
             return []
         names.add(GLOBAL_SCOPE)
         self._dirty.clear()
+        self._dirty_providers.clear()
         ordered = sorted(n for n in names if n != GLOBAL_SCOPE) + [GLOBAL_SCOPE]
         global_remaining = None
         known = [remaining.get(n) for n in self.scopes if n != GLOBAL_SCOPE]
         if known and all(r is not None for r in known):
             global_remaining = sum(r for r in known if r is not None)
-        snaps = [self.snapshot(n, now, global_remaining if n == GLOBAL_SCOPE else remaining.get(n)) for n in ordered]
+        snaps = [self.provider_snapshot(p, now) for p in sorted(providers)]
         for snap in snaps:
+            self.book.of(provider_of_scope(snap.scope) or "").floor = dict(snap.offsets)
+        dataset_snaps = [
+            self.snapshot(n, now, global_remaining if n == GLOBAL_SCOPE else remaining.get(n)) for n in ordered
+        ]
+        for snap in dataset_snaps:
             self.scopes[snap.scope].floor = dict(snap.offsets)
-        return snaps
+        return snaps + dataset_snaps
+
+    def provider_snapshot(self, provider: str, now: float) -> BudgetSnapshot:
+        """The checkpoint record of one provider (scope ``provider:<name>``): its spend, rate, in flight,
+        lost attempts and key reading; no caps (caps are per dataset and global)."""
+        name = self.book.name(provider)
+        totals = self.book.of(name)
+        attempts = {
+            k: msgspec.structs.replace(held)
+            for n, t in self.scopes.items() if n != GLOBAL_SCOPE
+            for k, held in t.inflight.items() if self.book.name(held.provider) == name
+        }
+        lost_attempts = [held for held in attempts.values() if held.lost]
+        lost = self.book.lost_hold(lost_attempts, self.inflight_ttl_s)
+        rate_usd, rate_tokens = _rate(totals, now, self.rate_window_s)
+        control = self.control.get(totals.scope)
+        halt = control if isinstance(control, Halt) else None
+        key = self.book.key(name)
+        usd_per_token = self.book.usd_per_token(name)
+        return msgspec.structs.replace(
+            counted_snapshot(totals),
+            state="halted" if halt else "running",
+            halted_by=halt.by if halt else "",
+            halted_reason=halt.reason if halt else "",
+            offsets=self._offsets_of(totals),
+            inflight_tokens=sum(h.max_tokens for h in attempts.values() if not h.lost) + lost,
+            attempts=attempts,
+            lost_tokens=lost,
+            lost_usd=None if usd_per_token is None else lost * usd_per_token,
+            key_usage_base_usd=key.base_usd,
+            key_unexplained_usd=key.unexplained_usd,
+            unreconciled=self.book.unreconciled(name, len(lost_attempts)),
+            rate_usd_per_s=rate_usd,
+            rate_tokens_per_s=rate_tokens,
+            updated_at=now,
+        )
 
     def _offsets_of(self, totals: ScopeTotals) -> dict[str, int]:
         """The scope's counted-up-to offsets: the ledger's, or its own floor while replaying."""
@@ -601,6 +663,18 @@ class Ledger:
     def datasets(self) -> list[str]:
         """The dataset scopes seen so far."""
         return sorted(n for n in self.scopes if n != GLOBAL_SCOPE)
+
+
+def _rate(totals: ScopeTotals, now: float, window_s: float) -> tuple[float, float]:
+    """The moving spend rate of one scope's totals: (dollars per second, completion tokens per second)."""
+    if totals.first_event_at is None:
+        return 0.0, 0.0
+    while totals.window and totals.window[0][0] < now - window_s:
+        totals.window.popleft()
+    span = max(1.0, min(window_s, now - totals.first_event_at))
+    usd = sum(c for _, c, _ in totals.window)
+    tokens = sum(t for _, _, t in totals.window)
+    return usd / span, tokens / span
 
 
 def _prompt_of(attempt: str) -> str:

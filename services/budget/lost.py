@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
-from schemas import GLOBAL_SCOPE, BudgetSnapshot, HeldAttempt
+from schemas import GLOBAL_SCOPE, BudgetSnapshot, HeldAttempt, provider_of_scope
 
 
 class _LostView(Protocol):
@@ -74,10 +74,13 @@ def lost_summary(ledger: _LostView, scope: str) -> str:
 
 
 def lost_attempt_lines(snapshots: Iterable[BudgetSnapshot]) -> list[str]:
-    """``<dataset>: N attempts lost with worker W, ...`` for every dataset scope that has lost attempts."""
-    return [
-        f"{snap.scope}: {line}"
-        for snap in sorted(snapshots, key=lambda s: s.scope)
-        if snap.scope != GLOBAL_SCOPE
-        for line in snapshot_lost_lines(snap)
-    ]
+    """``<dataset>: N attempts lost with worker W, ...`` for every dataset scope that has lost attempts,
+    and ``provider:<name>: its lost attempts cannot be reconciled: <why>`` for a provider whose key cannot say."""
+    lines: list[str] = []
+    for snap in sorted(snapshots, key=lambda s: s.scope):
+        if provider_of_scope(snap.scope) is not None:
+            if snap.unreconciled:
+                lines.append(f"{snap.scope}: its lost attempts cannot be reconciled: {snap.unreconciled}")
+        elif snap.scope != GLOBAL_SCOPE:
+            lines.extend(f"{snap.scope}: {line}" for line in snapshot_lost_lines(snap))
+    return lines

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from schemas import BudgetSnapshot, YieldFigures
+from schemas import BudgetSnapshot, YieldFigures, provider_of_scope
 
 QUALITY_ACTOR = "budget-quality"
 """The ``by`` of a quality halt (a cap halt is ``budget``: raising a cap never lifts this one)."""
@@ -56,6 +56,7 @@ class Verdict:
     completion_tokens: int = 0
     key: str = ""
     """The record key (``<dataset>:<sample_id>``): a later verdict of the same key supersedes this one."""
+    provider: str = ""  # the configured provider that answered ("": a record from before names)
 
 
 # Partial views of the wire records: only the fields a verdict needs are decoded (msgspec
@@ -66,6 +67,8 @@ class _UsageView(msgspec.Struct):
 
 class _ResponseView(msgspec.Struct):
     dataset: str
+    provider: str = ""
+    provider_name: str = ""
     upstream_provider: str | None = None
     received_at: float = 0.0
     usage: _UsageView = msgspec.field(default_factory=_UsageView)
@@ -96,6 +99,7 @@ def _of_response(dataset: str, response: _ResponseView, *, accepted: bool, reaso
         received_at=response.received_at,
         completion_tokens=response.usage.completion_tokens or 0,
         key=key,
+        provider=response.provider_name or response.provider,
     )
 
 
@@ -221,6 +225,7 @@ class QualityGate:
         self.min_yield = min_yield
         self._datasets: dict[str, _Window] = {}
         self._upstreams: dict[str, dict[str, _Window]] = {}
+        self._providers: dict[str, _Window] = {}  # per configured provider: figures only, never a halt
         self._since: dict[str, float] = {}
 
     def _dataset(self, name: str) -> _Window:
@@ -243,6 +248,8 @@ class QualityGate:
         self._dataset(verdict.dataset).add(verdict, in_window=in_window)
         if verdict.upstream:
             self._upstream(verdict.dataset, verdict.upstream).add(verdict, in_window=in_window)
+        if verdict.provider:
+            self._providers.setdefault(verdict.provider, _Window(self.window)).add(verdict, in_window=True)
         return self.breach(verdict.dataset) if in_window else None
 
     def breach(self, dataset: str) -> str | None:
@@ -281,6 +288,11 @@ class QualityGate:
         ups = {name: w.figures() for name, w in sorted(self._upstreams.get(dataset, {}).items())}
         return (win.figures() if win else None), ups
 
+    def provider_figures(self, provider: str) -> YieldFigures | None:
+        """The yield of one provider's answers over every dataset (None before its first verdict)."""
+        win = self._providers.get(provider)
+        return win.figures() if win else None
+
     def restore(self, snapshots: Iterable[BudgetSnapshot]) -> None:
         """Totals from checkpointed snapshots (the windows start empty after a restart).
 
@@ -289,6 +301,11 @@ class QualityGate:
         judged as the same prompt.
         """
         for snap in snapshots:
+            provider = provider_of_scope(snap.scope)
+            if provider is not None:
+                if snap.quality is not None:
+                    self._providers.setdefault(provider, _Window(self.window)).restore(snap.quality)
+                continue
             if snap.quality is not None:
                 self._dataset(snap.scope).restore(snap.quality)
             for upstream, figures in snap.upstreams.items():

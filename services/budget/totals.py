@@ -81,6 +81,20 @@ class ScopeTotals:
         return offset >= self.floor.get(position, 0)
 
 
+def counted_snapshot(totals: ScopeTotals) -> BudgetSnapshot:
+    """A snapshot of what a scope counted (tokens, dollars, requests, answers); the rest left at defaults."""
+    return BudgetSnapshot(
+        scope=totals.scope,
+        prompt_tokens=totals.prompt_tokens,
+        completion_tokens=totals.completion_tokens,
+        reasoning_tokens=totals.reasoning_tokens,
+        cost_usd=totals.cost_usd,
+        requests=totals.requests,
+        responses=totals.responses,
+        responses_without_usage=totals.responses_without_usage,
+    )
+
+
 def restored_attempts(snap: BudgetSnapshot, now: float) -> dict[str, HeldAttempt]:
     """A snapshot's held attempts (older snapshots carry only ``inflight``: started now, by nobody known)."""
     if snap.attempts:

@@ -105,6 +105,10 @@ class ProviderSettings(BaseModel):
     model_config = _frozen
 
     kind: Literal["simulator", "openrouter", "openai", "sglang"] = "simulator"
+    # What this provider is called in halts (scope ``provider:<name>``), budget and status
+    # figures and rows' ``provider_name``. A ``[providers.NAME]`` section is named NAME; "":
+    # the kind (a single ``[provider]``).
+    name: str = ""
     # "completions": the prompt is rendered with the dataset profile's template (tools in the
     # model's native format) and sent as text to POST <base_url>/completions; the answer is the
     # model's raw text, with no reasoning or tool parser in between. A dataset may override it.
@@ -126,16 +130,25 @@ class ProviderSettings(BaseModel):
     # What the provider's text loses (services/profiles/conventions.py); None: by kind.
     convention: Literal["vllm", "sglang", "sglang-legacy", "openrouter"] | None = None
     # Consecutive connection errors, timeouts, 5xx or 404s (no success between them) that
-    # make an outage: every worker halts (scope global) instead of dead-lettering prompts.
+    # make an outage: this provider's workers halt (scope provider:<name>) and hand their
+    # partitions to the others instead of dead-lettering prompts.
     outage_after: int = Field(default=8, ge=1, le=100_000)
     # While an outage halt stands, the provider is checked this often; it resumes itself.
     probe_interval_s: float = Field(default=5.0, gt=0)
-    # A 429 storm in which nothing gets through for this long halts every worker (scope
-    # global, a reason naming the rate limit); the probe resumes once a request is admitted.
+    # A 429 storm in which nothing gets through for this long halts this provider's workers
+    # (scope provider:<name>, a reason naming the rate limit); the probe resumes once admitted.
     rate_limit_stall_s: float = Field(default=60.0, gt=0)
     # Optional ceilings below the provider's own limits (aiolimiter leaky buckets, per worker).
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
+    # The metrics port of this provider's worker (``run inference --provider NAME``), so that two
+    # workers on one host do not share one; ``status`` reads each. None: [metrics] inference_port.
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+
+    @property
+    def label(self) -> str:
+        """The provider's name: ``name``, else its kind."""
+        return self.name or self.kind
 
 
 class InferenceSettings(BaseModel):
@@ -344,6 +357,9 @@ class Settings(BaseSettings):
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     provider: ProviderSettings = Field(default_factory=ProviderSettings)
+    # Several providers in one run (docs/providers.md): one worker per provider, chosen with
+    # ``draftstream run inference --provider NAME``; the budget reads every one's key.
+    providers: dict[str, ProviderSettings] = Field(default_factory=dict)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
@@ -400,6 +416,49 @@ class Settings(BaseSettings):
         for name in value:
             check_dataset_name(name)
         return value
+
+    @field_validator("providers")
+    @classmethod
+    def _provider_names(cls, value: dict[str, ProviderSettings]) -> dict[str, ProviderSettings]:
+        named = {}
+        for name, section in value.items():
+            if not name or not set(name) <= _VALID_TOPIC_CHARS:
+                raise ConfigError(f"provider name {name!r}: use 1-200 of [a-zA-Z0-9._-]")
+            if section.name and section.name != name:
+                raise ConfigError(f"[providers.{name}] name = {section.name!r}: the section's name is its name")
+            named[name] = section.model_copy(update={"name": name})
+        return named
+
+    def all_providers(self) -> dict[str, ProviderSettings]:
+        """Every configured provider by name: the ``[providers.NAME]`` sections, else ``[provider]``."""
+        return dict(self.providers) if self.providers else {self.provider.label: self.provider}
+
+    def for_provider(self, name: str | None) -> Settings:
+        """These settings with ``[provider]`` being provider ``name`` (what one worker runs).
+
+        ``None`` keeps ``[provider]`` when no ``[providers.NAME]`` is configured, or takes the
+        only one; with several, the choice is the caller's (:class:`ConfigError` names them).
+        """
+        if name is None:
+            if len(self.providers) <= 1:
+                name = next(iter(self.providers), None)
+                if name is None:
+                    return self
+            else:
+                names = ", ".join(sorted(self.providers))
+                raise ConfigError(f"several providers are configured ({names}): choose one with --provider NAME")
+        if name not in self.providers:
+            if not self.providers and name == self.provider.label:
+                return self
+            known = ", ".join(sorted(self.all_providers())) or "none"
+            raise ConfigError(f"no provider {name!r} in the configuration ([providers.NAME] sections: {known})")
+        provider = self.providers[name]
+        update: dict[str, Any] = {"provider": provider}
+        if provider.metrics_port is not None:
+            update["metrics"] = self.metrics.model_copy(update={"inference_port": provider.metrics_port})
+        chosen = self.model_copy(update=update)
+        chosen._layers = self._layers
+        return chosen
 
     def dataset(self, name: str) -> DatasetSettings:
         """The effective settings of one dataset: its own section over ``[defaults]``, else ``[defaults]``."""
@@ -473,6 +532,13 @@ def _refuse_secrets_in_file(path: Path) -> None:
             raise ConfigError(
                 f"{path}: [{section}] {key} must not be written in a file; "
                 f"set DRAFTSTREAM_{section.upper()}__{key.upper()} in the environment"
+            )
+    providers = data.get("providers")
+    for name, section in (providers.items() if isinstance(providers, dict) else ()):
+        if isinstance(section, dict) and "api_key" in section:
+            raise ConfigError(
+                f"{path}: [providers.{name}] api_key must not be written in a file; "
+                f"set DRAFTSTREAM_PROVIDERS__{name.upper()}__API_KEY in the environment"
             )
 
 
@@ -560,6 +626,13 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
         raise ConfigError(f"invalid configuration{f' in {path}' if path else ''}:\n{exc}") from None
     finally:
         _CURRENT_TOML[0] = None
+    if "OPENROUTER_API_KEY" in environ:  # the conventional key of every OpenRouter section without its own
+        keyed = {
+            name: p.model_copy(update={"api_key": SecretStr(environ["OPENROUTER_API_KEY"])})
+            if p.kind == "openrouter" and p.api_key is None else p
+            for name, p in settings.providers.items()
+        }
+        settings = settings.model_copy(update={"providers": keyed})
     settings._layers = {
         "override": overrides,
         "env": EnvSettingsSource(Settings)(),

@@ -29,7 +29,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer, TopicPartition
 from prometheus_client import Gauge
 
-from schemas import CONTROL_TOPIC, GLOBAL_SCOPE, Halt, Resume, SchemaError, decode_control, encode
+from schemas import CONTROL_TOPIC, GLOBAL_SCOPE, Halt, Resume, SchemaError, decode_control, encode, provider_scope
 from services.common.config import KafkaSettings
 from services.common.kafka import make_consumer
 from services.common.service import release
@@ -70,8 +70,13 @@ class Stopped(Exception):  # noqa: N818 - control flow: the worker is stopping, 
 class HaltFollower:
     """Which scopes stand halted here, kept current from ``control``; the gate requests pass."""
 
-    def __init__(self, kafka: KafkaSettings, stopping: asyncio.Event, *, gauge: Gauge | None = None) -> None:
+    def __init__(
+        self, kafka: KafkaSettings, stopping: asyncio.Event, *, gauge: Gauge | None = None, provider: str = ""
+    ) -> None:
         self._kafka = kafka
+        # A worker's provider scope holds every request it sends, beside the global one and its dataset's.
+        self.provider_scope = provider_scope(provider) if provider else ""
+        self._own: tuple[str, ...] = (self.provider_scope,) if provider else ()
         self._gauge = gauge
         self._topic = kafka.topic(CONTROL_TOPIC)
         self._stopping = stopping
@@ -118,8 +123,12 @@ class HaltFollower:
             self._thread = None
 
     def is_halted(self, *scopes: str) -> bool:
-        """True when a global halt stands or any of ``scopes`` is halted."""
-        return self.state.is_halted(*scopes)
+        """True when a global halt stands, this worker's provider is halted, or any of ``scopes`` is."""
+        return self.state.is_halted(*scopes, *self._own)
+
+    def provider_halted(self) -> bool:
+        """Whether this worker's own provider stands halted (its partitions belong to other workers meanwhile)."""
+        return bool(self.provider_scope) and self.provider_scope in self.state.halted
 
     @property
     def stopping(self) -> bool:
@@ -128,7 +137,7 @@ class HaltFollower:
 
     def held_back(self, *scopes: str) -> bool:
         """Whether the gate holds a request of ``scopes`` now: a halt of one, or a hand-over."""
-        return self._handing_over or self.state.is_halted(*scopes)
+        return self._handing_over or self.state.is_halted(*scopes, *self._own)
 
     def may_go(self, *scopes: str) -> bool:
         """Whether a request of ``scopes`` may leave now: not held back, and the owner not stopping."""

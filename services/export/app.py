@@ -60,6 +60,7 @@ class ExportReport:
     profiles: set[str] = field(default_factory=set)
     files: list[Path] = field(default_factory=list)
     merged: bool = False  # every row in one OUT/<target>.jsonl (merged_name)
+    left_out: int = 0  # rows of other providers than the one asked for (``provider``)
     card: CardStats = field(default_factory=CardStats)  # the figures of the rows written
 
 
@@ -235,6 +236,7 @@ def export(
     settings: Settings | None = None,
     progress: Callable[[int], None] | None = None,
     dead_letters: Counter[tuple[str, str, str]] | None = None,
+    provider: str | None = None,
 ) -> ExportReport:
     """Export every row of ``sink_dir`` to ``out_dir`` for ``target``; see the module docstring.
 
@@ -242,6 +244,8 @@ def export(
     ``OUT/<target>.jsonl`` instead of one part per input part. ``progress(n)`` is called
     after every part with the rows it held. ``dead_letters`` ((dataset, stage, reason) -> count,
     read by the caller from the dead-letter topic) go into the card for the sink folder's datasets.
+    ``provider``: only the rows this configured provider answered (``metadata.provider_name``; a row
+    written before names were recorded matches by its ``metadata.provider`` kind).
     """
     if target not in TARGETS:
         raise CommandError(f"--to {target!r}: choose one of {', '.join(TARGETS)}")
@@ -264,6 +268,10 @@ def export(
         rows = list(read_part(part, report))
         report.parts_read += 1
         report.rows_read += len(rows) + len(report.refused) - refused_before
+        if provider is not None:
+            kept = [row for row in rows if (row.metadata.provider_name or row.metadata.provider) == provider]
+            report.left_out += len(rows) - len(kept)
+            rows = kept
         writer = merged or _PartWriter(out_dir / part.parent.name / part.with_suffix(f".{fmt}").name, fmt)
         if target == "specforge":
             _specforge_convert(rows, tokenizers, report, writer)

@@ -24,6 +24,9 @@ def export_command(
     dead_letters: Annotated[
         bool, typer.Option("--dead-letters", help="Count the datasets' dead letters (configured Kafka) into the card")
     ] = False,
+    provider: Annotated[
+        str | None, typer.Option("--provider", "-p", help="Only the rows this provider answered ([providers.NAME])")
+    ] = None,
 ) -> None:
     """Write SINK_DIR's rows as OUT_DIR/<dataset>/part-NNNNN.* for a trainer; exit 1 when a row is refused.
 
@@ -52,7 +55,7 @@ def export_command(
         report = export(
             to,  # type: ignore[arg-type]  # checked by export()
             source, out_dir, fmt=fmt, merge=merge, settings=settings,
-            progress=lambda n: progress.advance(task, n), dead_letters=letters,
+            progress=lambda n: progress.advance(task, n), dead_letters=letters, provider=provider,
         )  # fmt: skip
     for line in report.refused[:_MAX_LISTED]:
         console.print(styled("refused", "red", f" {line}"), soft_wrap=True)
@@ -63,6 +66,7 @@ def export_command(
     print(
         f"exported {report.rows_written} of {report.rows_read} row(s) from {report.parts_read} part(s) to "
         f"{written_to} ({per_dataset}); refused {len(report.refused)}"
+        + (f"; {report.left_out} row(s) of other providers left out (--provider {provider})" if provider else "")
     )
     for (profile, template, last_only), matched in sorted(report.mask_matches.items()):
         rule = "last assistant turn only" if last_only else "every assistant turn"

@@ -139,7 +139,9 @@ class Answerer:
             attempt=attempt,
             now=time.time(),
         )
-        event = msgspec.structs.replace(event, request_hash=digest, attempt_id=attempt_id)
+        event = msgspec.structs.replace(
+            event, request_hash=digest, attempt_id=attempt_id, provider_name=self._settings.provider.label
+        )
         sample = key_of(prompt.dataset, prompt.sample_id).encode()
         value = encode(event)
         acks = [await self._producer.send(self._responses, value, key=sample)]

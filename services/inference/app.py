@@ -110,7 +110,7 @@ class InferenceWorker:
         self.repay = repay
         self.group_id = self._kafka.group(GROUP_ID)  # the topic prefix namespaces the group too
         self._stopping, self._abort = asyncio.Event(), asyncio.Event()
-        self.halts = HaltFollower(self._kafka, self._stopping, gauge=HALTED)
+        self.halts = HaltFollower(self._kafka, self._stopping, gauge=HALTED, provider=settings.provider.label)
         self.halts.listeners.append(self.apply_pauses)
         self.inflight = InFlight()
         self.lateness = LoopLateness()
@@ -122,6 +122,7 @@ class InferenceWorker:
         self._announcer: AIOKafkaProducer | None = None  # RequestStarted records only
         self._consumer: AIOKafkaConsumer | None = None
         self.checkpoint: Checkpoint | None = None  # what may be committed
+        self.in_group = False  # subscribed: out of the group while its provider is halted
         self.store: ResponseStore | None = None  # paid responses, by request
 
     @property
@@ -175,10 +176,10 @@ class InferenceWorker:
             kafka, group_id=self.group_id, metadata_max_age_ms=10_000,
             rebalance_timeout_ms=int((settings.inference.handover_timeout_s + 10) * 1000))
         self.checkpoint = Checkpoint(consumer, label=STAGE, interval_s=settings.stage.commit_interval_ms / 1000)
-        consumer.subscribe(pattern=f"^{re.escape(kafka.topic(PROMPTS_TOPIC_PREFIX))}[A-Za-z0-9._-]+$",
-                           listener=_Rebalance(self))
         with refused_as(kafka, "READ"):
             await consumer.start()
+        if not self.halts.provider_halted():  # else the group's prompts go to the other providers' workers
+            self._join(consumer)
         store = "no store" if self.store is None else f"{len(self.store)} paid response(s) in the store"
         log.info("inference worker %s started (halted: %s; %s)", self.worker_id, self.halts.scopes() or "none",
                  "paying again for every request (--repay)" if self.repay else store)
@@ -216,7 +217,17 @@ class InferenceWorker:
         try:
             while not self._stopping.is_set():
                 free = self.inflight.room(self.settings.provider.concurrency)
-                if free <= 0:
+                if self.halts.provider_halted() != (not self.in_group):
+                    if self.in_group and self.inflight.sending(self.halts.held):
+                        # Its requests at the provider end first (answered, or back at the gate): a
+                        # prompt given away while its request is out would be paid for twice.
+                        await self.inflight.wait_for_room(0.2)
+                    else:
+                        await (self._leave(consumer) if self.in_group else self._rejoin(consumer))
+                elif not self.in_group:  # its provider is halted: no partition is here
+                    self.inflight.drop_held(set(), self.halts.held)  # a retry of a prompt given away
+                    await self.inflight.wait_for_room(0.2)
+                elif free <= 0:
                     await self.inflight.wait_for_room(0.5)  # bounded memory: no fetch until one finishes
                 elif self.lateness.behind():
                     await asyncio.sleep(self.lateness.tick_s)  # answers first: no new prompt while behind
@@ -242,6 +253,43 @@ class InferenceWorker:
         finally:
             await self.inflight.drain(self._drain_timeout_s, self._abort)
             await checkpoint.commit()
+
+    def _join(self, consumer: AIOKafkaConsumer) -> None:
+        """Join the group: every prompts.<dataset> topic (a pattern finds new ones on metadata refresh)."""
+        consumer.subscribe(pattern=f"^{re.escape(self._kafka.topic(PROMPTS_TOPIC_PREFIX))}[A-Za-z0-9._-]+$",
+                           listener=_Rebalance(self))
+        self.in_group = True
+
+    async def _rejoin(self, consumer: AIOKafkaConsumer) -> None:
+        """The provider answers again (its halt lifted): take a share of the group's partitions again."""
+        log.warning("provider %s resumed: worker %s joins the group again", self.settings.provider.label,
+                    self.worker_id)
+        self.inflight.drop_held(set(), self.halts.held)
+        self._join(consumer)  # the gate holds every request until the assignment (_Rebalance) says what is here
+        await asyncio.sleep(0)
+
+    async def _leave(self, consumer: AIOKafkaConsumer) -> None:
+        """The provider is halted: hand every partition to the group (its other workers send meanwhile).
+
+        As a revocation does (aiokafka calls no listener on unsubscribe): the requests at the
+        provider are answered or reach the gate, the completed prefix is committed, then the
+        group is left and the prompts held at the gate are dropped (their next owner sends them).
+        The gate holds every request until the worker is in the group again and assigned.
+        """
+        gone, checkpoint = set(consumer.assignment()), _started(self.checkpoint)
+        log.warning("provider %s halted: worker %s hands its %d partition(s) to the group until it answers again",
+                    self.settings.provider.label, self.worker_id, len(gone))
+        self.halts.hold_for_hand_over()  # ended by the assignment after _rejoin
+        timeout_s = self.settings.inference.handover_timeout_s
+        unanswered = await self.inflight.hand_over(gone, timeout_s, self.halts.held)
+        if unanswered:
+            log.warning("leaving the group with %d request(s) unanswered after %.0f s: "
+                        "their next owner may pay for them again", unanswered, timeout_s)
+        await checkpoint.commit(only=gone)
+        consumer.unsubscribe()
+        self.in_group = False
+        self.inflight.drop_held(set(), self.halts.held)
+        checkpoint.reassigned(set())
 
     async def _process(self, tp: TopicPartition, record: Record) -> None:
         try:
@@ -352,6 +400,10 @@ class InFlight:
     def at_provider(self) -> int:
         """Tasks holding a provider slot: requests sent, or waiting to be."""
         return len(self._holding)
+
+    def sending(self, held: Collection[asyncio.Task[Any]]) -> int:
+        """Tasks not done and not ``held`` at the gate: a request out, about to go, or its answer being published."""
+        return sum(1 for task in self._tasks if not task.done() and task not in held)
 
     def partitions(self) -> set[TopicPartition]:
         """The partitions of the prompts in flight."""

@@ -8,8 +8,8 @@ record, ``withheld``) and waits at the gate again. Retries back off exponentiall
 (with jitter, capped, honouring ``Retry-After``). A 429 is never a dead letter:
 it shrinks the window, pauses new requests and the prompt waits its turn again, without
 using up the attempts other failures have (a storm that admits nothing for
-``provider.rate_limit_stall_s`` halts every worker, see the guard). After the last attempt a failure
-is one of: the account was refused (halt every worker, wait at the gate, start over), the
+``provider.rate_limit_stall_s`` halts the provider's workers, see the guard). After the last attempt a
+failure is one of: the account was refused (halt the provider's workers, wait at the gate, start over), the
 provider answers nobody (wait out the outage, start over), or this request's own fault (a
 dead letter).
 """
@@ -315,6 +315,7 @@ class ProviderCall:
         started.lease_epoch = epoch
         started.attempt_id = uuid.uuid4().hex
         started.supersedes = ended
+        started.provider_name = self._cfg.label
         try:
             await (await self._producer.send(self._requests_topic, encode(started), key=key.encode()))
         except BaseException:

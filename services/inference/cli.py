@@ -28,16 +28,25 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 help="Send every request again, even those already answered and paid for (response store)",
             ),
         ] = False,
+        provider: Annotated[
+            str | None,
+            typer.Option("--provider", "-p", help="Which [providers.NAME] this worker sends to (docs/providers.md)"),
+        ] = None,
     ) -> None:
         """Consume prompts.*, call the provider with many requests in flight, publish responses."""
-        from services.common.cli import hooks_of, settings_from
+        from services.common.cli import fail, hooks_of, settings_from
+        from services.common.config import ConfigError
         from services.common.service import run_from_cli
         from services.inference.app import create_app
 
         probe = hooks_of(ctx).worker_probe
+        try:
+            settings = settings_from(config).for_provider(provider)
+        except ConfigError as exc:
+            fail(str(exc))
         run_from_cli(
             "inference",
             lambda settings: create_app(settings, repay=repay, probe=probe),
-            settings=settings_from(config),
+            settings=settings,
             log_level=log_level,
         )

@@ -41,7 +41,7 @@ REPAY_HEADER = topology.REPAY_HEADER
 """A prompt record carrying this header (value ``1``) is sent again even if already paid for."""
 
 # Failures that say "the provider (or the way to it) is down", not "this request is bad":
-# enough of them in a row halt every worker instead of draining the topic into dead letters.
+# enough of them in a row halt the provider's workers instead of draining the topic into dead letters.
 CONNECTION_REASONS = frozenset(
     {
         "provider_connection_refused",

@@ -3,14 +3,15 @@
 Before the first paid request every dataset's profile and the provider are checked; a
 failure halts the scope on ``control`` instead of paying for answers that cannot be
 used, and a halt the check published earlier is lifted once it passes. An outage
-(``provider.outage_after`` connection errors, timeouts, 5xx or 404s in a row) halts every
-worker instead of draining the topic into dead letters; a probe resumes by itself when
-the provider answers again. A rate limit that admits nothing (only 429s for
-``provider.rate_limit_stall_s``) halts every worker the same way, and the probe sends one
-request of a single token now and then until the limit admits it. A 401/402 halts every
-worker until a person resumes. A provider that does not implement the check (``GET /models``
-answering 404, 405 or 501) but serves its completion endpoint is unknown, not down:
-pre-flight goes on and the first real request decides.
+(``provider.outage_after`` connection errors, timeouts, 5xx or 404s in a row) halts the
+provider (scope ``provider:<name>``: every worker of this provider, and no other) instead of
+draining the topic into dead letters; a probe resumes by itself when the provider answers
+again. A rate limit that admits nothing (only 429s for ``provider.rate_limit_stall_s``) halts
+the provider the same way, and the probe sends one request of a single token now and then
+until the limit admits it. A 401/402 halts the provider until a person resumes. A worker
+whose provider is halted leaves the consumer group meanwhile (services/inference/app.py).
+A provider that does not implement the check (``GET /models`` answering 404, 405 or 501)
+but serves its completion endpoint is unknown, not down: pre-flight goes on and the first real request decides.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from schemas import GLOBAL_SCOPE, Halt, Message, PromptPublished, Resume
+from schemas import Halt, Message, PromptPublished, Resume, provider_scope
 from services.common.config import DatasetSettings, Settings
 from services.common.halts import HaltFollower
 from services.common.metrics import PROVIDER_OUTAGES
@@ -58,6 +59,8 @@ class ProviderGuard:
         self._settings = settings
         self._provider = provider
         self._halts = halts
+        # Outage, pre-flight, account and rate-limit halts pause this provider's workers only.
+        self.scope = provider_scope(settings.provider.label)
         self.outage = OutageDetector(settings.provider.outage_after)
         self.throttle = ProviderThrottle(settings.provider, provider.name)
         self._rate_limit_published = False
@@ -72,7 +75,7 @@ class ProviderGuard:
         halts.listeners.append(self._on_halts_changed)
 
     def _on_halts_changed(self) -> None:
-        if self._halts.standing(GLOBAL_SCOPE) is None:
+        if self._halts.standing(self.scope) is None:
             self._account_halt_published = False
             if self._rate_limit_published:  # resumed (by the probe, another worker or a person)
                 self._rate_limit_published = False
@@ -87,7 +90,7 @@ class ProviderGuard:
         for name in sorted(self._settings.datasets):
             await self.check_dataset(name)
         check = await self._provider.check()
-        self.preflight[GLOBAL_SCOPE] = check
+        self.preflight[self.scope] = check
         base = self._settings.provider.base_url
         self.throttle.stated(check.rate_limit_rps)
         if check.ok:
@@ -95,14 +98,14 @@ class ProviderGuard:
                 log.warning("pre-flight: provider %s at %s: %s", self._provider.name, base, check.detail)
             else:
                 log.info("pre-flight: provider %s at %s answers: %s", self._provider.name, base, check.detail or "ok")
-            await self._resume_own(GLOBAL_SCOPE, (PREFLIGHT_ACTOR, OUTAGE_ACTOR), "pre-flight passed")
+            await self._resume_own(self.scope, (PREFLIGHT_ACTOR, OUTAGE_ACTOR), "pre-flight passed")
             return
         log.error("pre-flight: provider %s at %s: %s", self._provider.name, base, check.message)
-        standing = self._halts.standing(GLOBAL_SCOPE)
+        standing = self._halts.standing(self.scope)
         if standing is not None and standing.by not in (PREFLIGHT_ACTOR, OUTAGE_ACTOR):
             return  # a person's or the budget's halt stands already; it is not replaced
         by = OUTAGE_ACTOR if check.outage else PREFLIGHT_ACTOR
-        halt = Halt(scope=GLOBAL_SCOPE, reason=f"pre-flight: {check.message}", by=by, at=time.time())
+        halt = Halt(scope=self.scope, reason=f"pre-flight: {check.message}", by=by, at=time.time())
         await self._halts.publish(halt)
         if check.outage:
             self._outage_published = True
@@ -187,9 +190,9 @@ class ProviderGuard:
     # --- during the run -----------------------------------------------------------------
 
     async def halt_account(self, failure: ProviderFailure) -> None:
-        """A 401/402 means no prompt can succeed: halt every worker until a person resumes."""
+        """A 401/402 means no prompt of this provider can succeed: halt it until a person resumes."""
         halt = Halt(
-            scope=GLOBAL_SCOPE,
+            scope=self.scope,
             reason=f"provider HTTP {failure.http_status}: {failure.message[:300]}",
             by=STAGE,
             at=time.time(),
@@ -198,24 +201,24 @@ class ProviderGuard:
         if self._account_halt_published:
             return
         self._account_halt_published = True
-        log.error("provider refused the account (HTTP %s): halting globally", failure.http_status)
+        log.error("provider refused the account (HTTP %s): halting %s", failure.http_status, self.scope)
         await self._halts.send(halt)
 
     async def halt_outage(self) -> None:
-        """Enough outage-class failures in a row: halt every worker (the probe resumes)."""
+        """Enough outage-class failures in a row: halt the provider (the probe resumes)."""
         if self._outage_published:
             return
-        standing = self._halts.standing(GLOBAL_SCOPE)
+        standing = self._halts.standing(self.scope)
         self._outage_published = True
         reason = outage_reason(self.outage, self._settings.provider.base_url)
         PROVIDER_OUTAGES.labels(reason=self.outage.last.reason if self.outage.last else "unknown").inc()
         if standing is not None:
-            log.error("provider outage while %s is halted already: %s", GLOBAL_SCOPE, reason)
+            log.error("provider outage while %s is halted already: %s", self.scope, reason)
             return
-        await self._halts.publish(Halt(scope=GLOBAL_SCOPE, reason=reason, by=OUTAGE_ACTOR, at=time.time()))
+        await self._halts.publish(Halt(scope=self.scope, reason=reason, by=OUTAGE_ACTOR, at=time.time()))
 
     async def halt_rate_limit(self) -> None:
-        """Nothing but 429s for ``provider.rate_limit_stall_s``: halt every worker (the probe resumes)."""
+        """Nothing but 429s for ``provider.rate_limit_stall_s``: halt the provider (the probe resumes)."""
         if self._rate_limit_published:
             return
         self._rate_limit_published = True
@@ -225,22 +228,22 @@ class ProviderGuard:
             f"([provider] rate_limit_stall_s), {limits.stall.refusals} x HTTP 429 in a row, window "
             f"{limits.limit}; resumes by itself when a probe request is admitted"
         )
-        if self._halts.standing(GLOBAL_SCOPE) is not None:
-            log.error("%s (while %s is halted already)", reason, GLOBAL_SCOPE)
+        if self._halts.standing(self.scope) is not None:
+            log.error("%s (while %s is halted already)", reason, self.scope)
             return
-        await self._halts.publish(Halt(scope=GLOBAL_SCOPE, reason=reason, by=RATE_LIMIT_ACTOR, at=time.time()))
+        await self._halts.publish(Halt(scope=self.scope, reason=reason, by=RATE_LIMIT_ACTOR, at=time.time()))
 
     async def provider_down(self, failure: ProviderFailure) -> bool:
         """After a prompt's last attempt failed with a connection error, timeout, 5xx or 404:
         is the provider down (wait for it), or is the failure this request's own (dead letter)?
 
-        Down while the global halt stands. Up when a request sent after this prompt's first
+        Down while the provider's halt stands. Up when a request sent after this prompt's first
         failure was answered. Otherwise a free check (``GET /models``, OpenRouter ``GET /key``)
         decides; a failed check counts towards the outage halt. A provider without the check
         (``unknown``) tells nothing: the failure is the request's own, and the failed requests
         themselves count towards the outage halt.
         """
-        if self._halts.standing(GLOBAL_SCOPE) is not None:
+        if self._halts.standing(self.scope) is not None:
             return True
         if not self.outage.nobody_answered_since(failure):
             return False
@@ -274,7 +277,7 @@ class ProviderGuard:
         interval = self._settings.provider.probe_interval_s
         while True:
             await asyncio.sleep(interval)
-            standing = self._halts.standing(GLOBAL_SCOPE)
+            standing = self._halts.standing(self.scope)
             if standing is None and self.throttle.stalled() and self.throttle.waiting:
                 # A long Retry-After: no 429 comes to notice the stall, but requests wait for it.
                 await self._halt_quietly(self.halt_rate_limit())
@@ -303,7 +306,7 @@ class ProviderGuard:
                 self.outage.success(self.outage.begin())
             self._outage_published = False
             said = "the next request decides" if check.unknown else "provider answers again"
-            resume = Resume(scope=GLOBAL_SCOPE, reason=f"{said}: {check.detail or 'ok'}",
+            resume = Resume(scope=self.scope, reason=f"{said}: {check.detail or 'ok'}",
                             by=OUTAGE_ACTOR, at=time.time())
             try:
                 await self._halts.publish(resume)
@@ -339,6 +342,6 @@ class ProviderGuard:
             log.exception("rate-limit probe failed")
             return
         self.throttle.unstall()
-        resume = Resume(scope=GLOBAL_SCOPE, reason="rate limit admits requests again (probe answered)",
+        resume = Resume(scope=self.scope, reason="rate limit admits requests again (probe answered)",
                         by=RATE_LIMIT_ACTOR, at=time.time())
         await self._halt_quietly(self._halts.publish(resume))

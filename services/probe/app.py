@@ -111,7 +111,7 @@ class Prober:
         self._http = http_client
         self._own_http = http_client is None
         self._stopping = asyncio.Event()
-        self.halts = HaltFollower(settings.kafka, self._stopping)
+        self.halts = HaltFollower(settings.kafka, self._stopping, provider=settings.provider.label)
         self._producers: tuple[AIOKafkaProducer, ...] = ()  # made in start(): none when attached
         self.answerer: Answerer | None = None
 

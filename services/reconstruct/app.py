@@ -75,8 +75,10 @@ class ProfileCache:
 
 
 def convention_of(settings: Settings, response: ResponseReceived) -> Convention:
-    """The provider convention of a response: configured, else by the provider kind it came from."""
-    convention = convention_for(response.provider, settings.provider.convention)
+    """The provider convention of a response: configured for the provider that answered
+    (its ``[providers.NAME]``, else ``[provider]``), else by the provider kind it came from."""
+    configured = settings.all_providers().get(response.provider_name, settings.provider).convention
+    convention = convention_for(response.provider, configured)
     offset = settings.dataset(response.dataset).audit.usage_offset
     if offset is not None and offset != convention.completion_offset:
         from dataclasses import replace

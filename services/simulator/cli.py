@@ -105,6 +105,12 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             bool, typer.Option(help="Keep the true output ids per sample key and serve them on GET /_sim/truth")
         ] = False,
         price_per_token: Annotated[float, typer.Option(help="USD per completion token in usage.cost")] = 2e-6,
+        name: Annotated[
+            str, typer.Option("--name", help="The upstream each answer names in its 'provider' field")
+        ] = "SimProvider",
+        free: Annotated[
+            bool, typer.Option("--free", help="No usage.cost in the answers and nothing charged (a local server)")
+        ] = False,
         parser: Annotated[
             str,
             typer.Option(
@@ -152,6 +158,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 logprobs=logprobs,
                 keep_truth=keep_truth,
                 price_per_token=price_per_token,
+                provider_name=name,
+                free=free,
                 parser=parser,
                 chat_template_file=str(chat_template_file) if chat_template_file is not None else None,
                 rate_limit_rps=rate_limit_rps,
@@ -164,6 +172,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             ).with_fault_rates(_parse_rates(fault_rate or []))
         except ValueError as exc:
             fail(str(exc))
+        if not name.strip():
+            fail("--name must not be empty")
         if min(latency, jitter, retry_after, timeout_sleep, price_per_token) < 0:
             fail("latency, jitter, retry-after, timeout-sleep and price must not be negative")
         if chat_template_file is not None:

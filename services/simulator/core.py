@@ -65,6 +65,8 @@ class GenerationParams:
     count_think_end: bool = True
     price_per_token: float = 2e-6
     prompt_price_per_token: float = 0.0
+    # A local server's answers: no ``usage.cost``, and nothing charged (the configured price counts).
+    free: bool = False
     parser: str = "vllm"
     # When set, a thinking answer's length is drawn log-uniform in ``answer_tokens`` and a share in
     # ``reasoning_share`` of it is reasoning (overrides the two ranges).
@@ -342,7 +344,9 @@ def _envelope(
 
 
 def answer_cost(generation: Generation, params: GenerationParams) -> float:
-    """What one answer costs, as its ``usage.cost`` says (and the key is charged)."""
+    """What one answer costs, as its ``usage.cost`` says (and the key is charged); 0 on a free server."""
+    if params.free:
+        return 0.0
     cost = (
         generation.completion_tokens * params.price_per_token + generation.prompt_tokens * params.prompt_price_per_token
     )
@@ -350,15 +354,16 @@ def answer_cost(generation: Generation, params: GenerationParams) -> float:
 
 
 def _usage_body(generation: Generation, params: GenerationParams) -> dict[str, Any]:
-    cost = answer_cost(generation, params)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": generation.prompt_tokens,
         "completion_tokens": generation.completion_tokens,
         "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-        "cost": cost,
         "completion_tokens_details": {"reasoning_tokens": generation.reasoning_tokens},
         "prompt_tokens_details": {"cached_tokens": 0},
     }
+    if not params.free:
+        body["cost"] = answer_cost(generation, params)
+    return body
 
 
 def raw_completion_text(profile: ProfileLike, ids: Sequence[int]) -> str:

@@ -59,7 +59,8 @@ class SimulatorOptions:
     keep_truth: bool = False
     price_per_token: float = 2e-6
     prompt_price_per_token: float = 0.0
-    provider_name: str = "SimProvider"
+    provider_name: str = "SimProvider"  # the upstream named in each answer's ``provider``
+    free: bool = False  # answers carry no usage.cost and the key is charged nothing (a local server)
     parser: str = "vllm"
     chat_template_file: str | None = None
     # A key's limit: requests per second (token bucket of ``rate_limit_burst``, default the
@@ -118,6 +119,7 @@ class SimulatorOptions:
             count_think_end=self.count_think_end,
             price_per_token=self.price_per_token,
             prompt_price_per_token=self.prompt_price_per_token,
+            free=self.free,
             parser=self.parser,
             answer_tokens=self.answer_tokens,
             reasoning_share=self.reasoning_share,

@@ -98,6 +98,9 @@ class RowMetadata(msgspec.Struct, kw_only=True):
     tokenizer_sha256: str = ""
     chat_template_sha256: str = ""
     draftstream_version: str = ""
+    # The configured provider that answered ([providers.NAME]; ``provider`` is its kind). ""
+    # in rows written before it was recorded.
+    provider_name: str = ""
 
 
 class RowProvenance(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,6 +182,7 @@ def training_row(audited: SampleAudited, provenance: RowProvenance | None = None
         metadata=RowMetadata(
             provider=r.provider,
             upstream_provider=r.upstream_provider or "",
+            provider_name=r.provider_name or r.provider,
             model=r.model,
             profile=s.profile,
             usage=UsageRow(

@@ -181,19 +181,25 @@ def _tallied(
 
 
 async def _rate_limits(settings: Settings, snapshot: StatusSnapshot) -> None:
-    """The local inference worker's rate-limit windows, from its metrics endpoint (when it serves one)."""
+    """Each provider's inference worker's rate-limit windows, from its metrics endpoint (when it serves one).
+
+    A worker per provider serves on its ``[providers.NAME] metrics_port`` (else ``[metrics] inference_port``).
+    """
     metrics = settings.metrics
-    url = f"http://{metrics.host}:{metrics.inference_port}/metrics"
-    snapshot.rate_limits_source = url if metrics.inference_port else "[metrics] inference_port = 0"
-    if not metrics.inference_port:
-        return
-    try:
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            response = await client.get(url)
-            response.raise_for_status()
-    except httpx.HTTPError:
-        return  # no worker here: the table says so
-    snapshot.rate_limits = rate_limits_from_metrics(response.text)
+    ports = sorted({p.metrics_port if p.metrics_port is not None else metrics.inference_port
+                    for p in settings.all_providers().values()} - {0})
+    urls = [f"http://{metrics.host}:{port}/metrics" for port in ports]
+    snapshot.rate_limits_source = ", ".join(urls) or "[metrics] inference_port = 0"
+    for url in urls:
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                response = await client.get(url)
+                response.raise_for_status()
+        except httpx.HTTPError:
+            continue  # no worker there: the table says so when none answers
+        snapshot.rate_limits = (snapshot.rate_limits or []) + rate_limits_from_metrics(response.text)
+
+
 def _conversation(snapshot: StatusSnapshot, record: ConsumerRecord[bytes, bytes]) -> None:
     """Keep the latest state of a conversation (a record that does not decode is left out)."""
     try:

@@ -24,7 +24,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from schemas import BudgetSnapshot, ConversationProgressed, Halt, ProviderFactRecorded, topology
+from schemas import BudgetSnapshot, ConversationProgressed, Halt, ProviderFactRecorded, provider_of_scope, topology
 from services.budget.leases import capped_summary
 from services.budget.lost import lost_attempt_lines
 from services.budget.quality import yield_text
@@ -111,6 +111,8 @@ def budget_table(snapshot: StatusSnapshot) -> Table:
     for name in (*columns, "requests", "yield", "updated"):  # topology: not a topic
         table.add_column(name, justify="left" if name in ("scope", "state", "yield", "updated") else "right")
     for b in sorted(snapshot.budgets, key=lambda s: (s.scope != "global", s.scope)):
+        if provider_of_scope(b.scope) is not None:
+            continue  # providers_table's rows
         style = {"halted": "bold red", "soft-limit": "yellow"}.get(b.state, "green")
         updated = datetime.fromtimestamp(b.updated_at, tz=UTC).strftime("%H:%M:%SZ") if b.updated_at else "-"
         table.add_row(
@@ -126,6 +128,35 @@ def budget_table(snapshot: StatusSnapshot) -> Table:
         )
     if not snapshot.budgets:
         table.add_row("(no budget snapshots yet)", "", "", "", "", "", "", "", "")
+    return table
+
+
+def providers_table(snapshot: StatusSnapshot) -> Table | None:
+    """One row per provider (``provider:<name>`` budget checkpoints): state, spend, rate, in flight, lost, workers.
+
+    None when no checkpoint names a provider (a budget older than them).
+    """
+    providers = sorted((b for b in snapshot.budgets if provider_of_scope(b.scope) is not None), key=lambda b: b.scope)
+    if not providers:
+        return None
+    halted = {h.scope: h for h in snapshot.halts}
+    table = Table(title="providers", title_justify="left")
+    for name in ("provider", "state", "completion tokens", "spent", "answers", "yield", "rate", "in flight", "lost",
+                 "workers", "key"):
+        table.add_column(name, justify="right" if name in ("completion tokens", "spent", "answers", "rate",
+                                                             "in flight", "lost") else "left")
+    for b in providers:
+        halt = halted.get(b.scope)
+        state = Text(f"halted by {halt.by}", style="bold red") if halt else Text("running", style="green")
+        workers = sorted({held.worker or "unknown" for held in b.attempts.values()})
+        rate = f"{b.rate_tokens_per_s:,.0f} tok/s" if b.rate_tokens_per_s else "-"
+        if b.unreconciled:
+            key = Text(b.unreconciled, style="yellow")
+        else:
+            key = Text("-" if b.key_unexplained_usd is None else f"{_money(b.key_unexplained_usd)} unexplained")
+        table.add_row(Text(provider_of_scope(b.scope) or b.scope), state, _tokens(b.completion_tokens),
+                      _money(b.cost_usd), f"{b.responses:,}", yield_text(b), rate, _tokens(b.inflight_tokens),
+                      _tokens(b.lost_tokens), Text(", ".join(workers) or "-"), key)
     return table
 
 
@@ -295,6 +326,7 @@ def render(snapshot: StatusSnapshot, previous: StatusSnapshot | None = None) -> 
         halts_table(snapshot),
         rate_limit_table(snapshot),
         budget_table(snapshot),
+        *filter(None, [providers_table(snapshot)]),
         throughput_table(snapshot, previous),
         lag_table(snapshot),
         dead_letter_table(snapshot),
@@ -327,6 +359,7 @@ __all__ = [
     "dead_letter_table",
     "halts_table",
     "lag_table",
+    "providers_table",
     "rate_limit_table",
     "rate_limits_from_metrics",
     "render",

@@ -24,11 +24,14 @@ from aiokafka.admin import RecordsToDelete
 from schemas import (
     DLQ_HEADERS,
     BudgetSnapshot,
+    Halt,
     Message,
     PromptPublished,
     ResponseReceived,
+    Resume,
     SchemaError,
     decode,
+    decode_control,
     encode,
     sample_key,
 )
@@ -57,6 +60,8 @@ __all__ = [
     "produce",
     "prompt_value",
     "read_all",
+    "responses",
+    "control_events",
     "read_dead_letters",
     "run_cli",
     "run_side_by_side",
@@ -152,6 +157,18 @@ async def read_all(settings: Settings, *physical: str) -> dict[str, list[Record]
     for topic in physical:
         await read_to_end(settings.kafka, topic, out[topic].append)
     return out
+
+
+async def responses(settings: Settings) -> list[ResponseReceived]:
+    """Every record on ``responses``, decoded."""
+    topic = settings.kafka.topic("responses")
+    return [decode(r.value, ResponseReceived) for r in (await read_all(settings, topic))[topic]]
+
+
+async def control_events(settings: Settings) -> list[Halt | Resume]:
+    """Every record on ``control``, in order."""
+    topic = settings.kafka.topic("control")
+    return [decode_control(r.value) for r in (await read_all(settings, topic))[topic]]
 
 
 async def partitions_of(settings: Settings, *physical: str) -> list[TopicPartition]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from schemas import Halt, ResponseReceived, Resume, decode, decode_control
+from schemas import Halt, Resume
 from services.audit.app import create_app as audit_app
 from services.budget.app import create_app as budget_app
 from services.common.config import Settings
@@ -49,10 +49,12 @@ from services.status.core import render
 from tests.e2e.harness import (
     Pipeline,
     accepted_keys,
+    control_events,
     dead_letters,
     produce,
     prompt_value,
     read_all,
+    responses,
     small_prompt,
     stage_caught_up,
     wait_until,
@@ -85,18 +87,6 @@ def paid(*sims: RunningSimulator) -> Counter[str]:
     for sim in sims:
         total.update(sim.stats()["keys"])
     return total
-
-
-async def responses(settings: Settings) -> list[ResponseReceived]:
-    """Every record on ``responses``, decoded."""
-    topic = settings.kafka.topic("responses")
-    return [decode(r.value, ResponseReceived) for r in (await read_all(settings, topic))[topic]]
-
-
-async def control_events(settings: Settings) -> list[Halt | Resume]:
-    """Every record on ``control``, in order."""
-    topic = settings.kafka.topic("control")
-    return [decode_control(r.value) for r in (await read_all(settings, topic))[topic]]
 
 
 @contextlib.asynccontextmanager
@@ -420,10 +410,10 @@ async def test_a_wrong_base_url_halts_before_any_request(
     await produce(settings, settings.kafka.prompts_topic("lost"), [prompt_value("lost", i) for i in range(20)])
     try:
         async with worker_running(settings) as (worker, _):
-            assert worker.halted_scopes == ["global"]  # before the first fetch
-            halt, screen = await _halt_in_status(settings, "global")
+            assert worker.halted_scopes == ["provider:simulator"]  # before the first fetch
+            halt, screen = await _halt_in_status(settings, "provider:simulator")
             await asyncio.sleep(2.0)  # probes run meanwhile; the base URL still answers 404
-            assert worker.halted_scopes == ["global"]
+            assert worker.halted_scopes == ["provider:simulator"]
     finally:
         await sim.close()
     report(provider_requests=sum(paid(sim).values()), halt=halt.reason[:80])
@@ -445,8 +435,8 @@ async def test_an_openrouter_worker_without_a_key_halts_before_any_request(
     await produce(settings, settings.kafka.prompts_topic("paid"), [prompt_value("paid", i) for i in range(20)])
     try:
         async with worker_running(settings) as (worker, _):
-            assert worker.halted_scopes == ["global"]
-            halt, screen = await _halt_in_status(settings, "global")
+            assert worker.halted_scopes == ["provider:openrouter"]
+            halt, screen = await _halt_in_status(settings, "provider:openrouter")
     finally:
         await sim.close()
     report(provider_requests=sum(paid(sim).values()), halt=halt.reason[:80])
@@ -479,11 +469,13 @@ async def test_an_outage_halts_within_n_failures_and_resumes_by_itself(
             await first.close()  # connections refused from now on
             first_closed = True
             down_at = time.monotonic()
-            await wait_until(lambda: worker.halted_scopes == ["global"], timeout=60, message="the outage halt")
+            await wait_until(
+                lambda: worker.halted_scopes == ["provider:simulator"], timeout=60, message="the outage halt"
+            )
             answered_at_halt = worker.answers.responded
             # ~8 s down: the probe (every 1 s) finds nobody seven times over.
             await asyncio.sleep(max(0.0, 8.0 - (time.monotonic() - down_at)))
-            assert worker.halted_scopes == ["global"]  # the probe found nobody: still halted
+            assert worker.halted_scopes == ["provider:simulator"]  # the probe found nobody: still halted
             second = await start_simulator(options, port=port)
 
             async def all_answered() -> bool:
@@ -510,7 +502,7 @@ async def test_an_outage_halts_within_n_failures_and_resumes_by_itself(
         dead_letters=len(letters),
         halt=halts[0].reason[:100] if halts else "",
     )
-    assert len(halts) == 1 and halts[0].by == OUTAGE_ACTOR and halts[0].scope == "global"
+    assert len(halts) == 1 and halts[0].by == OUTAGE_ACTOR and halts[0].scope == "provider:simulator"
     assert "provider_connection_refused" in halts[0].reason
     assert failures == outage_after  # halted within N failures
     assert resumes and resumes[-1].by == OUTAGE_ACTOR

@@ -341,14 +341,15 @@ async def test_401_halts_globally_and_resumes_without_losing_the_prompt(
         async with Collector(settings, "responses", "dead-letter", "control") as out, running(settings) as worker:
             await wait_until(lambda: out.records["control"], timeout=30, message="halt published")
             halt = decode_control(out.records["control"][0].value)
-            assert isinstance(halt, Halt) and halt.scope == "global" and halt.by == "inference"
+            scope = f"provider:{settings.provider.label}"
+            assert isinstance(halt, Halt) and halt.scope == scope and halt.by == "inference"
             assert "401" in halt.reason and secret not in halt.reason
-            assert worker.halted_scopes == ["global"]
+            assert worker.halted_scopes == [scope]
             calls = len(seen_auth)
-            assert REGISTRY.get_sample_value("draftstream_inference_halted", {"scope": "global"}) == 1
+            assert REGISTRY.get_sample_value("draftstream_inference_halted", {"scope": scope}) == 1
             assert out.responses() == [] and out.dead_letters() == []
             allow.set()
-            await publish_control(settings, "global", encode(Resume(scope="global", by="operator")))
+            await publish_control(settings, scope, encode(Resume(scope=scope, by="operator")))
             await wait_until(lambda: len(out.finished_keys()) >= 12, timeout=60, message="all 12 after resume")
         assert calls <= 4  # no more than the requests already in flight when the first 401 came
         assert seen_auth[0] == f"Bearer {secret}"

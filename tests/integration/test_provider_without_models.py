@@ -117,8 +117,9 @@ async def test_a_provider_refusing_the_key_on_the_model_list_still_halts_at_pref
     async with Collector(settings, "responses", "dead-letter", "control") as out, running(settings) as worker:
         await wait_until(lambda: out.records["control"], timeout=30, message="pre-flight halt published")
         halt = decode_control(out.records["control"][0].value)
-        assert isinstance(halt, Halt) and halt.scope == "global" and halt.by == PREFLIGHT_ACTOR
+        scope = f"provider:{settings.provider.label}"
+        assert isinstance(halt, Halt) and halt.scope == scope and halt.by == PREFLIGHT_ACTOR
         assert "401" in halt.reason
-        await wait_until(lambda: worker.halted_scopes == ["global"], timeout=10, message="worker halted")
+        await wait_until(lambda: worker.halted_scopes == [scope], timeout=10, message="worker halted")
     assert server.chats == 0
     assert out.responses() == [] and out.dead_letters() == []

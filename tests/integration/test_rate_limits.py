@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from schemas import GLOBAL_SCOPE, Halt, PromptPublished, Resume, decode_control, encode
+from schemas import Halt, PromptPublished, Resume, decode_control, encode, provider_scope
 from services.common.config import Settings
 from services.common.kafka import ensure_topics
 from services.inference.core import RATE_LIMIT_ACTOR
@@ -126,7 +126,8 @@ async def test_a_limit_that_admits_nothing_halts_after_the_stall_and_resumes_whe
             return next((e for e in _control(out) if isinstance(e, Halt) and e.by == RATE_LIMIT_ACTOR), None)
 
         halt = await wait_until(rate_limit_halt, timeout=60, message="a rate-limit halt")
-        assert halt.scope == GLOBAL_SCOPE and "rate limit" in halt.reason and "429" in halt.reason, halt
+        scope = provider_scope(settings.provider.label)  # the provider's workers, not every worker
+        assert halt.scope == scope and "rate limit" in halt.reason and "429" in halt.reason, halt
         assert halt.at - started >= stall_s, "halted before the stall time"
         assert worker.halts.is_halted("stalled")
         assert out.responses() == [] and out.dead_letters() == []
@@ -135,7 +136,7 @@ async def test_a_limit_that_admits_nothing_halts_after_the_stall_and_resumes_whe
         sim.server.set_rate_limit(None)  # the limit is lifted: the probe sees it and resumes
         await wait_until(lambda: len(out.finished_keys()) >= n, timeout=60, message=f"{n} outputs after the lift")
         resumes = [e for e in _control(out) if isinstance(e, Resume) and e.by == RATE_LIMIT_ACTOR]
-    assert resumes and resumes[0].scope == GLOBAL_SCOPE
+    assert resumes and resumes[0].scope == scope
     _all_answered(out, prompts)
     assert refused_at_halt > 0
 

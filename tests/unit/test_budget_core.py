@@ -378,6 +378,6 @@ def test_a_ledger_restored_from_before_tallies_keeps_none() -> None:
     second.restore(old, 0.0)
     _tally(second, range(3))
     snaps = second.checkpoint(0.0, everything=True)
-    assert [s.scope for s in snaps] == ["math", GLOBAL_SCOPE]
+    assert [s.scope for s in snaps] == ["provider:p", "math", GLOBAL_SCOPE]  # the provider's figures first
     assert all(s.dead_letters is None and s.accepted_truncated is None for s in snaps)
     assert snaps[-1].offsets["dead-letter:0"] == 3

@@ -64,7 +64,8 @@ def v(accepted: bool, reason: str = "usage_matches", upstream: str = "", at: flo
 def test_accepted_record_is_an_accepted_verdict_naming_its_upstream() -> None:
     value = encode(SampleAudited(dataset="math", sample_id="s1", sample=sample(), passed=True))
     got = accepted_verdict(value)
-    assert got == Verdict("math", True, upstream="Lossless", received_at=5.0, completion_tokens=7)
+    assert got == Verdict("math", True, upstream="Lossless", received_at=5.0, completion_tokens=7,
+                          provider="openrouter")  # the answer's provider (no configured name: its kind)
 
 
 @pytest.mark.parametrize(
@@ -86,9 +87,10 @@ def test_a_record_on_accepted_that_is_no_passed_sample_is_no_verdict(value: byte
 def test_dead_letters_of_the_judging_stages_are_rejections_with_their_reason() -> None:
     audit = dead_letter_verdict("audit", "usage_matches", encode(sample(upstream="Stripper")))
     assert audit == Verdict("math", False, upstream="Stripper", reason="usage_matches", received_at=5.0,
-                            completion_tokens=7)
+                            completion_tokens=7, provider="openrouter")
     rebuilt = dead_letter_verdict("reconstruct", "whitespace_lost", encode(response(upstream=None)))
-    assert rebuilt == Verdict("math", False, reason="whitespace_lost", received_at=5.0, completion_tokens=7)
+    assert rebuilt == Verdict("math", False, reason="whitespace_lost", received_at=5.0, completion_tokens=7,
+                              provider="openrouter")
 
 
 @pytest.mark.parametrize(
