@@ -44,7 +44,6 @@ from services.reconstruct.plan import (
     LOGPROBS_UNMAPPABLE,
     SPECIAL_TOKEN_IN_TEXT,
     TOOL_TEXT_LOST,
-    WHERE_ARGS,
     WHERE_STRIP,
     WHITESPACE_STRIPPED,
     output_layout,
@@ -105,7 +104,7 @@ def reconstruct_batch(
 
 def _close_gaps(plan: _Plan, kept: frozenset[str]) -> None:
     """Move the strip gaps at places the upstream is proven to keep out of the search."""
-    closed = [g for g in plan.gaps if g.where in (WHERE_STRIP, WHERE_ARGS) and g.places and g.places <= kept]
+    closed = [g for g in plan.gaps if g.where == WHERE_STRIP and g.places and g.places <= kept]
     if closed:
         plan.closed = closed
         plan.gaps = [g for g in plan.gaps if g not in closed]
@@ -137,8 +136,8 @@ def _contradiction(
     """Whether the count shows whitespace missing at a place the facts closed (with them open, a candidate fits)."""
     if not plan.closed or plan.expected_count is None or plan.output_text is None:
         return False
-    if isinstance(verdict, DeadLetter) and open_edges(plan):
-        # Refused for its open edges without a search: what the search makes of the count decides.
+    if isinstance(verdict, DeadLetter) and (open_edges(plan) or plan.tool_places):
+        # Refused for its open places without a search: what the search makes of the count decides.
         verdict = prove([(0, replace(plan), ids)], profile, COUNT_TRUSTED)[0]
     if isinstance(verdict, DeadLetter):
         if verdict.reason not in (WHITESPACE_STRIPPED, TOOL_TEXT_LOST):
