@@ -10,24 +10,19 @@ order, padding, indentation, number spellings such as ``5e0`` / ``1e3`` / ``1.0`
 wrapper and between blocks, one to three parallel calls, content before the block and text after it,
 in each built-in tool format the truth writes (Qwen3/Hermes, DeepSeek-R1, DeepSeek-V3.1, Kimi-K2).
 
-Servers (``SERVERS``) are plain string operations written from the engines' own code in
-``.run/engines`` (vLLM 0.33.0, SGLang 0.5.23; ``test_fuzz_tools.py`` checks them against that code on a
-sample of answers):
+Servers (``SERVERS``) are the engines' own code (``.run/engines``, built by ``make engines``: vLLM 0.33.0
+with the parser pair ``tests/conformance/engines.py`` names per model, SGLang 0.5.23 likewise), run in a
+child process over the text the model wrote:
 
-- ``vllm``: the tool parser of the model's format. Hermes (``hermes_tool_parser.py``): content is the
-  text before the first ``<tool_call>``, each call's body ``json.loads``'d, arguments
-  ``json.dumps(..., ensure_ascii=False)``, text after the block dropped. ``deepseek_v3`` / ``deepseek_v31``
-  (0.33): arguments raw; ``deepseek_v3`` appends the text after the block to the content,
-  ``deepseek_v31`` drops it. ``kimi_k2``: arguments raw, the regex consuming ``\\s*`` around them, text after dropped.
-  Then the serving layer: whitespace-only content beside tool calls comes back ``null``
-  (``abstract_parser.py``).
-- ``vllm-stream``: vLLM's streaming Hermes path as a client assembles it: the content deltas whole,
-  the arguments as the raw text the model wrote for them.
-- ``sglang``: SGLang 0.5.23's detectors: ``Qwen25Detector`` / ``DeepSeekV3Detector`` /
-  ``DeepSeekV31Detector`` ``.strip()`` the text before the block and re-serialise the arguments
-  (``json.dumps(..., ensure_ascii=False)``); ``KimiK2Detector`` keeps both raw. Empty content is ``""``.
+- ``vllm``: vLLM's non-streaming chat path (``Parser.parse``, ``assemble_chat_message_fields``): hermes
+  ``json.dumps(..., ensure_ascii=False)``, deepseek_v3 appending the text after the block to the content,
+  kimi_k2's schema-typed arguments, ``null`` for whitespace-only content beside tool calls.
+- ``vllm-stream``: vLLM's reply as a streaming client assembles it, the argument deltas being the text the
+  model wrote for them (Hermes).
+- ``sglang``: SGLang's ``ReasoningParser`` and ``FunctionCallParser`` (its detectors ``.strip()`` the
+  content before a Qwen/DeepSeek block and re-serialise the arguments; Kimi call ids from the tool index).
 - ``logprobs``: the vLLM fields plus OpenAI-style logprob tokens with their bytes (an OpenRouter upstream).
-- ``raw``: no ``tools`` request parameter, so no tool parser: the block stays in the content as written.
+- ``raw``: vLLM with no ``tools`` request parameter, so no tool parser: the block stays in the content.
 - ``no-specials``: the raw route through a server whose detokenizer skips the tokens the tokenizer flags
   special (the Kimi fixture flags its tool tokens): the markers vanish from the text.
 """
@@ -37,7 +32,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-import re
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -45,7 +39,6 @@ from typing import Any
 from schemas import ResponseReceived
 from tests.conformance import truth as T
 from tests.conformance.test_matrix import response_of
-from tests.conformance.truth_servers import _vllm_reasoning
 
 # Truth models per tool format (the ones with an official template and a real tokenizer in truth.py).
 MODELS = ("qwen3", "qwen3-thinking-2507", "deepseek-r1", "deepseek-v3.1", "kimi-k2-thinking")
@@ -307,90 +300,36 @@ def case_of(answer: ToolAnswer, seed: int, server: str) -> T.Case:
 
 # ---- Servers ---------------------------------------------------------------------------------------------------
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # hermes_tool_parser.py
-_QWEN25 = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # qwen25_detector.py
-# vLLM 0.33's deepseekv3 / deepseekv31 regexes (arguments may span lines); SGLang's detectors match the same calls.
-_R1 = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*)<｜tool▁sep｜>(?P<name>.*)\n```json\n(?P<args>[\s\S]*?)\n```"
-                 r"<｜tool▁call▁end｜>")
-_V31 = re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>[\s\S]*?)<｜tool▁call▁end｜>")
-_KIMI = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+:\d+)\s*<\|tool_call_argument_begin\|>\s*"
-                   r"(?P<args>(?:(?!<\|tool_call_begin\|>).)*?)\s*<\|tool_call_end\|>", re.DOTALL)  # fmt: skip
-_START = {"hermes": "<tool_call>", "r1": "<｜tool▁calls▁begin｜>", "v31": "<｜tool▁calls▁begin｜>",
-          "kimi": "<|tool_calls_section_begin|>"}  # fmt: skip
-_END = {"hermes": "</tool_call>", "r1": "<｜tool▁calls▁end｜>", "v31": "<｜tool▁calls▁end｜>",
-        "kimi": "<|tool_calls_section_end|>"}  # fmt: skip
+ENGINE = {"sglang": "real-sglang"}  # every other server is vLLM
 
 
-def _raw_arguments(body: str) -> str:
-    """The arguments' text as written inside a Hermes call object (what a raw-streaming client assembles)."""
-    decoder = json.JSONDecoder()
-    at = body.index('"arguments"') + len('"arguments"')
-    at = body.index(":", at) + 1
-    while body[at].isspace():
-        at += 1
-    _, end = decoder.raw_decode(body, at)
-    return body[at:end]
+def engine_request(answer: ToolAnswer, case: T.Case, server: str) -> dict[str, Any]:
+    """What ``engines.text_responses`` needs to parse the answer as ``server``'s engine would."""
+    tok, conv = T.truth_tokenizer(answer.model), case.conversation
+    ids = [t for t in case.output_ids[:-1] if server != "no-specials" or t not in tok.special_ids]
+    text = b"".join(tok.token_bytes(t) for t in ids).decode("utf-8")  # the stop token dropped
+    return {"model": answer.model, "text": text, "prompt": case.prompt_text, "engine": ENGINE.get(server, "real-vllm"),
+            "fields": {"messages": conv.messages, "tools": conv.tools if conv.tools_sent else None,
+                       "chat_template_kwargs": dict(conv.kwargs) or None, "max_tokens": 4096}}  # fmt: skip
 
 
-def parse_tools(fmt: str, server: str, text: str) -> tuple[str, list[dict[str, str]]]:
-    """(content, calls) of the content part ``text`` as ``server``'s tool parser returns them."""
-    start = text.find(_START[fmt])
-    if start == -1:
-        return text, []
-    calls: list[dict[str, str]] = []
-    end = text.rfind(_END[fmt])
-    after = text[end + len(_END[fmt]):] if end != -1 else ""
-    before = text[:start]
-    if fmt == "hermes":
-        if server == "sglang":
-            for body in _QWEN25.findall(text):
-                obj = json.loads(body.strip())
-                calls.append({"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)})
-            return before.strip(), calls
-        for m in _HERMES.finditer(text):
-            body = m.group(1) if m.group(1) is not None else m.group(2)
-            obj = json.loads(body)
-            args = _raw_arguments(body) if server == "vllm-stream" else json.dumps(obj["arguments"], ensure_ascii=False)
-            calls.append({"name": obj["name"], "arguments": args})
-        return before, calls
-    if fmt == "kimi":
-        for m in _KIMI.finditer(text):
-            calls.append({"name": m.group("id").split(":")[0].split(".")[-1], "arguments": m.group("args"),
-                          "id": m.group("id")})  # fmt: skip
-        return before, calls
-    pattern = _R1 if fmt == "r1" else _V31
-    for m in pattern.finditer(text):
-        args = m.group("args")
-        if server == "sglang":
-            args = json.dumps(json.loads(args), ensure_ascii=False)
-        calls.append({"name": m.group("name"), "arguments": args})
-    if server == "sglang":
-        return before.strip(), calls
-    # vLLM 0.33's deepseekv3 parser appends the text after the block to the content; deepseekv31 drops it.
-    return (before + after if fmt == "r1" else before), calls
+def served(answer: ToolAnswer, case: T.Case, server: str, engine: dict[str, Any]) -> dict[str, Any]:
+    """What ``server`` returns for the answer (``truth.emulate``'s plain shape).
 
-
-def served(answer: ToolAnswer, case: T.Case, server: str) -> dict[str, Any]:
-    """What ``server`` returns for the answer (``truth.emulate``'s plain shape)."""
-    spec, tok, conv = T._SPECS[answer.model], T.truth_tokenizer(answer.model), case.conversation
+    ``engine``: the engine's own reply to :func:`engine_request`.
+    """
+    tok, conv = T.truth_tokenizer(answer.model), case.conversation
     ids = case.output_ids[:-1]  # the detokenizer drops the stop token
-    text = b"".join(tok.token_bytes(t) for t in ids).decode("utf-8")
-    if server == "no-specials":
-        text = b"".join(tok.token_bytes(t) for t in ids if t not in tok.special_ids).decode("utf-8")
-    reasoning, content = _vllm_reasoning(spec, conv.thinking, text)
-    calls: list[dict[str, str]] = []
-    if server not in ("raw", "no-specials"):
-        content, calls = parse_tools(spec.tools or "", server, content)
-    if server in ("vllm", "logprobs") and calls and not content.strip():
-        content = None  # vLLM's serving layer: whitespace-only content beside tool calls
-    tool_calls = [{"id": c.get("id") or f"call_{k}", "type": "function",
-                   "function": {"name": c["name"], "arguments": c["arguments"]}} for k, c in enumerate(calls)]
+    got = {key: engine[key] for key in ("reasoning", "content", "tool_calls", "finish_reason")}
+    if server == "vllm-stream" and len(got["tool_calls"]) == len(answer.calls):
+        # A streaming client assembles the argument deltas: the text the model wrote for them.
+        got["tool_calls"] = [{**c, "function": {**c["function"], "arguments": call.arguments}}
+                             for c, call in zip(got["tool_calls"], answer.calls, strict=True)]  # fmt: skip
     logprobs = None
     if server == "logprobs":
         logprobs = [{"token": tok.token_bytes(t).decode("utf-8", errors="replace"), "bytes": list(tok.token_bytes(t))}
                     for t in ids]  # fmt: skip
-    return {"reasoning": reasoning or "", "content": content or "", "tool_calls": tool_calls,
-            "finish_reason": "tool_calls" if calls else "stop", "logprobs": logprobs,
+    return {**got, "reasoning": got["reasoning"] or "", "content": got["content"] or "", "logprobs": logprobs,
             "usage": {"prompt_tokens": len(case.prompt_ids), "completion_tokens": len(case.output_ids)},
             "tools_sent": conv.tools_sent}  # fmt: skip
 
