@@ -84,12 +84,13 @@ CONVENTIONS: dict[str, Convention] = {
     "vllm": Convention(
         name="vllm",
         strips_whitespace=False,
-        reserialized_tool_formats=frozenset({"qwen", "dsml"}),
+        reserialized_tool_formats=frozenset({"qwen", "dsml", "kimi"}),
         trimmed_argument_formats=frozenset({"kimi"}),
         source="vLLM reasoning parsers partition at </think> with no strip; hermes re-serialises "
         "arguments with json.dumps; kimi_k2's regex consumes \\s* around arguments; its request "
         "model renders a missing tool description as null (PARSERS.md); "
-        "deepseek_v4 (0.33.0, run) returns JSON built from the DSML parameters",
+        "deepseek_v4 (0.33.0, run) returns JSON built from the DSML parameters; kimi_k2 (0.33.0, run by "
+        "the fuzzer's tool tier) returns arguments it rebuilt, values typed by the tool's schema",
         tool_null_fields=("description",),
     ),
     "sglang": Convention(

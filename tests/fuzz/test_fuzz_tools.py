@@ -46,7 +46,9 @@ SEED = int(os.environ.get("FUZZ_SEED", "43"))
 ANSWERS = int(os.environ.get("FUZZ_TOOL_ANSWERS", "20700"))
 BATCH = 16
 # The conventions before issue 53: SGLang's detectors' strip of the content before a block had no slot.
-OLD_CONVENTIONS = {**CONVENTIONS, "sglang": replace(CONVENTIONS["sglang"], strips_before_tool=frozenset())}
+# vLLM's kimi_k2 arguments were taken for raw (0.33.0 rebuilds them, typed by the tool's schema).
+OLD_CONVENTIONS = {**CONVENTIONS, "sglang": replace(CONVENTIONS["sglang"], strips_before_tool=frozenset()),
+                   "vllm": replace(CONVENTIONS["vllm"], reserialized_tool_formats=frozenset({"qwen", "dsml"}))}
 # Routes that keep the model's ids: all their answers must be accepted (the rule refuses only what a parser changed).
 KEPT = ("logprobs", "raw")
 
@@ -208,7 +210,8 @@ def classes(finding: Finding) -> set[str]:
     """Which classes a finding shows: issue 53's Hermes wrapper whitespace (``wrapper``), a number spelled
     otherwise than the re-serialised form (``spelling``), the content before the block stripped by SGLang's
     detector (``strip``); other spellings outside the forms the old search tried (``form``); and the text
-    after an R1 block, which vLLM 0.33's deepseek_v3 parser appends to the content (``appended``)."""
+    after an R1 block, which vLLM 0.33's deepseek_v3 parser appends to the content (``appended``); Kimi
+    arguments vLLM 0.33's kimi_k2 rebuilt (``kimi_typed``)."""
     answer, out = finding.answer, set()
     fmt = T._SPECS[answer.model].tools
     if fmt == "hermes" and any((c.pre, c.post) != ("\n", "\n") for c in answer.calls):
@@ -222,6 +225,8 @@ def classes(finding: Finding) -> set[str]:
         out.add("strip")
     if finding.server == "vllm" and fmt == "r1" and answer.tail:
         out.add("appended")
+    if finding.server == "vllm" and fmt == "kimi":
+        out.add("kimi_typed")  # vLLM 0.33's kimi_k2 rebuilds the arguments, values typed by the tool's schema
     return out
 
 

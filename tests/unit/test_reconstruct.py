@@ -512,9 +512,13 @@ def test_tool_definitions_not_sent_to_the_provider_stay_out_of_the_prompt_ids() 
 def test_conventions_are_the_documented_facts() -> None:
     """What each provider kind loses, as PARSERS.md states it."""
     # hermes re-serialises; deepseek_v4 (run in tests/conformance/test_engines_matrix.py's engines env)
-    # returns JSON built from the DSML parameters.
-    assert not VLLM.strips_whitespace and VLLM.reserialized_tool_formats == {"qwen", "dsml"}
+    # returns JSON built from the DSML parameters; kimi_k2 (run by the fuzzer's tool tier) rebuilds its arguments.
+    assert not VLLM.strips_whitespace and VLLM.reserialized_tool_formats == {"qwen", "dsml", "kimi"}
     assert SGLANG_LEGACY.strips_whitespace and "deepseek-r1" in SGLANG_LEGACY.reserialized_tool_formats
+    # SGLang 0.5.23 keeps the fields' whitespace, but its Qwen/DeepSeek detectors .strip() the content before
+    # the block (qwen25_detector.py, deepseekv3_detector.py, deepseekv31_detector.py: text[:idx].strip()).
     assert not CONVENTIONS["sglang"].strips_whitespace
+    assert CONVENTIONS["sglang"].strips_before_tool == {"qwen", "deepseek-r1", "deepseek-v3.1"}
+    assert not VLLM.strips_before_tool
     assert isinstance(CONVENTIONS["openrouter"], Convention) and CONVENTIONS["openrouter"].strips_whitespace
     assert KIMI_GOOD.is_dir()
