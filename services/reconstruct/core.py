@@ -6,20 +6,19 @@ logprob tokens mapped to vocabulary ids (``logprobs``), else from re-encoding th
 definition (a think-start the prompt did not open, the think-end, the native text of
 structured tool calls, the end-of-turn) and never guesses what a lossy provider may have
 dropped: where the provider's :class:`~services.profiles.conventions.Convention` says text
-may be missing (stripped whitespace, the space around re-parsed arguments, the text
-between tool calls), the ids are accepted only when ``usage.completion_tokens`` proves
-nothing is missing — the count matches and no whitespace at any such place could have
-hidden inside the count — else the sample is a dead letter naming what was lost. What one
-answer proves about its upstream (a field edge showing whitespace, arguments in the model's
-own form) closes those places in the upstream's other answers: ``reconstruct_with_facts``
-and ``services/reconstruct/facts.py``.
+may be missing (a stripped field edge; anything a tool parser consumed, re-serialised or
+dropped in and around a tool block), the ids are accepted only when evidence proves the
+place kept — the text's own whitespace there, or a provider fact — and never on a count,
+else the sample is a dead letter naming the place (docs/fidelity.md, "The rule"). What one
+answer proves about its upstream (a field edge showing whitespace) closes that place in the
+upstream's other answers: ``reconstruct_with_facts`` and ``services/reconstruct/facts.py``.
 
 Prompt ids are the encoded chat template over the messages as sent; the loss mask is 0
 over them and 1 over the output. Bad input is a :class:`DeadLetter` with a stable reason
 code, never an exception.
 
-This module judges a batch: ``reencode`` plans each answer, ``proof`` proves a lossy one
-exact, and the facts learned per upstream close places in the others.
+This module judges a batch: ``reencode`` plans each answer, ``proof`` refuses a lossy one
+with an unproven place, and the facts learned per upstream close places in the others.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Planning a chat response's output ids: native, from logprobs, or re-encoded from its text.
 
 A re-encoding plan lays the answer out as the model wrote it (think block, content, the
-native text of structured tool calls, end-of-turn) and marks the slots where the provider's
-convention says text may be missing; ``proof`` decides whether its count closes them.
+native text of structured tool calls, end-of-turn) and marks the places where the provider's
+convention says text may be missing; ``proof`` refuses the answer where nothing proves them.
 """
 
 from __future__ import annotations
@@ -344,8 +344,8 @@ def _argument_choices(tool_format: str, calls: Sequence[ToolCall]) -> list[tuple
 
     Only the count-trusting rule (``proof.TOOLS_COUNTED``, the fuzzer's view of the old behaviour)
     searches these; they are not every spelling (``5e0``, ``1e3``, key order), which is why a count
-    among them proves nothing. A re-serialising parser kept only the parsed value. Qwen3's hermes parsers parse the
-    whole ``{"name": ..., "arguments": ...}`` object, so its separators are candidates too;
+    among them proves nothing. A re-serialising parser kept only the parsed value. Qwen3's hermes
+    parsers parse the whole ``{"name": ..., "arguments": ...}`` object, so its separators are candidates too;
     the DeepSeek detectors parse the arguments alone. No alternatives (``()``): the text is
     the model's own.
     """
