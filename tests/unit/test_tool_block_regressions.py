@@ -18,7 +18,7 @@ from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import SOUND, reconstruct
 from tests.conformance.test_matrix import profile_for
 from tests.fuzz import tool_answers as A
-from tests.fuzz.test_fuzz_tools import SEED, Finding, Item, classes, judged_alone
+from tests.fuzz.test_fuzz_tools import OLD_RULE_SEED, Finding, Item, classes, judged_alone
 
 
 def _reply(content: str | None, name: str, arguments: str) -> dict[str, Any]:
@@ -53,7 +53,7 @@ FINDINGS: dict[str, tuple[Finding, dict[str, Any], str]] = {
 
 def _item(name: str) -> Item:
     finding, reply, _ = FINDINGS[name]
-    case = A.case_of(finding.answer, SEED, finding.server)
+    case = A.case_of(finding.answer, OLD_RULE_SEED, finding.server)
     return finding.answer, finding.server, case, {**reply, "reasoning": case.conversation.generation.reasoning}
 
 
