@@ -39,12 +39,11 @@ from tests.conformance import engines as E
 from tests.conformance import truth as T
 from tests.conformance.test_matrix import THRESHOLDS, profile_for
 from tests.fuzz import tool_answers as A
+from tests.fuzz.test_fuzz_edges import BATCH, SEED
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(1800)]
 
-SEED = int(os.environ.get("FUZZ_SEED", "43"))
 ANSWERS = int(os.environ.get("FUZZ_TOOL_ANSWERS", "20700"))
-BATCH = 16
 OLD_RULE_SEED = 43
 # The conventions before issue 53: SGLang's detectors' strip of the content before a block had no slot.
 # vLLM's kimi_k2 arguments were taken for raw (0.33.0 rebuilds them, typed by the tool's schema).
