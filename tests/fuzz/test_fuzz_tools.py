@@ -46,6 +46,7 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(1800)]
 
 ANSWERS = int(os.environ.get("FUZZ_TOOL_ANSWERS", "20700"))
 OLD_RULE_SEED = 43
+V4_PER_STREAM = 200
 # The conventions before issue 53: SGLang's detectors' strip of the content before a block had no slot.
 # vLLM's kimi_k2 arguments were taken for raw (0.33.0 rebuilds them, typed by the tool's schema).
 OLD_CONVENTIONS = {**CONVENTIONS, "sglang": replace(CONVENTIONS["sglang"], strips_before_tool=frozenset()),
@@ -183,9 +184,15 @@ def _report(title: str, tally: Tally, seconds: float) -> None:
 
 def test_no_accepted_tool_call_answer_is_wrong_over_every_format_and_server(engines: E.EngineProcess) -> None:
     streams = [(m, s) for m in A.MODELS for s in A.servers_for(m)]
-    per_stream = max(BATCH, -(-ANSWERS // len(streams)))
+    # vLLM 0.33's deepseek_v4 parser pair costs ~0.1 s an answer to build (a pattern per vocabulary marker), so
+    # V4's streams are capped and the others share the rest of the budget.
+    v4 = [st for st in streams if st[0] == A.V4]
+    others = [st for st in streams if st[0] != A.V4]
+    v4_each = min(V4_PER_STREAM, max(BATCH, ANSWERS // len(streams)))
+    per_stream = max(BATCH, -(-(ANSWERS - v4_each * len(v4)) // len(others)))
     tally, started = Tally(), time.monotonic()
-    run_streams(streams, per_stream, SOUND, CONVENTIONS, tally, engines)
+    run_streams(others, per_stream, SOUND, CONVENTIONS, tally, engines)
+    run_streams(v4, v4_each, SOUND, CONVENTIONS, tally, engines)
     _report("the rule", tally, time.monotonic() - started)
     assert tally.cases >= min(ANSWERS, 20_000)
     assert not tally.wrong, [str(f) for f in tally.wrong[:5]]
