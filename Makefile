@@ -70,7 +70,7 @@ bench-quick: setup ## Benchmarks at tiny sizes, same broker handling (.ci/run ru
 bench-scale: setup ## The seeds' shape at BENCH_SCALE_PROMPTS (default 16,000), half and a quarter; not part of make test
 	@BENCH_ENTRY=bench.bench_scale bash deploy/run-bench.sh
 
-fuzz: setup ## Try to make reconstruct + audit accept wrong ids: >= 20,000 fuzzed answers, fixed seed (FUZZ_SEED, FUZZ_ANSWERS)
+fuzz: setup engines ## Try to make reconstruct + audit accept wrong ids: >= 20,000 fuzzed answers, >= 20,000 tool-call answers through the real engines, fixed seed (FUZZ_SEED, FUZZ_ANSWERS, FUZZ_TOOL_ANSWERS)
 	$(PY) -m pytest tests/fuzz -m fuzz -q -s -p no:cacheprovider
 
 chaos: setup ## The longer crash soak

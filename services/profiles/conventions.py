@@ -50,6 +50,10 @@ class Convention:
     # Tool fields the server's request model fills with null before the template renders the
     # tools (PARSERS.md "Corrections": vLLM `description`, SGLang 0.5.23 `defer_loading`).
     tool_null_fields: tuple[str, ...] = ()
+    # Tool formats whose tool parser ``.strip()``s the content before the block, whatever the
+    # reasoning parser kept (SGLang 0.5.23's Qwen25Detector / DeepSeekV3Detector / DeepSeekV31Detector:
+    # ``normal_text = text[:idx].strip()``; PARSERS.md "Corrections").
+    strips_before_tool: frozenset[str] = frozenset()
 
     def open_strip_units(self, shown: frozenset[str]) -> frozenset[str]:
         """The units that may have been stripped, given those whose ends show whitespace (kept)."""
@@ -73,16 +77,20 @@ _OPENROUTER_STRIPS = (
     frozenset({"content"}),
 )
 
+# The tool formats whose SGLang detector .strip()s the content before the block (DSML's and Kimi's keep it).
+_DETECTORS_STRIP = frozenset({"qwen", "deepseek-r1", "deepseek-v3.1"})
+
 CONVENTIONS: dict[str, Convention] = {
     "vllm": Convention(
         name="vllm",
         strips_whitespace=False,
-        reserialized_tool_formats=frozenset({"qwen", "dsml"}),
+        reserialized_tool_formats=frozenset({"qwen", "dsml", "kimi"}),
         trimmed_argument_formats=frozenset({"kimi"}),
         source="vLLM reasoning parsers partition at </think> with no strip; hermes re-serialises "
         "arguments with json.dumps; kimi_k2's regex consumes \\s* around arguments; its request "
         "model renders a missing tool description as null (PARSERS.md); "
-        "deepseek_v4 (0.33.0, run) returns JSON built from the DSML parameters",
+        "deepseek_v4 (0.33.0, run) returns JSON built from the DSML parameters; kimi_k2 (0.33.0, run by "
+        "the fuzzer's tool tier) returns arguments it rebuilt, values typed by the tool's schema",
         tool_null_fields=("description",),
     ),
     "sglang": Convention(
@@ -90,9 +98,11 @@ CONVENTIONS: dict[str, Convention] = {
         strips_whitespace=False,
         reserialized_tool_formats=frozenset({"qwen", "deepseek-r1", "deepseek-v3.1", "dsml"}),
         trimmed_argument_formats=frozenset(),
-        source="SGLang after PR #24251 keeps whitespace; its DeepSeek/Qwen tool detectors re-serialise "
-        "arguments; 0.5.23 renders every tool with defer_loading null (PARSERS.md)",
+        source="SGLang after PR #24251 keeps whitespace in reasoning and content; its DeepSeek/Qwen tool "
+        "detectors .strip() the content before the block and re-serialise arguments; 0.5.23 renders every "
+        "tool with defer_loading null (PARSERS.md)",
         tool_null_fields=("defer_loading",),
+        strips_before_tool=_DETECTORS_STRIP,
     ),
     "sglang-legacy": Convention(
         name="sglang-legacy",
@@ -102,6 +112,7 @@ CONVENTIONS: dict[str, Convention] = {
         source="SGLang before 2026 .strip()ped the whole text and the content; streaming also "
         ".rstrip()ped the reasoning (PARSERS.md)",
         strip_patterns=_SGLANG_LEGACY_STRIPS,
+        strips_before_tool=_DETECTORS_STRIP,
     ),
     "openrouter": Convention(
         name="openrouter",
@@ -115,6 +126,7 @@ CONVENTIONS: dict[str, Convention] = {
         "and let each answer's own whitespace and its usage count decide; logprobs, where an "
         "upstream returns them, give exact ids",
         strip_patterns=_OPENROUTER_STRIPS,
+        strips_before_tool=_DETECTORS_STRIP,
     ),
 }
 

@@ -6,20 +6,19 @@ logprob tokens mapped to vocabulary ids (``logprobs``), else from re-encoding th
 definition (a think-start the prompt did not open, the think-end, the native text of
 structured tool calls, the end-of-turn) and never guesses what a lossy provider may have
 dropped: where the provider's :class:`~services.profiles.conventions.Convention` says text
-may be missing (stripped whitespace, the space around re-parsed arguments, the text
-between tool calls), the ids are accepted only when ``usage.completion_tokens`` proves
-nothing is missing — the count matches and no whitespace at any such place could have
-hidden inside the count — else the sample is a dead letter naming what was lost. What one
-answer proves about its upstream (a field edge showing whitespace, arguments in the model's
-own form) closes those places in the upstream's other answers: ``reconstruct_with_facts``
-and ``services/reconstruct/facts.py``.
+may be missing (a stripped field edge; anything a tool parser consumed, re-serialised or
+dropped in and around a tool block), the ids are accepted only when evidence proves the
+place kept — the text's own whitespace there, or a provider fact — and never on a count,
+else the sample is a dead letter naming the place (docs/fidelity.md, "The rule"). What one
+answer proves about its upstream (a field edge showing whitespace) closes that place in the
+upstream's other answers: ``reconstruct_with_facts`` and ``services/reconstruct/facts.py``.
 
 Prompt ids are the encoded chat template over the messages as sent; the loss mask is 0
 over them and 1 over the output. Bad input is a :class:`DeadLetter` with a stable reason
 code, never an exception.
 
-This module judges a batch: ``reencode`` plans each answer, ``proof`` proves a lossy one
-exact, and the facts learned per upstream close places in the others.
+This module judges a batch: ``reencode`` plans each answer, ``proof`` refuses a lossy one
+with an unproven place, and the facts learned per upstream close places in the others.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from services.reconstruct.plan import (
     LOGPROBS_UNMAPPABLE,
     SPECIAL_TOKEN_IN_TEXT,
     TOOL_TEXT_LOST,
-    WHERE_ARGS,
     WHERE_STRIP,
     WHITESPACE_STRIPPED,
     output_layout,
@@ -105,7 +103,7 @@ def reconstruct_batch(
 
 def _close_gaps(plan: _Plan, kept: frozenset[str]) -> None:
     """Move the strip gaps at places the upstream is proven to keep out of the search."""
-    closed = [g for g in plan.gaps if g.where in (WHERE_STRIP, WHERE_ARGS) and g.places and g.places <= kept]
+    closed = [g for g in plan.gaps if g.where == WHERE_STRIP and g.places and g.places <= kept]
     if closed:
         plan.closed = closed
         plan.gaps = [g for g in plan.gaps if g not in closed]
@@ -137,8 +135,8 @@ def _contradiction(
     """Whether the count shows whitespace missing at a place the facts closed (with them open, a candidate fits)."""
     if not plan.closed or plan.expected_count is None or plan.output_text is None:
         return False
-    if isinstance(verdict, DeadLetter) and open_edges(plan):
-        # Refused for its open edges without a search: what the search makes of the count decides.
+    if isinstance(verdict, DeadLetter) and (open_edges(plan) or plan.tool_places):
+        # Refused for its open places without a search: what the search makes of the count decides.
         verdict = prove([(0, replace(plan), ids)], profile, COUNT_TRUSTED)[0]
     if isinstance(verdict, DeadLetter):
         if verdict.reason not in (WHITESPACE_STRIPPED, TOOL_TEXT_LOST):

@@ -15,9 +15,11 @@ Places (where ``services.reconstruct.core`` puts a strip gap): ``reasoning_start
 answer stopped inside), ``content_start`` / ``content_end`` (a content after a think block),
 ``text_start`` / ``text_end`` (a content with no think block: SGLang before 2026 stripped
 only what its reasoning parser parsed, so the two are different places), ``before_tool``
-(the content before a tool block: SGLang 2026 strips there and nowhere else, PARSERS.md);
-and ``arguments``: tool arguments not in ``json.dumps``' own form prove the upstream's tool
-parser returns the model's argument text (a re-serialising parser returns only that form).
+(the content before a tool block: SGLang 2026 strips there and nowhere else, PARSERS.md).
+No fact speaks for the inside of a tool block: what a tool parser changed there is proven by
+native ids or logprob tokens only (docs/fidelity.md, "The rule"). Records of the retired place
+``arguments`` (once established from argument text in a form ``json.dumps`` does not write) are
+still read, and close nothing.
 
 The opposite fact, ``strips_at_edges``: an upstream whose convention says it keeps
 whitespace, caught losing it by one of its answers (``services/reconstruct/verify.py``).
@@ -32,14 +34,13 @@ from dataclasses import dataclass, field
 
 from schemas import ProviderFactRecorded, ResponseReceived
 
-__all__ = ["ARGUMENTS_PLACE", "FACT_CONTRADICTED", "PLACES", "STRIPS_PLACE", "FactBook", "StripTally", "fact_key",
+__all__ = ["FACT_CONTRADICTED", "PLACES", "STRIPS_PLACE", "FactBook", "StripTally", "fact_key",
            "upstream_of"]
 
 FACT_CONTRADICTED = "provider_fact_contradicted"
 
-ARGUMENTS_PLACE = "arguments"
 PLACES = ("reasoning_start", "reasoning_end", "reasoning_cut", "content_start", "content_end", "text_start",
-          "text_end", "before_tool", ARGUMENTS_PLACE)  # fmt: skip
+          "text_end", "before_tool")  # fmt: skip
 
 # The key place of the fact "this upstream loses whitespace at field edges its convention says it keeps".
 STRIPS_PLACE = "strips_at_edges"

@@ -46,6 +46,20 @@ WHERE_STRIP = "strip"
 WHERE_TOOL = "tool"
 WHERE_ARGS = "arguments"
 
+# The places in and around a tool block that a tool parser may have changed (docs/fidelity.md, "The rule"):
+# each names what re-encoded text cannot show, so a re-encoded answer with structured tool calls is refused
+# naming them; only native ids, logprob tokens or a route without a tool parser prove them.
+TOOL_PLACES = {
+    "before_tool": "the content before the block (a detector .strip()s it; whitespace-only content comes "
+                   "back empty or null)",
+    "tool_wrapper": "the block wrapper (the parser json.loads the whole call, so the whitespace and spelling "
+                    "inside <tool_call> are its own)",
+    "tool_arguments": "the argument text (re-serialised by the parser)",
+    "around_arguments": "the whitespace around the arguments (the parser's regex consumes it)",
+    "between_calls": "the text between calls (the parser keeps none of it)",
+    "after_block": "the text after the block (dropped by the parsers, or appended to the content)",
+}
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -93,8 +107,10 @@ class Plan:
     think_end_at: int | None = None  # offset of the think-end in output_text
     # Places whose field edge shows whitespace (evidence for the upstream's facts, facts.py).
     shown: frozenset[str] = frozenset()
-    # Slots the upstream's facts closed (strip gaps, argument choices): kept to test a contradiction.
+    # Slots the upstream's facts closed (strip gaps): kept to test a contradiction.
     closed: list[Slot] = field(default_factory=list)
+    # Places of TOOL_PLACES a tool parser may have changed in this answer, in text order.
+    tool_places: tuple[str, ...] = ()
 
 
 def check_ids(ids: Sequence[int], profile: ProfileLike, what: str) -> DeadLetter | None:

@@ -1,7 +1,10 @@
-"""Proving a re-encoded output exact: the control-id checks, and the count that closes its slots.
+"""Proving a re-encoded output exact: the control-id checks, and what decides a lossy answer.
 
-A lossy provider's answer is accepted only when exactly one candidate fills its slots to
-``usage.completion_tokens`` and no open field edge remains (docs/fidelity.md, "The rule").
+Under the rule (docs/fidelity.md, "The rule") a count never accepts: a re-encoded answer with a
+place a tool parser may have changed, or a field edge nothing proves kept, is refused naming
+it. What the count still does: refuse, and test a provider fact (``core._contradiction``). The
+candidate search (``restore``) accepts only under the rules the fuzzer keeps to show what
+trusting a count let through (``COUNT_TRUSTED``, ``TOOLS_COUNTED``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from services.reconstruct.plan import (
     LOSS_UNVERIFIABLE,
     SPECIAL_TOKEN_IN_TEXT,
     TOOL_ARGUMENTS_RESERIALIZED,
+    TOOL_PLACES,
     TOOL_TEXT_LOST,
     TRUNCATED_TAIL_AMBIGUOUS,
     TRUNCATED_TAIL_LOST,
@@ -136,15 +140,21 @@ class Rule:
     open field edge restores it. ``verify_conventions``: an upstream declared lossless is
     watched for answers that show it strips (verify.py). ``SOUND`` is the rule;
     ``COUNT_TRUSTED`` trusts a unique count and a declared convention, and exists so the
-    fuzzer (tests/fuzz) can show that rule accepting wrong ids.
+    fuzzer (tests/fuzz) can show that rule accepting wrong ids. ``count_restores_tools``: a
+    unique count restores what a tool parser changed; ``TOOLS_COUNTED`` is the rule before tool
+    blocks came under it (the fuzzer's tool tier shows it accepting wrong ids).
     """
 
     count_restores_edges: bool = False
     verify_conventions: bool = True
+    # A unique count restores what a tool parser changed (wrapper whitespace, re-serialised arguments,
+    # the text between and after calls): the behaviour before issue 53, for the fuzzer's tool tier.
+    count_restores_tools: bool = False
 
 
 SOUND = Rule()
-COUNT_TRUSTED = Rule(count_restores_edges=True, verify_conventions=False)
+COUNT_TRUSTED = Rule(count_restores_edges=True, verify_conventions=False, count_restores_tools=True)
+TOOLS_COUNTED = Rule(count_restores_tools=True)
 
 
 def prove(
@@ -153,6 +163,9 @@ def prove(
     """For lossy outputs: the restored ids when exactly one candidate fits and no open edge remains."""
     verdicts: dict[int, DeadLetter | list[int]] = {}
     for index, plan, ids in plans:
+        if plan.tool_places and not rule.count_restores_tools:
+            verdicts[index] = tool_unproven(plan)
+            continue
         if plan.expected_count is None:
             kinds = {gap.where for gap in plan.gaps}
             lost = "whitespace" if kinds == {WHERE_STRIP} else "text around structured tool calls"
@@ -221,3 +234,21 @@ def _unproven(plan: _Plan, ids: list[int]) -> DeadLetter:
     why = (f"nothing proves {', '.join(open_edges(plan))} kept (no native ids, logprobs, provider fact or "
            "whitespace shown there), and a count never accepts alone")
     return _refusal(plan, ids, int(counted), why, code)
+
+
+def tool_unproven(plan: _Plan) -> DeadLetter:
+    """The dead letter of re-encoded structured tool calls: the places a tool parser may have changed.
+
+    A tool parser keeps the calls, not the text the model wrote: nothing in the fields shows the
+    whitespace it consumed, the spelling it re-serialised, or what it dropped after the block, and
+    a count that fits is still a guess (``}}\n\n`` and ``}}\n`` are one Qwen3 id each; ``5e0`` and
+    ``5.0`` as many). Code ``tool_arguments_reserialized`` where the argument text is among them,
+    else ``tool_call_text_lost``.
+    """
+    code = TOOL_ARGUMENTS_RESERIALIZED if "tool_arguments" in plan.tool_places else TOOL_TEXT_LOST
+    named = "; ".join(TOOL_PLACES[p] for p in plan.tool_places)
+    return DeadLetter(
+        code,
+        f"structured tool calls re-encoded without native ids or logprobs: nothing proves {named}; a count "
+        "never accepts what a tool parser changed (use mode = \"completions\", raw tool text, or native ids)",
+    )

@@ -1,8 +1,8 @@
 """Planning a chat response's output ids: native, from logprobs, or re-encoded from its text.
 
 A re-encoding plan lays the answer out as the model wrote it (think block, content, the
-native text of structured tool calls, end-of-turn) and marks the slots where the provider's
-convention says text may be missing; ``proof`` decides whether its count closes them.
+native text of structured tool calls, end-of-turn) and marks the places where the provider's
+convention says text may be missing; ``proof`` refuses the answer where nothing proves them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from services.common.records import DeadLetter
 from services.profiles import GAP_ARGUMENTS, ProfileError, ProfileLike
 from services.profiles.conventions import Convention
 from services.profiles.tooltext import server_tools as server_tools  # re-exported: reconstruct.core
-from services.reconstruct.facts import ARGUMENTS_PLACE
 from services.reconstruct.plan import (
     EMPTY_RESPONSE,
     INVALID_TOOL_ARGUMENTS,
@@ -131,8 +130,7 @@ class _Text:
         self.gaps.append(Slot(self.length, self.length, kind, where=where, places=places))
 
     def choice(self, text: str, alternatives: tuple[str, ...]) -> None:
-        self.gaps.append(Slot(self.length, self.length + len(text), CHOICE, alternatives, where=WHERE_ARGS,
-                              places=frozenset({ARGUMENTS_PLACE})))  # fmt: skip
+        self.gaps.append(Slot(self.length, self.length + len(text), CHOICE, alternatives, where=WHERE_ARGS))
         self.add(text)
 
     def text(self) -> str:
@@ -240,10 +238,15 @@ def _assemble(
     # The places whose field edge shows whitespace here: evidence about the upstream (facts.py).
     shown: set[str] = set()
 
+    # The tool parser's own strip of the content before the block (SGLang's detectors), whatever the
+    # reasoning parser kept: both ends of that content.
+    detector_strips = bool(calls) and profile.tool_format in convention.strips_before_tool
+    detector_places = {"content_start", "text_start", "before_tool"} if detector_strips else set()
+
     def edge(units: set[str], place: str, shows: bool) -> None:
         if shows:
             shown.add(place)
-        elif not open_units.isdisjoint(units):
+        elif not open_units.isdisjoint(units) or place in detector_places:
             out.gap(WHERE_STRIP, place=place)
 
     if layout.think_start and profile.think_start:
@@ -275,10 +278,9 @@ def _assemble(
         except ProfileError as exc:  # e.g. structured tool calls for a profile without a format
             return DeadLetter(exc.reason, exc.message)
         reserialized = profile.tool_format in convention.reserialized_tool_formats
-        # Each call's re-serialised part, in call order, becomes a choice slot.
+        # The slots below are what the count-trusting rule searched (proof.TOOLS_COUNTED, for the fuzzer);
+        # under the rule the places alone decide: the answer is refused naming them (proof.prove).
         choices = iter(_argument_choices(profile.tool_format, calls) if reserialized else [])
-        if reserialized and any(not _dumps_form(call.function.arguments) for call in calls):
-            shown.add(ARGUMENTS_PLACE)  # a re-serialising parser returns json.dumps' own form only
         wanted = next(choices, None)
         for piece in pieces:
             if not isinstance(piece, str):
@@ -300,7 +302,28 @@ def _assemble(
     plan = _Plan(response, prompt_text, out.text(), None, "reencode", layout, out.gaps)
     plan.think_end_at = think_end_at
     plan.shown = frozenset(shown)
+    if calls:
+        plan.tool_places = _tool_places(profile, convention, response, detector_strips, reserialized)
     return plan
+
+
+def _tool_places(profile: ProfileLike, convention: Convention, response: ResponseReceived, detector_strips: bool,
+                 reserialized: bool) -> tuple[str, ...]:  # fmt: skip
+    """The places (plan.TOOL_PLACES) a tool parser may have changed in this answer, in text order."""
+    fmt = profile.tool_format
+    places = []
+    if detector_strips or not response.content.strip():
+        places.append("before_tool")
+    if reserialized and fmt == "qwen":  # hermes / Qwen25Detector json.loads the whole {"name", "arguments"}
+        places.append("tool_wrapper")
+    if reserialized:
+        places.append("tool_arguments")
+    if fmt in convention.trimmed_argument_formats:
+        places.append("around_arguments")
+    if len(response.tool_calls) > 1:
+        places.append("between_calls")
+    places.append("after_block")
+    return tuple(places)
 
 
 def _json_forms(value: object) -> list[str]:
@@ -318,10 +341,12 @@ def _dumps_form(arguments: str) -> bool:
 
 
 def _argument_choices(tool_format: str, calls: Sequence[ToolCall]) -> list[tuple[str, tuple[str, ...]]]:
-    """Per call: the text our native rendering holds and every text the model may have written there.
+    """Per call: the text our native rendering holds and the canonical texts the model may have written there.
 
-    A re-serialising parser kept only the parsed value. Qwen3's hermes parsers parse the
-    whole ``{"name": ..., "arguments": ...}`` object, so its separators are candidates too;
+    Only the count-trusting rule (``proof.TOOLS_COUNTED``, the fuzzer's view of the old behaviour)
+    searches these; they are not every spelling (``5e0``, ``1e3``, key order), which is why a count
+    among them proves nothing. A re-serialising parser kept only the parsed value. Qwen3's hermes
+    parsers parse the whole ``{"name": ..., "arguments": ...}`` object, so its separators are candidates too;
     the DeepSeek detectors parse the arguments alone. No alternatives (``()``): the text is
     the model's own.
     """

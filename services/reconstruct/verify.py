@@ -4,8 +4,8 @@ A convention is a claim about a server (declared in ``[provider] convention``, o
 default of its kind), and every answer tests it. Under a convention that keeps whitespace
 (``vllm``, ``sglang``) a re-encoded answer that stopped by itself holds every id the model
 wrote, so its ids number ``usage.completion_tokens``. An answer that misses its count where
-the convention's own losses (text after a tool block, re-serialised arguments) cannot
-explain the gap, but whitespace put back at the field edges that show none can, is evidence
+the convention's own losses cannot explain the gap (it has no tool calls, whose parser's
+losses may), but whitespace put back at the field edges that show none can, is evidence
 that the upstream strips: the fact ``strips_at_edges`` is recorded for it (facts.py), and
 from then on — this batch included, since evidence is gathered from the whole batch before
 its answers stand — its answers are judged under the same convention made stripping: every
@@ -35,7 +35,6 @@ from services.reconstruct.plan import WHERE_STRIP
 from services.reconstruct.plan import Plan as _Plan
 from services.reconstruct.proof import SOUND, Rule
 from services.reconstruct.reencode import plan_chat
-from services.reconstruct.restore import restore
 
 __all__ = ["EDGE_IDS", "MIN_EVIDENCE", "STRIP_SHARE", "stripping", "verified"]
 
@@ -91,6 +90,7 @@ def stripping(convention: Convention) -> Convention:
         strip_patterns=unknown.strip_patterns,
         reserialized_tool_formats=convention.reserialized_tool_formats | unknown.reserialized_tool_formats,
         trimmed_argument_formats=convention.trimmed_argument_formats | unknown.trimmed_argument_formats,
+        strips_before_tool=convention.strips_before_tool | unknown.strips_before_tool,
     )
 
 
@@ -127,8 +127,8 @@ def verified(
             # The prompt was not rendered as the model's server counts it: the profile is not the
             # model's, and its output counts say nothing about what the server strips.
             continue
-        why = _strip_evidence(plan, ids, profile, convention)
-        if why is None or not _testable(response):
+        why = _strip_evidence(plan, ids, profile, convention) if _testable(response) else None
+        if why is None:
             continue
         tally = book.tally(upstream)
         tally.evidence.append((sample_key(response.dataset, response.sample_id), why))
@@ -162,15 +162,10 @@ def _strip_evidence(plan: _Plan, ids: list[int], profile: ProfileLike, conventio
     if count is None:
         return None
     target = count - convention.completion_offset
-    text, gaps = plan.output_text or "", plan.gaps
-    if gaps:  # the convention's own losses (a dropped tail, re-serialised arguments) may explain the gap
-        own = restore(text, gaps, specials=profile.special_strings, encode_batch=profile.encode_batch,
-                      base_count=len(ids), target=target)  # fmt: skip
-        if own.matches or own.arbitrary_room or own.capped or own.not_additive:
-            return None
-    # Nothing the convention admits explains the count. Blamed on the edges that show no whitespace (the
-    # whitespace a strip takes is not bounded to a candidate list, so no candidate has to fit): a
-    # wrong blame only makes the upstream's later answers refused where nothing proves them.
+    # A testable answer has no tool calls, so nothing the convention admits losing explains the count.
+    # Blamed on the edges that show no whitespace (the whitespace a strip takes is not bounded to a
+    # candidate list, so no candidate has to fit): a wrong blame only makes the upstream's later
+    # answers refused where nothing proves them.
     strip_plan = plan_chat(response, profile, stripping(convention))
     if isinstance(strip_plan, DeadLetter):
         return None

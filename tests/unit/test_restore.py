@@ -7,13 +7,13 @@ the response fields are what the named server returns from that raw text (PARSER
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
 from schemas import Usage
 from services.profiles.conventions import CONVENTIONS
 from services.reconstruct.core import COUNT_TRUSTED, reconstruct
+from services.reconstruct.proof import TOOLS_COUNTED
 from services.reconstruct.restore import WHITESPACE, WHITESPACE_CANDIDATES, Slot, restore
 from tests.unit.test_profiles import deepseek, qwen
 from tests.unit.test_reconstruct import R1_EOS, TOOLS, dead, ok, qwen_ids, r1_ids, response, tc
@@ -181,71 +181,54 @@ def _qwen_call(body: str) -> list[int]:
     return qwen_ids(QWEN_HEAD + body + QWEN_TAIL)
 
 
-def test_qwen3_reserialised_arguments_restored_when_exactly_one_form_fits() -> None:
-    """vLLM hermes returns json.dumps(json.loads(args)); the count tells which form the model wrote.
+def test_qwen3_reserialised_calls_are_refused_even_where_the_count_pinned_one_form() -> None:
+    """vLLM hermes returns json.dumps(json.loads(call)): the count once pinned the shortest form it knew.
 
-    The shortest form is pinned. A longer one is not: hermes also drops text after the tool
-    block, so a shorter form plus a dropped tail of the difference fits the same count.
+    Under the rule nothing in a re-serialised call is proven, so every form is refused; the
+    count-trusting rule (``TOOLS_COUNTED``) still pins the compact one, and would as wrongly pin it
+    for a model that wrote a spelling outside its forms with as many ids (issue 53's class 2).
     """
     calls = [tc("calc", '{"expr": "6*7"}')]
     compact = _qwen_call('{"name":"calc","arguments":{"expr":"6*7"}}')
-    got = ok(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
-                                  completion=len(compact)), qwen(), VLLM))
-    assert got.output_ids == compact
-    for body in ('{"name": "calc", "arguments": {"expr": "6*7"}}', '{"name": "calc", "arguments": {"expr":"6*7"}}'):
+    answer = response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS, completion=len(compact))
+    assert ok(reconstruct(answer, qwen(), VLLM, rule=TOOLS_COUNTED)).output_ids == compact
+    for body in ('{"name":"calc","arguments":{"expr":"6*7"}}', '{"name": "calc", "arguments": {"expr": "6*7"}}'):
         truth = _qwen_call(body)
-        assert len(truth) > len(compact)
         verdict = dead(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
                                             completion=len(truth)), qwen(), VLLM))
         assert verdict.reason == "tool_arguments_reserialized"
-        assert "1 candidate(s) reproduce the count" in verdict.message
-        assert "text after the tool block" in verdict.message
+        assert "the block wrapper" in verdict.message and "the text after the block" in verdict.message
 
 
-def _r1_tool_answer(written: str, returned: str, convention_name: str) -> tuple[list[int], Any]:
+def _r1_tool_answer(written: str, returned: str, convention_name: str, content: str = "\n\n") -> tuple[list[int], Any]:
     """R1's true ids when it wrote ``written`` as arguments, and our verdict on ``returned`` with that count."""
     block = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n" + written
              + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
     truth = r1_ids("\nplan\n</think>\n\n" + block + R1_EOS)
-    verdict = reconstruct(response(reasoning="\nplan\n", content="\n\n", tool_calls=[tc("calc", returned)],
+    verdict = reconstruct(response(reasoning="\nplan\n", content=content, tool_calls=[tc("calc", returned)],
                                    tools=TOOLS, completion=len(truth)), deepseek(), CONVENTIONS[convention_name])
     return truth, verdict
 
 
-def test_ascii_escaped_arguments_are_one_of_the_forms() -> None:
-    """SGLang's DeepSeekV3Detector gives json.dumps(..., ensure_ascii=False): "\\u6771" written comes back "東"."""
-    escaped = '{"city": "\\u6771\\u4eac"}'
-    assert json.loads(escaped) == {"city": "東京"}
-    truth, verdict = _r1_tool_answer('{"city":"東京"}', '{"city": "東京"}', "sglang")
-    assert ok(verdict).output_ids == truth
-    longer, refused = _r1_tool_answer(escaped, '{"city": "東京"}', "sglang")
-    assert len(longer) > len(truth)  # longer than a form that fits with a dropped tail: refused
-    assert dead(refused).reason == "tool_arguments_reserialized"
+def test_r1_reserialised_arguments_under_sglang_are_refused_naming_the_strip_before_the_block() -> None:
+    """SGLang 0.5.23's DeepSeekV3Detector .strip()s the content before the block and re-serialises the
+    arguments (ensure_ascii=False: "\\u6771" written comes back "東"); the count pinned a form once."""
+    for written in ('{"city":"東京"}', '{"city": "\\u6771\\u4eac"}'):
+        _, verdict = _r1_tool_answer(written, '{"city": "東京"}', "sglang", content="")
+        refused = dead(verdict)
+        assert refused.reason == "tool_arguments_reserialized"
+        assert "the content before the block" in refused.message and "the argument text" in refused.message
 
 
-def test_qwen3_arguments_no_form_fits_are_refused_with_the_count() -> None:
-    calls = [tc("calc", '{"expr": "6*7"}')]
-    verdict = dead(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
-                                        completion=20), qwen(), VLLM))
-    assert verdict.reason == "tool_arguments_reserialized"
-    assert "0 candidate(s)" in verdict.message
-    longer = dead(reconstruct(response(reasoning="\np\n", content="\n\n", tool_calls=calls, tools=TOOLS,
-                                       completion=40), qwen(), VLLM))
-    assert longer.reason == "tool_call_text_lost"  # room for text after the block, which hermes drops
-
-
-def test_r1_reserialised_arguments_under_sglang() -> None:
-    """SGLang's DeepSeekV3Detector re-serialises R1's fenced arguments: compact forms come back canonical."""
-    truth, verdict = _r1_tool_answer('{"expr":"6*7"}', '{"expr": "6*7"}', "sglang")
-    assert ok(verdict).output_ids == truth
-
-
-def test_arguments_not_in_json_dumps_form_were_not_reserialised() -> None:
-    """OpenRouter may re-serialise; '{"expr":"6*7"}' is not json.dumps' own form, so it is the model's text."""
+def test_arguments_in_the_models_own_form_are_still_refused_for_the_text_after_the_block() -> None:
+    """'{"expr":"6*7"}' is not json.dumps' own form, so no parser re-serialised it; what followed the
+    block is still the parser's, and a count that fits does not prove it empty."""
     truth, verdict = _r1_tool_answer('{"expr":"6*7"}', '{"expr":"6*7"}', "openrouter")
-    assert ok(verdict).output_ids == truth
-    _, canonical = _r1_tool_answer('{"expr": "6*7"}', '{"expr": "6*7"}', "openrouter")
-    assert dead(canonical).reason == "tool_arguments_reserialized"  # the compact form plus a dropped tail fits too
+    refused = dead(verdict)
+    assert refused.reason == "tool_arguments_reserialized"  # OpenRouter's upstream may re-serialise R1's
+    assert "the text after the block" in refused.message
+    _, raw = _r1_tool_answer('{"expr":"6*7"}', '{"expr":"6*7"}', "vllm")
+    assert dead(raw).reason == "tool_call_text_lost"
 
 
 # -- step 4: the server's prompt normalisation ----------------------------------------------
