@@ -14,13 +14,15 @@ def probe_command(
     ] = None,
     n: Annotated[int, typer.Option("--n", "-n", help="Answers paid for per dataset, at most", min=1)] = 20,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Every column: answers, every fact per edge, the forecast's tokens")
+    ] = False,
 ) -> None:
     """Pay for at most N answers per dataset, rebuild and audit them, print what they prove; exit 1 below min_yield."""
     import asyncio
 
-    from rich.console import Console
-
     from services.common.cli import fail, settings_from
+    from services.common.console import data_console
     from services.common.errors import CommandError
     from services.probe.app import run_probe
     from services.probe.core import render
@@ -34,7 +36,7 @@ def probe_command(
     except CommandError as exc:
         fail(str(exc))
     min_yield = settings.budget.min_yield
-    Console(width=260).print(render(run, min_yield))
+    data_console().print(render(run, min_yield, wide=wide))  # the terminal's own width: cells wrap to fit
     for report in run.reports:
         for line in report.tools:
             print(line)

@@ -25,9 +25,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from rich.table import Table
+from rich.text import Text
 
 from schemas import ResponseReceived, SampleAudited, SampleReconstructed
+from services.common.console import Column, FittedTable, styled
 
 EDGES = ("reasoning_start", "reasoning_end", "content_start", "content_end")
 """The separators whose whitespace a parser may strip: both ends of the reasoning and of the content."""
@@ -286,8 +287,12 @@ def _money(value: float | None) -> str:
     return "-" if value is None else f"${value:,.4f}"
 
 
-def _reasons(findings: Findings) -> str:
-    return ", ".join(f"{code} {n}" for code, n in findings.reasons.most_common()) or "-"
+def _reasons(findings: Findings, *, most: int | None = None) -> str:
+    """The reasons of the answers not accepted, commonest first (``most``: that many, then how many more)."""
+    common = findings.reasons.most_common()
+    shown = ", ".join(f"{code} {n}" for code, n in common[:most]) or "-"
+    rest = sum(n for _, n in common[most:]) if most is not None else 0
+    return f"{shown}, +{rest} more" if rest else shown
 
 
 def _facts(findings: Findings) -> str:
@@ -299,32 +304,70 @@ def _facts(findings: Findings) -> str:
     )
 
 
-def render(run: ProbeRun, min_yield: float) -> Table:
-    """The probe's table: per dataset and upstream, yield and reasons, cost, facts, forecast."""
-    table = Table(title="draftstream probe", title_justify="left")
-    numbers = ("answers", "accepted", "$/accepted")  # topology: not a topic
-    for name in ("dataset", "upstream", *numbers, "reasons of the rest", "what the answers proved", "forecast"):
-        table.add_column(name, justify="right" if name in numbers else "left")
+_WORST_FIRST = ("stripped", "mixed", "kept", "unproven")
+
+
+def _short_facts(findings: Findings) -> str:
+    """The facts in a few words: of the whitespace, the worst any edge showed (``--wide`` has every edge)."""
+    seen = set(findings.whitespace.values())
+    white = next((v for v in _WORST_FIRST if v in seen), "unproven")
+    wrong = f", usage wrong {findings.usage_wrong}" if findings.usage_wrong else ""
+    return (
+        f"logprobs {findings.logprobs}, whitespace {white}, end-of-turn {findings.end_of_turn}{wrong}, "
+        f"prompt {findings.prompt_agrees}/{findings.prompt_compared}"
+    )
+
+
+PROBE_COLUMNS = (
+    Column("dataset", view="wide"),
+    Column("upstream", view="wide"),
+    Column("dataset / upstream", view="compact"),
+    Column("answers", "right", "wide", whole=True),
+    Column("accepted", "right", whole=True),
+    Column("$/accepted", "right", "wide", whole=True),
+    Column("reasons of the rest"),
+    Column("proved", view="compact"),
+    Column("what the answers proved", view="wide"),
+    Column("forecast", view="compact", whole=True),
+    Column("forecast (whole dataset)", view="wide"),
+    Column("verdict"),
+)
+"""The probe table's columns: the compact view by default, every column (and every fact) with ``--wide``."""
+
+
+def render(run: ProbeRun, min_yield: float, *, wide: bool = False) -> FittedTable:
+    """The probe's table: per dataset and upstream, yield and reasons, facts, forecast (compact unless ``wide``)."""
+    fitted = FittedTable("draftstream probe", PROBE_COLUMNS, wide=wide, title_justify="left")
     for report in run.reports:
         f, fc = report.findings, report.forecast
-        verdict = "[red]below min_yield[/]" if report.below(min_yield) else "[green]ok[/]"
+        verdict = styled("below min_yield", "red") if report.below(min_yield) else styled("ok", "green")
         outlook = (
             f"{fc.accepted:,} of {fc.prompts:,} accepted, {_money(fc.dollars)}, "
-            f"tokens kept {fc.tokens_kept:,} of {fc.tokens_paid:,} paid ({verdict})"
+            f"tokens kept {fc.tokens_kept:,} of {fc.tokens_paid:,} paid"
         )
-        rows = [("all", f, outlook), *((name, u, "") for name, u in report.upstreams.items())]
-        caught = "".join(f"; [yellow]strips_at_edges: {s}[/]" for s in report.strips)
-        for upstream, found, text in rows:
-            table.add_row(
-                report.dataset,
-                upstream,
-                f"{found.answers}",
-                f"{found.accepted} ({found.share:.0%})",
-                _money(found.dollars_per_accepted),
-                _reasons(found),
-                _facts(found) + (caught if upstream == "all" else ""),
-                text,
+        rows = [("all", f, True), *((name, u, False) for name, u in report.upstreams.items())]
+        for upstream, found, whole in rows:
+            # An upstream caught stripping: its name here, the evidence with --wide.
+            caught = [styled(f"strips_at_edges: {s if wide else s.split(' (', 1)[0]}", "yellow")
+                      for s in report.strips if whole]  # fmt: skip
+            fitted.add_row(
+                {
+                    "dataset": report.dataset,
+                    "upstream": upstream,
+                    "dataset / upstream": report.dataset if whole else f"· {upstream}",
+                    "answers": f"{found.answers}",
+                    "accepted": f"{found.accepted} ({found.share:.0%})",
+                    "$/accepted": _money(found.dollars_per_accepted),
+                    "reasons of the rest": _reasons(found) if wide else _reasons(found, most=1),
+                    "proved": Text("; ").join([Text(_short_facts(found)), *caught]),
+                    "what the answers proved": Text("; ").join([Text(_facts(found)), *caught]),
+                    "forecast": f"{fc.accepted:,} of\n{fc.prompts:,}\n${fc.dollars:,.2f}" if whole else "",
+                    "forecast (whole dataset)": outlook if whole else "",
+                    "verdict": verdict if whole else "",
+                }
             )
     for dataset, why in run.skipped.items():
-        table.add_row(dataset, "-", "0", "-", "-", "-", f"not probed: {why}", "")
-    return table
+        not_probed = f"not probed: {why}"
+        fitted.add_row({"dataset": dataset, "dataset / upstream": dataset, "answers": "0", "proved": not_probed,
+                        "what the answers proved": not_probed, "verdict": styled("not probed", "red")})  # fmt: skip
+    return fitted

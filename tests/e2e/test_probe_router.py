@@ -80,8 +80,11 @@ async def test_probe_reports_each_upstreams_habits_pays_at_most_n_and_fails_belo
         mixed_toml = tmp_path / "mixed.toml"
         mixed_toml.write_text(toml_of(mixed, router.url, "mixed", "{}"), encoding="utf-8")
         runner = CliRunner()
-        ok = await asyncio.to_thread(runner.invoke, app, ["probe", "-c", str(pinned_toml), "--n", "10"])
-        bad = await asyncio.to_thread(runner.invoke, app, ["probe", "-c", str(mixed_toml), "--n", str(N)])
+        # The compact table in an 80-column terminal; every column (--wide) in a 250-column one.
+        ok = await asyncio.to_thread(runner.invoke, app, ["probe", "-c", str(pinned_toml), "--n", "10"],
+                                     env={"COLUMNS": "80"})  # fmt: skip
+        bad = await asyncio.to_thread(runner.invoke, app, ["probe", "-c", str(mixed_toml), "--n", str(N), "--wide"],
+                                      env={"COLUMNS": "250"})  # fmt: skip
     finally:
         await router.close()
 
@@ -120,6 +123,9 @@ async def test_probe_reports_each_upstreams_habits_pays_at_most_n_and_fails_belo
     assert "lossless" in ok.output and "ok" in ok.output
     assert bad.exit_code == 1, bad.output
     assert "below min_yield" in bad.output and "stripping" in bad.output
+    assert "what the answers proved" in bad.output and "what the answers proved" not in ok.output
+    for run_output, width in ((ok.output, 80), (bad.output, 250)):
+        assert max(len(line) for line in run_output.splitlines()) <= width, run_output
 
 
 async def test_probe_first_halts_a_bad_route_before_the_spend_and_a_good_route_pays_each_prompt_once(

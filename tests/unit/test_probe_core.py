@@ -106,7 +106,7 @@ def test_forecast_cost_per_accepted_sample_and_the_exit_decision() -> None:
     assert run.failed(0.9) and not run.failed(0.5)
     assert ProbeRun(skipped={"x": "halted"}).failed(0.0)
     console = Console(width=300, record=True)
-    console.print(render(run, 0.9))
+    console.print(render(run, 0.9, wide=True))
     text = console.export_text()
     assert "750 of 1,000 accepted" in text and "below min_yield" in text
     row = next(line for line in text.splitlines() if " all " in line)
@@ -142,7 +142,7 @@ def test_the_report_names_an_upstream_caught_stripping() -> None:
                            forecast=Forecast(prompts=2, accepted=0, dollars=0.0, tokens_paid=0, tokens_kept=0),
                            requests_sent=2, strips=("openai/m (evidence math:t: whitespace may be missing)",))
     console = Console(record=True, width=400)
-    console.print(render(ProbeRun(reports=[report]), 0.5))
+    console.print(render(ProbeRun(reports=[report]), 0.5, wide=True))
     assert "strips_at_edges: openai/m (evidence math:t" in console.export_text()
 
 

@@ -122,3 +122,50 @@ def test_the_demo_closing_tables_fit_the_terminal(width: int) -> None:
         assert_fits(rendered(table, width), width)
     # The budget table the demo shows comes from a subcommand: it is laid out at the demo's own width.
     assert subcommand_env({"COLUMNS": "160", "HOME": "/x"}, width) == {"COLUMNS": str(width), "HOME": "/x"}
+
+
+def probe_run() -> object:
+    """A probe of two datasets, one below the floor with three upstreams (one caught stripping), one not probed."""
+    from services.probe.core import DatasetReport, Findings, Forecast, ProbeRun
+
+    def findings(answers: int, accepted: int, white: str) -> Findings:
+        return Findings(answers=answers, accepted=accepted, dollars=0.1234 * answers, tokens_paid=123_456 * answers,
+                        tokens_kept=123_456 * accepted, logprobs="present" if white != "unproven" else "null",
+                        whitespace={"reasoning_start": white, "reasoning_end": "mixed", "content_start": white,
+                                    "content_end": "unproven"},
+                        end_of_turn="not counted", usage_wrong=2, prompt_agrees=answers - 1, prompt_compared=answers,
+                        reasons=Counter({"whitespace_stripped": answers - accepted, "usage_mismatch": 1,
+                                         "tool_arguments_reserialized": 1}))  # fmt: skip
+
+    upstreams = {"DeepInfra-with-a-long-name": findings(7, 2, "stripped"), "Together": findings(7, 6, "kept"),
+                 "Fireworks": findings(6, 4, "unproven")}  # fmt: skip
+    below = DatasetReport(
+        "math-reasoning-olympiad", findings(20, 12, "mixed"), upstreams,
+        Forecast(prompts=1_234_567, accepted=740_740, dollars=98_765.4321, tokens_paid=987_654_321,
+                 tokens_kept=592_592_592), requests_sent=20,
+        strips=("DeepInfra-with-a-long-name (evidence math-reasoning-olympiad:s17: content_start stripped)",),
+    )  # fmt: skip
+    fine = DatasetReport("chat", findings(20, 20, "kept"), {"unknown": findings(20, 20, "kept")},
+                         Forecast(prompts=500, accepted=500, dollars=1.5, tokens_paid=900, tokens_kept=900),
+                         requests_sent=0)  # fmt: skip
+    return ProbeRun([below, fine], skipped={"tools-with-a-long-name": LONG_REASON})
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("wide", [False, True], ids=["compact", "wide"])
+def test_probe_table_fits_the_terminal(width: int, wide: bool) -> None:
+    from services.probe.core import render
+
+    table = render(probe_run(), 0.9, wide=wide)  # type: ignore[arg-type]
+    lines = rendered(table, width)
+    assert_fits(lines, width)
+    headers = [c.name for c in table.columns]
+    assert {"accepted", "reasons of the rest", "forecast" if not wide else "$/accepted", "verdict"} <= set(headers)
+    assert ("what the answers proved" in headers) is wide and ("answers" in headers) is wide
+    assert ("dataset" in headers and "upstream" in headers) is wide
+    # What each view says (laid out wide enough to read a cell whole): the verdicts, who was caught stripping.
+    text = "\n".join(rendered(table, 1000))
+    for said in ("below min_yield", "not probed", "strips_at_edges: DeepInfra-with-a-long-name"):
+        assert said in text, said
+    assert "ok" in text.split()
+    assert ("(evidence math-reasoning-olympiad:s17" in text) is wide  # the evidence: --wide
