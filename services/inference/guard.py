@@ -43,7 +43,7 @@ from services.inference.core import (
     outage_reason,
 )
 from services.inference.throttle import ProviderThrottle
-from services.inference.tool_route import PARSED_ADVICE, SOUND, can_write_in_text, dataset_route, route_line
+from services.inference.tool_route import PARSED_ADVICE, can_write_in_text, dataset_route, provable, route_line
 from services.profiles import Profile
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,8 @@ class ProviderGuard:
         """By which route the dataset's tools travel; a warning where their calls cannot be proven."""
         in_text = can_write_in_text(lambda m, t: profile.render_prompt(m, t))
         line = route_line(self._settings, name, in_text=in_text, ahead=True)
-        if dataset_route(self._settings, self._settings.dataset(name), in_text=in_text) in SOUND:
+        dataset = self._settings.dataset(name)
+        if provable(self._settings, dataset, dataset_route(self._settings, dataset, in_text=in_text)):
             log.info("pre-flight: %s", line)
         else:
             self._parsed_tools_said.add(name)

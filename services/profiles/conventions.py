@@ -54,6 +54,11 @@ class Convention:
     # reasoning parser kept (SGLang 0.5.23's Qwen25Detector / DeepSeekV3Detector / DeepSeekV31Detector:
     # ``normal_text = text[:idx].strip()``; PARSERS.md "Corrections").
     strips_before_tool: frozenset[str] = frozenset()
+    # Tool formats whose block the server's parsers take out of the content even when the request
+    # has no ``tools`` parameter, returning no call for it either: raw tool text (tools written
+    # into the system text) does not come back, so its calls cannot be proven through this server
+    # (vLLM 0.33's deepseek_v4 pair, run by tests/conformance/test_raw_tool_text.py).
+    drops_block_without_tools: frozenset[str] = frozenset()
 
     def open_strip_units(self, shown: frozenset[str]) -> frozenset[str]:
         """The units that may have been stripped, given those whose ends show whitespace (kept)."""
@@ -90,8 +95,10 @@ CONVENTIONS: dict[str, Convention] = {
         "arguments with json.dumps; kimi_k2's regex consumes \\s* around arguments; its request "
         "model renders a missing tool description as null (PARSERS.md); "
         "deepseek_v4 (0.33.0, run) returns JSON built from the DSML parameters; kimi_k2 (0.33.0, run by "
-        "the fuzzer's tool tier) returns arguments it rebuilt, values typed by the tool's schema",
+        "the fuzzer's tool tier) returns arguments it rebuilt, values typed by the tool's schema; deepseek_v4 "
+        "drops a DSML block from the content even with no tools parameter (0.33.0, run)",
         tool_null_fields=("description",),
+        drops_block_without_tools=frozenset({"dsml"}),
     ),
     "sglang": Convention(
         name="sglang",

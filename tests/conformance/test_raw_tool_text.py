@@ -200,6 +200,32 @@ def test_raw_tool_text_through_the_engines_is_lossless() -> None:
         assert found["with_calls"] >= 20, column
 
 
+def test_vllm_deepseek_v4_drops_a_dsml_block_sent_without_tools_as_the_vllm_convention_says() -> None:
+    """DeepSeek-V4 on the raw route through vLLM 0.33.0's own deepseek_v4 pair (engines.run_dsv4, a child process):
+    a DSML block the model wrote comes back neither in the content nor as a call when the request has no tools
+    parameter (with one, the call comes back), and the newline before ``</think>`` is gone. So the raw route is
+    not lossless for V4 there: the ``vllm`` convention names ``dsml`` in ``drops_block_without_tools``, and none
+    of the formats whose raw route the engines keep whole (MODELS, above)."""
+    from services.profiles import profile_spec
+    from tests.conformance.test_dsv4_encoding import SHAPES, WEATHER, _encoder_block
+
+    block = _encoder_block([WEATHER])
+    answers = []
+    for tools in (None, T._TOOLS):
+        for content in ("Checking.", ""):
+            fields = {"messages": SHAPES["single_turn"], "tools": tools, "chat_template_kwargs": {"thinking": True}}
+            answers.append({"text": "The user wants the weather.\n</think>" + content + block, "fields": fields})
+    replies = E.run_dsv4(answers)["responses"]
+    for answer, got in zip(answers, replies, strict=True):
+        assert got["reasoning"] == "The user wants the weather.", got  # the "\n" before </think> stripped
+        assert "DSML" not in (got["content"] or ""), got  # the block is out of the content either way
+        called = [c["function"]["name"] for c in got["tool_calls"]]
+        assert called == ([] if answer["fields"]["tools"] is None else ["get_weather"]), got  # no tools: lost
+    dropped = CONVENTIONS["vllm"].drops_block_without_tools
+    assert profile_spec("deepseek-v4").tool_format in dropped
+    assert dropped.isdisjoint(profile_spec(model).tool_format for model in MODELS)
+
+
 if __name__ == "__main__":
     source, target = sys.argv[1:]
     result = _child(json.loads(Path(source).read_text(encoding="utf-8")))

@@ -169,3 +169,37 @@ def test_a_template_that_cannot_write_its_tools_in_text_sends_the_parameter_and_
     line = route_line(settings, "t", in_text=False, ahead=True)
     assert line.startswith("tools of dataset t, where a row offers them: the server's tools parameter")
     assert "profile own-turn cannot write its tool block in system text: no raw tool text" in line
+
+
+@pytest.mark.parametrize(
+    ("profile", "provider", "lost"),
+    [
+        ("deepseek-v4", {"kind": "openai"}, True),  # vLLM 0.33's deepseek_v4 pair drops the DSML block
+        ("deepseek-v4", {"kind": "simulator"}, True),  # judged under the vllm convention too
+        ("qwen3", {"kind": "openai"}, False),  # hermes leaves the block alone without a tools parameter
+        ("deepseek-v4", {"kind": "openai", "convention": "sglang"}, False),  # a server declared otherwise
+        ("deepseek-v4", {"kind": "openai", "mode": "completions"}, False),  # rendered by us: raw text back
+    ],
+)
+def test_raw_tool_text_is_provable_only_where_the_server_keeps_the_block(
+    profile: str, provider: dict[str, Any], lost: bool
+) -> None:
+    """The pre-flight, estimate and probe lines (route_line, rows_lines) promise "provable" for raw tool text only
+    where the convention keeps the profile's block in the content (tests/conformance/test_raw_tool_text.py runs
+    vLLM's deepseek_v4 pair over a DSML answer sent without tools: the block is gone)."""
+    from services.inference.tool_route import provable, rows_lines
+
+    settings = load_settings(None, provider={"base_url": "http://engine.test/v1", **provider},
+                             datasets={"t": {"profile": profile}})  # fmt: skip
+    dataset = settings.dataset("t")
+    route = dataset_route(settings, dataset, in_text=True)
+    lines = rows_lines(settings, "t", in_text=True, fielded=3, own_text=2)
+    assert len(lines) == 2 and route == ("rendered" if "mode" in provider else "prompt_text")
+    for line, sound in lines:
+        assert sound is not lost, line
+        assert ("provable" in line.replace("cannot be proven", "")) is not lost, line
+        if lost:
+            assert 'cannot be proven through this server' in line and 'use mode = "completions"' in line, line
+            assert "profile deepseek-v4: vllm servers' parsers take a dsml tool block out" in line, line
+    assert provable(settings, dataset, "own_text") is not lost
+    assert route_line(settings, "t", in_text=True) in lines[0][0]
