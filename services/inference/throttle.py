@@ -61,8 +61,13 @@ class ProviderThrottle:
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for the pause or for room in the window."""
+        """Requests waiting for the pace, the pause or room in the window."""
         return len(self._waiters)
+
+    @property
+    def open(self) -> int:
+        """Requests sent and not ended: open at the provider."""
+        return self.limits.in_flight
 
     @property
     def counts_tokens(self) -> bool:
