@@ -6,7 +6,7 @@ counts as in flight) and, once the broker acknowledged, calls the provider. An a
 halt holds back before its first byte goes out is withdrawn on ``requests`` (the same
 record, ``withheld``) and waits at the gate again. Retries back off exponentially
 (with jitter, capped, honouring ``Retry-After``). A 429 is never a dead letter:
-it shrinks the window, pauses new requests and the prompt waits its turn again, without
+it moves the pace (or the window), holds the prompt for its ``Retry-After`` and it waits its turn again, without
 using up the attempts other failures have (a storm that admits nothing for
 ``provider.rate_limit_stall_s`` halts every worker, see the guard). After the last attempt a failure
 is one of: the account was refused (halt every worker, wait at the gate, start over), the
