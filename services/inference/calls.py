@@ -125,7 +125,7 @@ class ProviderCall:
                     tries.failed = 0
                     continue  # waits at the gate until resumed, then starts over
                 if is_rate_limited(failure):
-                    if failure.hold_s > 0:  # refused by a cap on open requests: this one waits its Retry-After
+                    if failure.hold_s > 0:  # no pause holds every request: the refused one waits its Retry-After
                         await asyncio.sleep(failure.hold_s)
                     continue  # the run was too fast, not the prompt's fault: wait for the throttle again
                 if is_outage_failure(failure) and await self._guard.provider_down(failure):
