@@ -49,12 +49,12 @@ BACKOFF = 0.85
 """A refusal with nothing measured cuts the estimate to this share of the rate requests were sent at."""
 STEP_SHARE = 0.1
 """While nothing is refused, the estimate grows by this share of itself a second (at full pace)..."""
+MIN_STEP_RPS = 0.2
+"""...and by at least this many requests a second per second; the step doubles every second..."""
+MAX_STEPS = 8.0
+"""...up to this many times its first size."""
 IN_USE = 0.9
 """The pace grows only while requests are started at this share of it or more."""
-MAX_STEPS = 8.0
-"""The step grows to at most this many times its first size."""
-MIN_STEP_RPS = 0.2
-"""...and by at least this many requests a second per second."""
 MIN_RATE_RPS = 0.2
 """The estimate never goes below one request in five seconds (the stall halt deals with zero)."""
 ADMITTED_SHARE = 0.95
