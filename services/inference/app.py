@@ -542,14 +542,20 @@ class _Progress:
     def _line(self, now: float) -> None:
         worker, answers = self._worker, _started(self._worker.answers)
         done = answers.responded + answers.reused + answers.dead_lettered
+        throttle = _started(worker.guard).throttle
+        pace = f"{throttle.pace:.1f}/s" if throttle.pace is not None else "none"
         log.info(
             "inference progress: %.1f prompt(s)/s; %d paid response(s), %d reused, %d dead letter(s); "
-            "%d in flight; lag %d; halted: %s",
+            "%d in flight: %d open at the provider, %d waiting for the pace (%s, window %d); lag %d; halted: %s",
             (done - self._done_before) / max(now - self._since, 1e-9),
             answers.responded,
             answers.reused,
             answers.dead_lettered,
             len(worker.inflight),
+            throttle.open,
+            throttle.waiting,
+            pace,
+            throttle.window,
             self._lag,
             ", ".join(worker.halts.scopes()) or "none",
         )

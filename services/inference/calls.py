@@ -6,7 +6,7 @@ counts as in flight) and, once the broker acknowledged, calls the provider. An a
 halt holds back before its first byte goes out is withdrawn on ``requests`` (the same
 record, ``withheld``) and waits at the gate again. Retries back off exponentially
 (with jitter, capped, honouring ``Retry-After``). A 429 is never a dead letter:
-it shrinks the window, pauses new requests and the prompt waits its turn again, without
+it moves the pace (or the window), holds the prompt for its ``Retry-After`` and it waits its turn again, without
 using up the attempts other failures have (a storm that admits nothing for
 ``provider.rate_limit_stall_s`` halts the provider's workers, see the guard). After the last attempt a
 failure is one of: the account was refused (halt the provider's workers, wait at the gate, start over), the
@@ -125,7 +125,7 @@ class ProviderCall:
                     tries.failed = 0
                     continue  # waits at the gate until resumed, then starts over
                 if is_rate_limited(failure):
-                    if failure.hold_s > 0:  # refused by a cap on open requests: this one waits its Retry-After
+                    if failure.hold_s > 0:  # no pause holds every request: the refused one waits its Retry-After
                         await asyncio.sleep(failure.hold_s)
                     continue  # the run was too fast, not the prompt's fault: wait for the throttle again
                 if is_outage_failure(failure) and await self._guard.provider_down(failure):

@@ -1,27 +1,24 @@
-"""Rate limits, pure: the adaptive window of requests in flight, the Retry-After pause, the stall.
+"""Rate limits, pure: the window of requests open at once, the pause, the stall.
 
 No I/O and no clock: every method that needs the time takes ``now`` (monotonic seconds), so
 the policy is unit-tested on its own and :mod:`services.inference.throttle` wires it to asyncio.
 
-- :class:`AimdWindow` is additive-increase / multiplicative-decrease in the manner of
-  Netflix's concurrency-limits ``AIMDLimit`` and TCP: until the first refusal (HTTP 429) an
-  answer grows the window by one (slow start), after it by one per window of answers, and
-  only while the window is in use (at least half of it in flight). A refusal shrinks it to
-  the share of the last round's requests that got through, between a half and nine tenths
-  (a first refusal with nothing to go by: a half), at most once per round: refusals of
-  requests sent before the last cut were sent under the old window and say nothing new
-  (TCP's one-decrease-per-RTT). The cut is from what was in flight when the window was
-  larger than that, for a refusal of another limit than the rate (a window that never bound
-  says nothing), and growth past the level of
-  the last refusal is ``PLATEAU_SLOWDOWN`` times slower (CUBIC's plateau): a limit found is
-  probed now and then, not bounced off every round (a 429 may cost a ``Retry-After`` of a second).
+What a 429 shows of the limit decides what it moves:
+
+- **The pace** (:class:`~services.inference.pacer.Pacer`): a refusal of the rate sets it to the
+  rate the key admitted just before; requests go no faster, evenly spread.
+- **The window** (:class:`OpenWindow`): a cap on requests open at once, stated (a bare
+  ``X-RateLimit-Limit`` count below what was open) or found (refused twice, answers between, at
+  an open count the key never admitted: the first time it may as well be the rate, and the
+  window only keeps to it tentatively). Past a cap found it grows ``PLATEAU_SLOWDOWN`` times
+  slower (a probe now and then); before anything is found it is ``provider.concurrency``.
+- **The pause** (:class:`Pause`): a ``Retry-After`` holds the refused request; it holds every
+  new request only when the key admits nothing now (``CLOSED_RUN`` requests refused in a row: a
+  window of requests spent until its reset). A pause ends at the pace, one request at a time.
 - :class:`ProviderLimits` keeps one window for the provider (the key's own limit) and one
   per OpenRouter upstream that a reply or a refusal names; what may be in flight is the
   provider's window, and never more than the upstreams seen so far take together.
-- A ``Retry-After`` pauses every *new* request until it has passed (:class:`Pause`).
 - :class:`StallClock`: refusals and no answer for ``stall_s`` means the limit admits nothing.
-- The pace (:class:`~services.inference.pacer.Pacer`): requests go no faster than the rate the
-  key admits, evenly spread, and resume at that rate after a pause.
 """
 
 from __future__ import annotations
@@ -32,31 +29,32 @@ from services.inference.pacer import Pacer
 
 KEY_SCOPE = "key"
 """The label of the provider's own window (a refusal that names no upstream)."""
-PLATEAU_SLOWDOWN = 8.0
-"""How much slower the window grows past the level of its last refusal."""
+TRIAL_S = 0.25
+"""A tentative window tries one request past its limit this long after it was set (or last grew)..."""
+PROBE_S = 0.05
+"""...which was admitted when it is not refused within this long (a refusal comes back at once)."""
+OPEN_SLACK = 3
+"""A cap on open requests is not found at a count when answers came with this many more open."""
+PLATEAU_SLOWDOWN = 32.0
+"""How much slower the window grows past a cap on open requests it found."""
 
 
 @dataclass
-class AimdWindow:
-    """How many requests may be in flight: grows by one per answer, halves on a refusal."""
+class OpenWindow:
+    """How many requests may be open at once: the provider's concurrency, or a cap on open requests found."""
 
     ceiling: int
     floor: int = 1
-    min_backoff: float = 0.5
-    max_backoff: float = 0.9
     size: float = 0.0
-    cut_after: int = 0  # requests numbered up to this were sent before the last cut
+    cut_after: int = 0  # requests numbered up to this were sent before the last hold
     slow_start: bool = True
-    answers: int = 0  # since the last cut
-    refusals: int = 0  # since the last cut
-    plateau: float = float("inf")  # the level of the last refusal, less one
+    plateau: float = float("inf")  # the cap last found
     hard_cap: int | None = None  # requests open at once the provider stated it admits
-    peak: float = 0.0  # the largest size since the last cut found to follow the pace
+    trial: bool = False  # kept to a count refused once (tentative)
 
     def __post_init__(self) -> None:
         if self.size <= 0:
             self.size = float(self.ceiling)
-        self.peak = self.size
 
     @property
     def limit(self) -> int:
@@ -64,52 +62,40 @@ class AimdWindow:
         return max(self.floor, min(self.ceiling, int(self.size)))
 
     def answered(self, in_flight: int) -> None:
-        """An answer: grow by one while at least half the window is used (an idle window stays put)."""
-        self.answers += 1
+        """An answer: grow while at least half the window is used (an idle window stays put): by one
+        in slow start, else by one per window of answers, ``PLATEAU_SLOWDOWN`` times slower past a cap
+        found (a probe now and then, not a refusal every round)."""
         if 2 * in_flight >= self.limit:
             step = 1.0 if self.slow_start else 1.0 / self.size
             if self.size >= self.plateau:
                 step /= PLATEAU_SLOWDOWN
             top = self.ceiling if self.hard_cap is None else min(self.ceiling, self.hard_cap)
             self.size = min(float(top), self.size + step)
-            self.peak = max(self.peak, self.size)
 
-    def refused(self, seq: int, last_seq: int, in_flight: int | None = None, *, sure: bool = True) -> bool:
-        """A refusal of request ``seq`` (``last_seq``: the newest sent; ``in_flight``: with it, open
-        when it was refused; ``sure``: found to follow the pace, not merely not found otherwise);
-        True when the window shrank."""
-        self.refusals += 1
+    def tentative(self, count: int) -> None:
+        """Maybe a cap on open requests at ``count`` (one refusal): keep to it, growing by one an
+        answer, and doubling when a trial request past it is admitted (:class:`ProviderLimits`)."""
+        if count < self.size:
+            self.size = float(max(self.floor, count))
+            self.slow_start = self.trial = True
+
+    def hold(self, count: int, seq: int, last_seq: int) -> None:
+        """A cap on open requests at ``count`` (refused there again, and never admitted above it): the
+        window keeps to it and probes past it slowly; once per round (``last_seq``: the newest sent)."""
         if seq <= self.cut_after:
-            return False
-        share = self.answers / (self.answers + self.refusals) if not self.slow_start else 0.0
-        backoff = min(self.max_backoff, max(self.min_backoff, share))
-        base = self.size if in_flight is None else min(self.size, float(in_flight))
-        if in_flight is not None:
-            self.plateau = max(float(self.floor), in_flight - 1.0)
-        self.size = max(float(self.floor), base * backoff)
+            return
+        self.size = min(self.size, float(max(self.floor, count)))
+        self.plateau = float(max(self.floor, count))
         self.cut_after = last_seq
-        self.slow_start = False
-        self.answers = self.refusals = 0
-        if sure:
-            self.peak = self.size
-        return True
-
-    def undo(self, last_seq: int) -> None:
-        """A refusal found not to follow the pace: counted, no cut, and the cuts since the last
-        sure one undone (back to the peak since then); requests up to ``last_seq`` are judged."""
-        self.refusals += 1
-        self.cut_after = max(self.cut_after, last_seq)
-        top = self.ceiling if self.hard_cap is None else min(self.ceiling, self.hard_cap)
-        self.size = min(float(top), max(self.size, self.peak))
+        self.slow_start = self.trial = False
 
     def cap_at(self, count: int, seq: int, last_seq: int) -> None:
         """The provider stated it admits ``count`` open at once: the window keeps to it (until a restart)."""
-        self.refusals += 1
         self.hard_cap = max(self.floor, count)
         self.size = min(self.size, float(self.hard_cap))
         if seq > self.cut_after:
             self.cut_after = last_seq
-        self.slow_start = False
+        self.slow_start = self.trial = False
 
     def restart(self) -> None:
         """Grow fast again (after a stall was lifted: where the limit now lies is not known)."""
@@ -177,25 +163,31 @@ class ProviderLimits:
     stall_s: float
     default_pause_s: float = 0.5
     rate_ceiling: float | None = None  # requests a second: the user's own ceiling
-    windows: dict[str, AimdWindow] = field(default_factory=dict)
+    windows: dict[str, OpenWindow] = field(default_factory=dict)
     pause: Pause = field(default_factory=Pause)
     stall: StallClock = field(init=False)
     pacer: Pacer = field(init=False)
     in_flight: int = 0
     sent: int = 0
     refusals: int = 0
+    opens: dict[int, int] = field(default_factory=dict)  # seq -> requests open when it was sent (itself too)
+    at_open: dict[int, list[int]] = field(default_factory=dict)  # see _capped_open
+    admitted_max: int = 0  # the most requests open when one that was answered was sent
+    trial: float | None = None  # when a tentative window may try one request past its limit
+    probe: tuple[int, float] | None = None  # that request, and when it counts as admitted
+    answers: int = 0
 
     def __post_init__(self) -> None:
         self.stall = StallClock(self.stall_s)
         self.pacer = Pacer(ceiling=self.rate_ceiling, key_scope=KEY_SCOPE)
         self.pacer.estimate(None)
-        self.windows.setdefault(KEY_SCOPE, AimdWindow(self.ceiling))
+        self.windows.setdefault(KEY_SCOPE, OpenWindow(self.ceiling))
 
-    def window(self, scope: str | None) -> AimdWindow:
+    def window(self, scope: str | None) -> OpenWindow:
         """The window of ``scope`` (an upstream's name; None: the key's own), made on first sight."""
         name = scope or KEY_SCOPE
         if name not in self.windows:
-            self.windows[name] = AimdWindow(self.ceiling)
+            self.windows[name] = OpenWindow(self.ceiling)
         return self.windows[name]
 
     @property
@@ -210,17 +202,41 @@ class ProviderLimits:
         return self.pause.remaining(now)
 
     def next_s(self, now: float) -> float:
-        """How long a new request waits for the pause and the pace (the window aside)."""
+        """How long a new request waits for the pause and the pace (the window aside, but for its trial)."""
         ramp = self.pacer.ramp.wait_s(now, self.in_flight)
-        return max(self.pause.remaining(now), self.pacer.wait_s(now), ramp)
+        wait = max(self.pause.remaining(now), self.pacer.wait_s(now), ramp)
+        if self.in_flight >= self.limit:
+            due = self.probe[1] if self.probe is not None else self.trial
+            if due is not None:
+                wait = max(wait, due - now)
+        return wait
 
     def room(self, now: float) -> int:
-        """New requests that may be sent now: none in a pause, else what the window and the pace allow."""
+        """New requests that may be sent now: none in a pause, else what the window and the pace allow
+        (one past a tentative window, its trial, when it is due)."""
+        self._tried(now)
         if self.pause.remaining(now) > 0:
             return 0
         ramp = self.pacer.ramp_cap(now)
         window = self.limit if ramp is None else min(self.limit, ramp)
+        if self._trying(now):
+            window += 1
         return min(window - self.in_flight, self.pacer.available(now))
+
+    def _trying(self, now: float) -> bool:
+        return self.trial is not None and now >= self.trial and self.probe is None and self.windows[KEY_SCOPE].trial
+
+    def _tried(self, now: float) -> None:
+        """The trial request was not refused within ``PROBE_S``: it was admitted past the tentative
+        window, which doubles (the count refused once was not a cap); the next trial is due
+        ``TRIAL_S`` later."""
+        if self.probe is None or now < self.probe[1]:
+            return
+        self.probe = None
+        window = self.windows[KEY_SCOPE]
+        if window.trial:
+            window.size = min(float(window.ceiling), 2.0 * window.size)
+            self.trial = now + TRIAL_S
 
     def may_start(self, now: float) -> bool:
         """Whether a new request may be sent now."""
@@ -230,13 +246,17 @@ class ProviderLimits:
         """A request is sent (at ``now``: it takes its place in the pace); its sequence number."""
         self.in_flight += 1
         self.sent += 1
+        self.opens[self.sent] = self.in_flight
         if now is not None:
             self.pacer.take(now, self.sent)
+            if self.in_flight > self.limit and self._trying(now):
+                self.probe, self.trial = (self.sent, now + PROBE_S), None
         return self.sent
 
     def release(self, seq: int) -> None:
         """Request ``seq`` ended without saying anything about the limit (another failure, or not sent)."""
         self._ended()
+        self.opens.pop(seq, None)
         self.pacer.forget(seq)
 
     def _ended(self) -> None:
@@ -246,6 +266,11 @@ class ProviderLimits:
         """An answer to request ``seq`` (served by ``upstream`` when the reply names one): windows
         and pace grow, no stall."""
         self._ended()
+        self.answers += 1
+        opened = self.opens.pop(seq, None) if seq is not None else None
+        if opened is not None:
+            self.at_open.setdefault(opened, [0, 0, -1])[0] += 1
+            self.admitted_max = max(self.admitted_max, opened)
         self.windows[KEY_SCOPE].answered(self.in_flight + 1)
         if upstream:
             self.window(upstream).answered(self.in_flight + 1)
@@ -262,44 +287,62 @@ class ProviderLimits:
         stated_rps: float | None = None,
         stated_count: int | None = None,
     ) -> float:
-        """Request ``seq`` got a 429: shrink the window and the pace it names, pause new requests.
+        """Request ``seq`` got a 429: what it shows of the limit moves the window or the pace it names.
 
         ``stated_rps``: the rate the refusal's headers state; ``stated_count``: a bare count they
-        state instead. Returns the seconds added to the pause.
+        state instead. A cap on open requests (stated, or found from the open count) moves the
+        window; any other refusal sets the pace to the rate admitted (:mod:`services.inference.pacer`).
+        New requests are paused for the ``Retry-After`` only when the key admits nothing now
+        (``CLOSED_RUN`` refused in a row: a window spent until its reset); otherwise only the refused
+        request waits it, and the others go at the pace. Returns the seconds added to the pause.
         """
-        open_with_it = self.in_flight
+        open_with_it = self.opens.pop(seq, self.in_flight)
+        if self.probe is not None and self.probe[0] == seq:
+            self.probe = None  # the trial was refused: the tentative window stands (and is tried again)
         self._ended()
         self.refusals += 1
         window = self.window(upstream)
-        if self.open_cap(stated_rps, stated_count, open_with_it):
-            # A cap on requests open at once: the window keeps to it from now on, the pace is not
-            # cut and new requests are not paused (the refused one waits its Retry-After).
-            window.cap_at(stated_count or 0, seq, self.sent)
-            self.pacer.ramp.over = True  # a limit was found: the window bounds what is in flight
-            self.stall.refused(now)
+        self.pacer.ramp.over = True  # a limit was found: the window and the pace bound what is in flight
+        self.stall.refused(now)
+        if stated_rps is None and stated_count is not None and open_with_it > stated_count:
+            window.cap_at(stated_count, seq, self.sent)  # a cap on open requests, stated
             self.pacer.forget(seq)  # not an outcome of the pace
             return 0.0
-        # A refusal stating no rate where one was stated is about another limit (requests open
-        # at once): the window is cut from what was open.
-        other = stated_rps is None and self.pacer.stated_fresh(upstream, now)
+        if stated_rps is None and self._capped_open(window, open_with_it, now):
+            window.hold(open_with_it - 1, seq, self.sent)  # a cap on open requests, found
+            self.pacer.forget(seq)
+            return 0.0
         # Refusals that do not follow the pace (a share of everything refused, whatever the
-        # pace) cut neither the window nor the pace: sending slower would not refuse fewer.
+        # pace) do not cut it: sending slower would not refuse fewer.
         follows = True if stated_rps is not None else self.pacer.judge(seq, now)
-        if follows is False and not other:
-            window.undo(self.sent)
-        else:
-            window.refused(seq, self.sent, open_with_it if other else None, sure=follows is True or other)
         self.pacer.refused(seq, self.sent, now, upstream, stated_rps, follows=follows)
         self.pacer.forget(seq)  # kept as an outcome by judge(), when it was asked
-        self.stall.refused(now)
+        if not self.pacer.closed(seq):
+            return 0.0
         added = self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
         self.pacer.resume_at(max(now, self.pause.until))
         return added
 
-    def open_cap(self, stated_rps: float | None, stated_count: int | None, open_with_it: int | None = None) -> bool:
-        """Whether a refusal stating ``stated_count`` (and no rate) refused more open requests than that."""
-        open_now = self.in_flight if open_with_it is None else open_with_it
-        return stated_rps is None and stated_count is not None and open_now > stated_count
+    def _capped_open(self, window: OpenWindow, open_with_it: int, now: float) -> bool:
+        """Whether a refusal stating nothing, with ``open_with_it`` open (itself too), shows a cap on
+        open requests: at that count, more were refused than admitted, and it was refused there
+        before with answers since (once, it may as well have been the rate: the window then keeps
+        to it tentatively), and never admitted with ``OPEN_SLACK`` more open. The worker counts an
+        answer open until it has read it, a little longer than the provider does, so a cap shows as
+        a count refused more often than not, not as one never admitted."""
+        if open_with_it < 2:
+            return False  # refused alone: the rate, not a cap
+        seen = self.at_open.setdefault(open_with_it, [0, 0, -1])  # admitted, refused, answers at the last refusal
+        again = seen[1] > 0 and self.answers > seen[2]
+        seen[1] += 1
+        seen[2] = self.answers
+        if seen[1] <= seen[0] or self.admitted_max >= open_with_it + OPEN_SLACK:
+            return False
+        if again:
+            return True
+        window.tentative(open_with_it - 1)
+        self.trial = now + TRIAL_S
+        return False
 
     def stalled(self, now: float) -> bool:
         """Nothing but 429s for ``stall_s``."""
@@ -313,4 +356,5 @@ class ProviderLimits:
         self.pacer.restart()
 
 
-__all__ = ["KEY_SCOPE", "AimdWindow", "Pause", "ProviderLimits", "StallClock"]
+__all__ = ["KEY_SCOPE", "OpenWindow", "Pause", "ProviderLimits", "StallClock"]
+

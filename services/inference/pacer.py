@@ -1,28 +1,28 @@
 """Pacing, pure: a client-side token bucket whose rate follows an estimate of what the key admits.
 
-A window of requests in flight alone meets a rate limit by hitting it: a window that a
-``Retry-After`` pause held back goes out at once when the pause ends, and a bucket with a
-small burst refuses most of it again (a thundering herd). The pacer spreads requests
-evenly at the rate the key admits, alongside the window of :mod:`services.inference.limits`.
+A window of requests in flight alone meets a rate limit by hitting it: a bucket with a small
+burst refuses most of a window sent at once. The pacer spreads requests evenly at the rate
+the key admits, alongside the window of :mod:`services.inference.limits`.
 
-- :class:`RateEstimate` is one scope's rate (the key's own, or an OpenRouter upstream's),
-  additive-increase / multiplicative-decrease on the rate as TCP does on its window: while
-  nothing is refused each answer adds ``max(MIN_STEP_RPS, STEP_SHARE x rate) / rate``
-  (about that many requests a second per second at full pace; before the first cut, one per
-  answer: a slow start that doubles the rate a second); a refusal cuts it to ``BACKOFF`` of
-  itself, once per round (refusals of requests sent before the cut say nothing new). A
-  limit the provider states (``X-RateLimit-*`` / ``RateLimit-*`` headers, OpenRouter's
-  ``GET /key``) caps the estimate for ``STATED_HOLD_S`` and seeds it when nothing is known.
-  Before anything is known a scope is not paced.
+- :class:`RateEstimate` is one scope's rate (the key's own, or an OpenRouter upstream's). A
+  refusal sets it to the rate the key **admitted** just before (:meth:`Pacer.admitted_rate`:
+  requests sent over the last ``ADMIT_S`` and not refused), ``ADMITTED_SHARE`` of it when
+  requests were going at the pace (a bucket refills below its rate), all of it when they were
+  not (the refusal was of a burst), once per round (refusals of requests sent before the last
+  cut say nothing new). While nothing is refused it probes upward by a step a second that
+  doubles every second (``STEP_SHARE`` of the rate at first), and only while requests go at
+  the pace. A limit the provider states (``X-RateLimit-*`` / ``RateLimit-*`` headers,
+  OpenRouter's ``GET /key``) seeds the estimate while too little was sent to measure; after
+  that, what is admitted wins over what is stated. Before anything is known a scope is not paced.
 - Only refusals that follow the pace cut it (:meth:`Pacer.follows_pace`): every outcome is kept
   for ``HISTORY_S`` with the rate requests were being started at when it was sent; the
   outcomes sent at the higher half of those rates must be refused significantly more often
   than those sent at the lower half (a one-sided two-proportion test at ``FOLLOWS_Z``). A
   rate limit refuses more of a faster pace; an overloaded upstream that refuses a share of
   everything does not, and cutting for it only slows the run (the share stays the same).
-  With too few outcomes, or rates too close to tell apart, a refusal cuts as before; once
-  refusals are found not to follow the pace, the cuts made since the last one that was
-  found to follow it are undone (the estimate goes back to its peak since then).
+  With too few outcomes, rates too close to tell apart, or fewer than ``MIN_SHARE`` refused,
+  a refusal cuts; once refusals are found not to follow the pace, the cuts made since the
+  last one that was found to follow it are undone (the estimate goes back to its peak).
 - :class:`TokenBucket` sends at the combined rate (the key's estimate, within what the
   upstreams estimated so far take together, within ``requests_per_minute``) with a burst of
   one request, so it never catches up in a burst after a delay. After a ``Retry-After``
@@ -46,15 +46,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 BACKOFF = 0.85
-"""A refusal cuts the estimate to this share of itself."""
+"""A refusal with nothing measured cuts the estimate to this share of the rate requests were sent at."""
 STEP_SHARE = 0.1
-"""While nothing is refused, the estimate grows by this share of itself a second..."""
-MIN_STEP_RPS = 0.5
-"""...and by at least this many requests a second per second."""
+"""While nothing is refused, the estimate grows by this share of itself a second (at full pace)..."""
+MIN_STEP_RPS = 0.2
+"""...and by at least this many requests a second per second; the step doubles every second..."""
+MAX_STEPS = 8.0
+"""...up to this many times its first size."""
+IN_USE = 0.9
+"""The pace grows only while requests are started at this share of it or more."""
 MIN_RATE_RPS = 0.2
 """The estimate never goes below one request in five seconds (the stall halt deals with zero)."""
-STATED_HOLD_S = 5.0
-"""How long a limit the provider stated caps the estimate (a limit that is raised is found after it)."""
+ADMITTED_SHARE = 0.95
+"""A refusal sets the estimate to this share of the rate admitted (a bucket refills below its rate)."""
+ADMIT_S = 2.0
+"""The admitted rate is measured over the requests sent this long before a refusal..."""
+MIN_ADMIT_S = 0.5
+"""...when requests have been sent for this long since the run or a pause began (a shorter span
+measures the provider's burst, not its rate: a stated rate is taken instead, when there is one)..."""
+SHORT_SPAN_S = 0.2
+"""...and over this long at least when nothing was stated (the ramp's first refusal comes within a
+few tenths of a second: an estimate above the key's rate is brought down by the next refusals,
+at a second's wait each for the refused requests alone; one below it only by the probe)."""
+CLOSED_RUN = 4
+"""Refusals in a row (nothing sent between them admitted): the key admits nothing now, not a pace."""
 RAMP_START = 4
 RAMP_DOUBLING_S = 0.1
 RAMP_END = 1 << 20
@@ -70,6 +85,8 @@ HISTORY_MAX = 4096
 """At most this many outcomes are kept (the newest)."""
 MIN_HALF = 15
 """Outcomes each half needs before refusals are judged not to follow the pace."""
+MIN_SHARE = 0.2
+"""Refusals are judged not to follow the pace only when at least this share of requests is refused."""
 MIN_SPREAD = 1.15
 """The higher half's mean rate over the lower half's below this: too close to tell apart."""
 FOLLOWS_Z = 2.0
@@ -84,68 +101,71 @@ class RateEstimate:
     rate: float | None = None
     ceiling: float | None = None
     stated: float | None = None
-    stated_at: float = -math.inf
-    slow_start: bool = True
     cut_after: int = 0
+    cut_at: float | None = None  # when it was last cut (or first known)
     peak: float | None = None  # the highest rate since the last cut found to follow the pace
 
-    def _cap(self, now: float) -> float | None:
-        caps = [c for c in (self.ceiling, self.stated if now - self.stated_at < STATED_HOLD_S else None) if c]
-        return min(caps) if caps else None
-
-    def state(self, limit_rps: float | None, now: float) -> None:
-        """The provider stated its limit (a header, ``GET /key``): it caps the estimate and seeds it."""
+    def state(self, limit_rps: float | None) -> None:
+        """The provider stated its limit (a header, ``GET /key``): it seeds the estimate while nothing is known."""
         if limit_rps is None or limit_rps <= 0:
             return
-        self.stated, self.stated_at = limit_rps, now
+        self.stated = limit_rps
         if self.rate is None:
-            self.rate = limit_rps
-            self.slow_start = False
-        self._clamp(now)
+            self.rate = self._capped(limit_rps)
 
     def answered(self, now: float) -> None:
-        """An answer: the estimate grows (by one in slow start, else a step a second at full pace)."""
+        """An answer: the estimate probes upward, by a step a second at full pace that doubles every
+        second nothing is refused (``STEP_SHARE`` of the rate at first, at most ``MAX_STEPS`` times that)."""
         if self.rate is None:
             return
-        step = 1.0 if self.slow_start else max(MIN_STEP_RPS, STEP_SHARE * self.rate) / self.rate
-        self.rate += step
-        self._clamp(now)
-        self.peak = max(self.peak or 0.0, self.rate)
+        if self.cut_at is None:
+            self.cut_at = now
+        steps = min(MAX_STEPS, 2.0 ** max(0.0, now - self.cut_at))
+        self.rate = self._capped(self.rate + max(MIN_STEP_RPS, STEP_SHARE * self.rate) * steps / self.rate)
+        if self.peak is not None:
+            self.peak = max(self.peak, self.rate)
 
-    def refused(self, seq: int, last_seq: int, now: float, sent_rate: float, *, sure: bool = True) -> bool:
-        """Request ``seq`` was refused (``last_seq``: the newest sent; ``sent_rate``: the pace it was sent at;
-        ``sure``: refusals were found to follow the pace, not merely not found otherwise).
+    def refused(
+        self, seq: int, last_seq: int, admitted: float | None, sent_rate: float, *, in_use: bool, sure: bool = True
+    ) -> bool:
+        """Request ``seq`` was refused (``last_seq``: the newest sent; ``admitted``: the rate the key
+        admitted just before, None when too little was sent to tell; ``sent_rate``: the pace it was
+        sent at; ``in_use``: requests went at the pace; ``sure``: refusals were found to follow the
+        pace). Returns True when the estimate was cut (once per round: refusals of requests sent
+        before the last cut say nothing new).
 
-        Returns True when the estimate was cut (once per round).
+        The estimate becomes a share of what was admitted, all of it when requests were not going
+        at the pace (the refusal was of a burst, and what was admitted is only what was sent); with
+        nothing measured, the rate stated, or a share of the rate it was sent at.
         """
         if seq <= self.cut_after:
             return False
         self.cut_after = last_seq
-        if self.peak is None:
-            self.peak = sent_rate if self.rate is None else max(self.rate, sent_rate)
-        base = sent_rate if self.rate is None else min(self.rate, sent_rate)
-        self.rate = max(MIN_RATE_RPS, BACKOFF * base)
-        self.slow_start = False
-        self._clamp(now)
-        if sure:
-            self.peak = self.rate
+        if admitted is not None:
+            rate = (ADMITTED_SHARE if in_use else 1.0) * (admitted if self.rate is None else min(self.rate, admitted))
+        elif self.stated is not None:
+            rate = self.stated
+        else:
+            rate = BACKOFF * (sent_rate if self.rate is None else min(self.rate, sent_rate))
+        known = self.rate is not None  # before: nothing to go back to
+        self.cut_at = None  # (the next answer's time)
+        self.rate = self._capped(max(MIN_RATE_RPS, rate))
+        if sure or not known:
+            self.peak = self.rate if known else None
         return True
 
-    def undo(self, last_seq: int, now: float) -> None:
+    def undo(self, last_seq: int) -> None:
         """Refusals were found not to follow the pace: back to the peak (requests up to ``last_seq`` are judged)."""
         self.cut_after = max(self.cut_after, last_seq)
         if self.rate is not None and self.peak is not None and self.peak > self.rate:
-            self.rate = self.peak
-            self._clamp(now)
+            self.rate = self._capped(self.peak)
 
     def restart(self) -> None:
-        """Grow fast again (after a stall was lifted: where the limit now lies is not known)."""
-        self.slow_start = True
+        """After a stall was lifted: where the limit now lies is not known (measured afresh at the next refusal)."""
+        self.rate = self.peak = None
 
-    def _clamp(self, now: float) -> None:
-        cap = self._cap(now)
-        if self.rate is not None and cap is not None:
-            self.rate = min(self.rate, cap)
+    def _capped(self, rate: float) -> float:
+        return rate if self.ceiling is None else min(rate, self.ceiling)
 
 
 @dataclass
@@ -238,6 +258,10 @@ class Pacer:
     paced: bool = False  # some estimate has a rate (until then nothing is paced: the fast path)
     sent_rates: dict[int, tuple[float, float]] = field(default_factory=dict)  # seq -> (sent at, the rate then)
     outcomes: deque[tuple[float, float, bool, float]] = field(default_factory=deque)  # (sent at, rate, refused, took)
+    sends: deque[tuple[float, int]] = field(default_factory=deque)  # (sent at, seq) within ADMIT_S
+    refused_sends: set[int] = field(default_factory=set)  # the seqs among them that were refused
+    measure_from: float | None = None  # the admitted rate counts from here (the first start, a pause's end)
+    changed_at: float = -math.inf  # when the pace was last cut
 
     def estimate(self, scope: str | None) -> RateEstimate:
         """The estimate of ``scope`` (None: the key's own), made on first sight."""
@@ -280,14 +304,45 @@ class Pacer:
         starts = self.starts
         if self.first_start is None:
             self.first_start = now
+        if self.measure_from is None:
+            self.measure_from = now
         starts.append(now)
         started_rate = self._started_rate(now)  # (drops the starts older than MEASURE_S)
         if seq is not None:
             self.sent_rates[seq] = (now, started_rate)  # until its outcome, or forget()
+            self.sends.append((now, seq))
+            self._drop_sends(now)
 
     def forget(self, seq: int) -> None:
         """Request ``seq`` ended without an outcome of the pace (not sent, another failure, a cap on open requests)."""
         self.sent_rates.pop(seq, None)
+
+    def _drop_sends(self, now: float) -> None:
+        sends = self.sends
+        while sends and sends[0][0] < now - ADMIT_S:
+            self.refused_sends.discard(sends.popleft()[1])
+
+    def admitted_rate(self, now: float, *, short: bool = False) -> float | None:
+        """Requests a second the key admitted: those sent over the last ``ADMIT_S`` (since the run or
+        the last pause began, when that is later) and not refused, over that span; None while the
+        span is shorter than ``MIN_ADMIT_S`` (with ``short``: over ``MIN_ADMIT_S`` all the same). A
+        request not refused yet counts as admitted: a refusal comes back at once, an answer takes
+        its time.
+        """
+        if self.measure_from is None:
+            return None
+        self._drop_sends(now)
+        since = max(now - ADMIT_S, self.measure_from)
+        if now - since < MIN_ADMIT_S and not short:
+            return None
+        admitted = sum(1 for at, seq in self.sends if at >= since and seq not in self.refused_sends)
+        if now - since < MIN_ADMIT_S and admitted < RAMP_START:
+            return None  # a refusal among the first few requests: nothing to measure yet
+        return max(MIN_RATE_RPS, admitted / max(SHORT_SPAN_S, now - since))
+
+    def closed(self, seq: int) -> bool:
+        """Whether request ``seq`` and the ``CLOSED_RUN - 1`` sent before it were all refused."""
+        return all(seq - back in self.refused_sends for back in range(CLOSED_RUN))
 
     def _outcome(self, seq: int | None, now: float, refused: bool) -> None:
         sent = self.sent_rates.pop(seq, None) if seq is not None else None
@@ -323,7 +378,11 @@ class Pacer:
         if pooled <= 0.0 or pooled >= 1.0:
             return None
         error = math.sqrt(pooled * (1.0 - pooled) * (1.0 / len(low) + 1.0 / len(high)))
-        return high_refused / len(high) - low_refused / len(low) > FOLLOWS_Z * error
+        if high_refused / len(high) - low_refused / len(low) > FOLLOWS_Z * error:
+            return True
+        # Not told apart: refusals do not follow the pace only when they are a large share (a few
+        # refusals at the top of a probe, the pace's own, say nothing either way).
+        return False if pooled >= MIN_SHARE else None
 
     def _started_rate(self, now: float) -> float:
         """Requests a second started over the last ``MEASURE_S`` (what an unpaced worker sent at);
@@ -343,13 +402,25 @@ class Pacer:
         return self.ramp.cap(now)
 
     def answered(self, upstream: str | None, now: float, seq: int | None = None) -> None:
-        """An answer to request ``seq``: the key's estimate grows, and the upstream's that served it."""
+        """An answer to request ``seq``: the key's estimate grows, and the upstream's that served it,
+        while the pace is in use (requests were started at ``IN_USE`` of it or more over the last
+        second: a pace nothing sends at proves nothing, and raising it would only let a burst go)."""
         self._outcome(seq, now, refused=False)
         if not self.paced:
+            return
+        if not self.in_use(now, grow=True):
             return
         self.estimate(None).answered(now)
         if upstream:
             self.estimate(upstream).answered(now)
+
+    def in_use(self, now: float, *, grow: bool = False) -> bool:
+        """Whether requests go at the pace: started at ``IN_USE`` of it or more over the last
+        ``MEASURE_S`` (``grow``: now; else also set ``MIN_ADMIT_S`` ago or more)."""
+        rate = self.bucket.rate
+        if rate is None or (not grow and now - self.changed_at < MIN_ADMIT_S):
+            return False
+        return self._started_rate(now) >= IN_USE * rate
 
     def judge(self, seq: int, now: float) -> bool | None:
         """Request ``seq`` got a 429: keep it as an outcome; whether refusals follow the pace (:meth:`follows_pace`)."""
@@ -368,47 +439,43 @@ class Pacer:
     ) -> bool:
         """Request ``seq`` got a 429 (naming ``upstream``, stating ``stated_rps``); True when the pace was cut.
 
-        ``follows``: what :meth:`judge` said of it. A refusal stating no rate, when refusals do
-        not follow the pace, cuts nothing and undoes the cuts since the last sure one; a later
-        one is judged afresh.
+        The estimate of its scope becomes the rate the key admitted (:meth:`admitted_rate`); a
+        stated rate seeds it only while nothing is measured. ``follows``: what :meth:`judge` said
+        of it: when refusals do not follow the pace, a refusal cuts nothing and undoes the cuts
+        since the last sure one; a later one is judged afresh.
         """
+        if self.sends and seq >= self.sends[0][1]:
+            self.refused_sends.add(seq)
         sent_rate = self.bucket.rate if self.bucket.rate is not None else self._started_rate(now)
         self.ramp.over = True
         self.paced = True
         estimate = self.estimate(upstream)
-        if stated_rps is None and self.stated_fresh(upstream, now):
-            # The rate was stated and this refusal states none: another limit (requests open at
-            # once, say), which is the window's to find.
-            self._sync(now)
-            return False
-        if stated_rps is not None and estimate.rate is None:
-            estimate.state(stated_rps, now)
-            cut = True
-        elif stated_rps is None and follows is False:
-            estimate.undo(last_seq, now)
+        estimate.state(stated_rps)
+        if stated_rps is None and follows is False:
+            estimate.undo(last_seq)
             cut = False
         else:
-            cut = estimate.refused(seq, last_seq, now, sent_rate, sure=follows is True or stated_rps is not None)
-            estimate.state(stated_rps, now)
+            sure = follows is True or stated_rps is not None
+            admitted = self.admitted_rate(now, short=estimate.stated is None)
+            cut = estimate.refused(seq, last_seq, admitted, sent_rate, in_use=self.in_use(now), sure=sure)
+            if cut:
+                self.changed_at = now
         self._sync(now)
         return cut
-
-    def stated_fresh(self, upstream: str | None, now: float) -> bool:
-        """Whether the provider stated the rate of ``upstream`` (None: the key) within ``STATED_HOLD_S``."""
-        estimate = self.estimate(upstream)
-        return estimate.stated is not None and now - estimate.stated_at < STATED_HOLD_S
 
     def stated(self, limit_rps: float | None, now: float) -> None:
         """The key's limit as the provider states it (``GET /key`` at pre-flight, headers of an answer)."""
         if limit_rps is not None:
-            self.estimate(None).state(limit_rps, now)
+            self.estimate(None).state(limit_rps)
             self.paced = True
             self._sync(now)
 
     def resume_at(self, at: float) -> None:
-        """A pause ends at ``at``: requests resume one at a time at the paced rate."""
+        """A pause ends at ``at``: requests resume one at a time at the paced rate (measured afresh from then)."""
         self._sync(at)
         self.bucket.resume_at(at)
+        if self.measure_from is None or at > self.measure_from:
+            self.measure_from = at
 
     def restart(self) -> None:
         """A stall was lifted: every estimate grows fast again."""

@@ -61,8 +61,13 @@ class ProviderThrottle:
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for the pause or for room in the window."""
+        """Requests waiting for the pace, the pause or room in the window."""
         return len(self._waiters)
+
+    @property
+    def open(self) -> int:
+        """Requests sent and not ended: open at the provider."""
+        return self.limits.in_flight
 
     @property
     def counts_tokens(self) -> bool:
@@ -143,19 +148,18 @@ class ProviderThrottle:
         stated_rps: float | None = None,
         stated_count: int | None = None,
     ) -> float:
-        """Request ``seq`` got a 429: shrink the window and the pace, pause new requests for its Retry-After.
+        """Request ``seq`` got a 429: the window, the pace and the pause move (:meth:`ProviderLimits.refused`).
 
-        Returns the seconds the refused request itself waits before it is tried again: its
-        ``Retry-After`` when a stated cap on open requests refused it (the window keeps the
-        others within it, so nothing else pauses), else 0 (the pause holds it with the rest).
+        Returns the seconds the refused request itself waits before it is tried again: 0 when a
+        pause holds every new request (it waits with the rest), else its ``Retry-After``.
         """
-        cap = self.limits.open_cap(stated_rps, stated_count)
-        added = self.limits.refused(seq, self._clock(), retry_after_s, upstream, stated_rps, stated_count)
+        now = self._clock()
+        added = self.limits.refused(seq, now, retry_after_s, upstream, stated_rps, stated_count)
         RATE_LIMITED.labels(provider=self.provider, upstream=upstream or KEY_SCOPE).inc()
         if added > 0:
             RATE_LIMIT_PAUSED.labels(provider=self.provider).inc(added)
         self._changed()
-        if not cap:
+        if self.limits.wait_s(now) > 0:
             return 0.0
         return self.limits.default_pause_s if retry_after_s is None else retry_after_s
 

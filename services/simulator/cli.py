@@ -94,6 +94,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             str | None,
             typer.Option(help="Change the bucket's rate after the first request: 'seconds:factor,...' (20:0.5,50:1)"),
         ] = None,
+        limit_headers: Annotated[
+            str, typer.Option(help="What a 429 states of the limit: x-ratelimit (headers) or none (a silent front)")
+        ] = "x-ratelimit",
         count_end_of_turn: Annotated[
             bool, typer.Option(help="Count the end-of-turn token in usage.completion_tokens")
         ] = True,
@@ -169,6 +172,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 rate_limit_window=rate_limit_window,
                 rate_limit_window_s=rate_limit_window_s,
                 rate_limit_schedule=rate_limit_schedule,
+                limit_headers=limit_headers,
             ).with_fault_rates(_parse_rates(fault_rate or []))
         except ValueError as exc:
             fail(str(exc))

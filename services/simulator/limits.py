@@ -2,7 +2,9 @@
 
 What a paid API does to a key: beyond ``rps`` requests a second (``burst`` of them at once)
 or ``max_open`` requests being answered at the same time, a request is refused with HTTP
-429 and a ``Retry-After``. The clock is a parameter (monotonic seconds), so the limiter is
+429 and a ``Retry-After``. With ``headers`` off the limiter is silent, as many fronts are: no
+``X-RateLimit-*`` header states the limit, and ``Retry-After`` is in whole seconds (HTTP's
+delay-seconds; at least 1), the wait rounded up. The clock is a parameter (monotonic seconds), so the limiter is
 tested on its own; :mod:`services.simulator.server` asks it once per chat request.
 """
 
@@ -27,13 +29,15 @@ class RequestLimiter:
 
     ``burst`` 0 with a rate admits nothing (a limit that never lets a request through).
     ``open_retry_after_s`` is the Retry-After of a refusal by the open cap (when a request
-    will finish is not known to the limiter).
+    will finish is not known to the limiter). ``headers``: whether a refusal states the limit
+    (``X-RateLimit-*``) and its wait to the millisecond; off, only a whole-second ``Retry-After``.
     """
 
     rps: float | None = None
     burst: float = 0.0
     max_open: int | None = None
     open_retry_after_s: float = 1.0
+    headers: bool = True
     tokens: float = field(init=False)
     stamp: float | None = None
     open: int = 0
@@ -55,7 +59,7 @@ class RequestLimiter:
         if self.max_open is not None and self.open >= self.max_open:
             return Refusal(
                 reason=f"{self.max_open} request(s) open at once",
-                retry_after_s=self.open_retry_after_s,
+                retry_after_s=self.wait_s(self.open_retry_after_s),
                 limit=str(self.max_open),
             )
         return None
@@ -75,12 +79,18 @@ class RequestLimiter:
                 wait = (1.0 - self.tokens) / self.rps if self.burst >= 1.0 else 1.0
                 return Refusal(
                     reason=f"{self.rps:g} request(s) per second",
-                    retry_after_s=max(0.001, math.ceil(wait * 1000) / 1000),
+                    retry_after_s=self.wait_s(wait),
                     limit=f"{self.rps:g}/s",
                 )
             self.tokens -= 1.0
         self.open += 1
         return None
+
+    def wait_s(self, seconds: float) -> float:
+        """The ``Retry-After`` of a wait: to the millisecond above (never 0), or whole seconds when silent."""
+        if not self.headers:
+            return float(max(1, math.ceil(seconds - 1e-9)))
+        return max(0.001, math.ceil(seconds * 1000) / 1000)
 
     def done(self) -> None:
         """An admitted request was answered (or abandoned)."""

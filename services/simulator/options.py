@@ -20,6 +20,9 @@ from services.simulator.formats import PARSERS
 from services.simulator.limits import RequestLimiter
 from services.simulator.shapes import shaped
 
+LIMIT_HEADERS = ("x-ratelimit", "none")
+"""What a 429 may say of the limit: the ``X-RateLimit-*`` headers, or nothing."""
+
 
 @dataclass(frozen=True)
 class SimulatorOptions:
@@ -72,6 +75,9 @@ class SimulatorOptions:
     rate_limit_window: int | None = None
     rate_limit_window_s: float = 60.0
     rate_limit_schedule: str | None = None
+    # What a refusal says of the limit: "x-ratelimit" (X-RateLimit-* headers, Retry-After to the
+    # millisecond) or "none" (a silent front: a whole-second Retry-After and the error body only).
+    limit_headers: str = "x-ratelimit"
     # Answers wait (after their latency) until this many requests have been open at once, for at
     # most HOLD_TIMEOUT_S: a client's concurrency shows at the provider without a race against the latency.
     hold_until_open: int | None = None
@@ -82,13 +88,18 @@ class SimulatorOptions:
     def __post_init__(self) -> None:
         if self.parser not in PARSERS:
             raise ValueError(f"unknown parser {self.parser!r}; known: {', '.join(PARSERS)}")
+        if self.limit_headers not in LIMIT_HEADERS:
+            raise ValueError(f"unknown limit headers {self.limit_headers!r}; known: {', '.join(LIMIT_HEADERS)}")
         self.limiter()  # refuses a bad limit now
 
     def limiter(self) -> RequestLimiter:
         """The request limiter these options set (inactive without a limit)."""
         rps = self.rate_limit_rps
         burst = self.rate_limit_burst if self.rate_limit_burst is not None else float(math.ceil(rps or 0))
-        base = RequestLimiter(rps=rps, burst=burst, max_open=self.max_open, open_retry_after_s=self.retry_after_s)
+        base = RequestLimiter(
+            rps=rps, burst=burst, max_open=self.max_open, open_retry_after_s=self.retry_after_s,
+            headers=self.limit_headers != "none",
+        )
         return shaped(
             base, per_window=self.rate_limit_window, window_s=self.rate_limit_window_s,
             schedule=self.rate_limit_schedule,

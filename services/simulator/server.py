@@ -250,11 +250,18 @@ class SimulatorServer:
             return None
         self.stats.rate_limited += 1
         SIMULATOR_REQUESTS.labels("rate_limited").inc()
+        retry_after = {"Retry-After": retry_after_text(refusal.retry_after_s)}
+        if not limiter.headers:
+            # A silent front (an upstream behind OpenRouter, a gateway): the error body and Retry-After only.
+            body = error_body(429, "Provider returned error")
+            raw = f"Rate limit exceeded, please retry shortly (simulated: {refusal.reason})"
+            body["error"]["metadata"] = {"raw": raw}
+            return self._reply(429, body, key, **retry_after)
         reset_ms = int((time.time() + refusal.retry_after_s) * 1000)
         headers = {"X-RateLimit-Limit": refusal.limit, "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": str(reset_ms)}
         body = error_body(429, f"Rate limit exceeded: {refusal.reason} (simulated)")
         body["error"]["metadata"] = {"headers": headers}
-        return self._reply(429, body, key, **{"Retry-After": retry_after_text(refusal.retry_after_s)}, **headers)
+        return self._reply(429, body, key, **retry_after, **headers)
 
     async def _admitted(self, request: web.Request, at: float, key: str | None) -> web.StreamResponse:
         completions = not request.path.endswith("/chat/completions")  # POST .../completions: a rendered prompt

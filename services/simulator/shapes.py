@@ -53,7 +53,7 @@ class WindowLimiter(RequestLimiter):
             wait = (window + 1) * self.window_s - now
             return Refusal(
                 reason=f"{self.per_window} request(s) per {self.window_s:g} s",
-                retry_after_s=max(0.001, math.ceil(wait * 1000) / 1000),
+                retry_after_s=self.wait_s(wait),
                 limit=f"{self.per_window}/{self.window_s:g}s",
             )
         self.used += 1
@@ -114,13 +114,13 @@ def shaped(
     """The limiter of these options: ``base`` (a bucket and an open cap), a window, or a schedule over the bucket."""
     if per_window is not None:
         return WindowLimiter(
-            max_open=base.max_open, open_retry_after_s=base.open_retry_after_s, per_window=per_window,
-            window_s=window_s,
+            max_open=base.max_open, open_retry_after_s=base.open_retry_after_s, headers=base.headers,
+            per_window=per_window, window_s=window_s,
         )
     if schedule:
         return ScheduledLimiter(
             rps=base.rps, burst=base.burst, max_open=base.max_open, open_retry_after_s=base.open_retry_after_s,
-            schedule=parse_schedule(schedule),
+            headers=base.headers, schedule=parse_schedule(schedule),
         )
     return base
 

@@ -11,9 +11,12 @@ import pytest
 
 from services.inference.limits import ProviderLimits
 from services.inference.pacer import (
-    BACKOFF,
+    ADMIT_S,
+    ADMITTED_SHARE,
     RAMP_DOUBLING_S,
     RAMP_START,
+    SHORT_SPAN_S,
+    STEP_SHARE,
     Pacer,
     Ramp,
     RateEstimate,
@@ -28,46 +31,48 @@ from services.simulator.limits import Refusal, RequestLimiter
 # --- the estimate -----------------------------------------------------------------------
 
 
-def test_nothing_known_is_not_paced_and_a_stated_limit_seeds_and_caps_the_estimate() -> None:
+def test_nothing_known_is_not_paced_and_what_is_admitted_wins_over_what_is_stated() -> None:
     estimate = RateEstimate()
     estimate.answered(0.0)
     assert estimate.rate is None  # answers alone say nothing about a limit
-    estimate.state(20.0, now=0.0)
-    assert estimate.rate == 20.0
-    for _ in range(100):
-        estimate.answered(1.0)
-    assert estimate.rate == 20.0  # the stated limit caps the growth while it is fresh...
-    for _ in range(100):
-        estimate.answered(100.0)
-    assert estimate.rate is not None and estimate.rate > 20.0  # ...and not for ever: a raised limit is found
+    estimate.state(20.0)
+    assert estimate.rate == 20.0  # a stated limit seeds the estimate...
+    assert estimate.refused(seq=5, last_seq=30, admitted=12.0, sent_rate=20.0, in_use=True) is True
+    assert estimate.rate == pytest.approx(ADMITTED_SHARE * 12.0)  # ...and loses to what was admitted
+    estimate.state(20.0)
+    assert estimate.rate == pytest.approx(ADMITTED_SHARE * 12.0)  # stated again: no reseeding
 
 
-def test_a_refusal_cuts_the_rate_once_per_round_and_answers_add_a_step_a_second() -> None:
-    estimate = RateEstimate(rate=20.0, slow_start=False)
-    assert estimate.refused(seq=5, last_seq=30, now=0.0, sent_rate=20.0) is True
-    assert estimate.rate == pytest.approx(20.0 * BACKOFF)
+def test_a_refusal_sets_the_rate_admitted_once_per_round() -> None:
+    estimate = RateEstimate(rate=30.0)
+    assert estimate.refused(seq=5, last_seq=30, admitted=20.0, sent_rate=30.0, in_use=True) is True
+    assert estimate.rate == pytest.approx(ADMITTED_SHARE * 20.0)  # a share: a bucket refills below its rate
     # Requests 6..30 were sent at the old pace: their refusals say nothing new.
-    assert estimate.refused(seq=30, last_seq=31, now=0.1, sent_rate=17.0) is False
-    assert estimate.rate == pytest.approx(17.0)
-    for _ in range(17):  # one second of answers at 17/s
-        estimate.answered(1.0)
-    assert estimate.rate == pytest.approx(18.7, abs=0.01)  # max(0.5, 10 % of 17) = 1.7 a second
-    assert estimate.refused(seq=31, last_seq=40, now=1.1, sent_rate=10.0) is True
-    assert estimate.rate == pytest.approx(10.0 * BACKOFF)  # cut from what was actually sent
+    assert estimate.refused(seq=30, last_seq=31, admitted=5.0, sent_rate=30.0, in_use=True) is False
+    assert estimate.rate == pytest.approx(ADMITTED_SHARE * 20.0)
+    # Requests were not going at the pace (a burst was refused): all of what was admitted.
+    assert estimate.refused(seq=31, last_seq=40, admitted=15.0, sent_rate=19.0, in_use=False) is True
+    assert estimate.rate == pytest.approx(15.0)
+    # What was admitted never raises the estimate (a burst after a pause admits more than the rate).
+    assert estimate.refused(seq=41, last_seq=50, admitted=40.0, sent_rate=15.0, in_use=True) is True
+    assert estimate.rate == pytest.approx(ADMITTED_SHARE * 15.0)
 
 
-def test_slow_start_doubles_until_the_first_cut_and_restart_brings_it_back() -> None:
-    estimate = RateEstimate(rate=4.0)
-    for _ in range(4):
-        estimate.answered(0.0)
-    assert estimate.rate == 8.0
-    estimate.refused(seq=1, last_seq=1, now=0.0, sent_rate=8.0)
-    estimate.answered(0.0)
-    assert estimate.rate == pytest.approx(8.0 * BACKOFF + max(0.5, 0.1 * 8.0 * BACKOFF) / (8.0 * BACKOFF))
+def test_the_probe_steps_up_and_doubles_its_step_each_second_nothing_is_refused() -> None:
+    estimate = RateEstimate(rate=20.0)
+    for _ in range(20):  # the first second at full pace: a step of STEP_SHARE of the rate
+        estimate.answered(10.0)
+    first = estimate.rate
+    assert first == pytest.approx(20.0 * (1 + STEP_SHARE), rel=0.01)
+    rate = first
+    for _ in range(20):
+        estimate.answered(11.0)  # a second later: steps twice as large
+    assert estimate.rate is not None and estimate.rate - rate == pytest.approx(2 * (first - 20.0), rel=0.1)
+    estimate.refused(seq=1, last_seq=1, admitted=20.0, sent_rate=25.0, in_use=True)
+    estimate.answered(12.0)
+    assert estimate.rate == pytest.approx(ADMITTED_SHARE * 20.0 * (1 + STEP_SHARE / (ADMITTED_SHARE * 20.0)), rel=0.01)
     estimate.restart()
-    before = estimate.rate
-    estimate.answered(0.0)
-    assert estimate.rate == pytest.approx(before + 1.0)
+    assert estimate.rate is None  # after a stall: measured afresh
 
 
 def test_the_users_ceiling_caps_every_estimate() -> None:
@@ -203,7 +208,6 @@ def test_a_refusal_by_a_stated_open_cap_holds_the_window_to_it_and_leaves_the_pa
     limits = ProviderLimits(ceiling=256, stall_s=60.0)
     limits.pacer.stated(20.0, now=0.0)
     seqs = [limits.start() for _ in range(17)]
-    assert limits.open_cap(None, 16)  # 17 open, the key says 16
     assert limits.refused(seqs[-1], now=0.1, retry_after_s=1.0, stated_count=16) == 0.0  # no pause...
     assert limits.limit == 16 and limits.pacer.rate == 20.0  # ...the window keeps to 16, the pace stands
     assert not limits.may_start(0.1)  # 16 open: full
@@ -266,12 +270,17 @@ def test_refusals_that_follow_the_pace_are_told_from_a_share_of_everything() -> 
         assert pacer.follows_pace(now + 1.0) is faster_only
 
 
-def test_a_young_run_is_measured_over_its_age_not_a_whole_second() -> None:
+def test_a_young_run_is_measured_over_its_age_and_at_least_a_fifth_of_a_second() -> None:
     pacer = Pacer()
     for i in range(10):
-        pacer.take(i * 0.01, i + 1)  # ten requests in a tenth of a second: 100 a second
+        pacer.take(i * 0.01, i + 1)  # ten requests in a tenth of a second, the tenth refused
     pacer.refused(10, 10, 0.1)
-    assert pacer.rate == pytest.approx(BACKOFF * 10 / 0.1)
+    assert pacer.rate == pytest.approx(9 / SHORT_SPAN_S)
+    older = Pacer()
+    for i in range(40):
+        older.take(i * 0.05, i + 1)  # forty requests in two seconds, the last refused
+    older.refused(40, 40, 2.0)
+    assert older.rate == pytest.approx(39 / ADMIT_S, rel=0.05)
 
 
 def test_the_pace_keeps_the_send_rate_of_requests_in_flight_only() -> None:

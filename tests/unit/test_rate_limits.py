@@ -1,4 +1,4 @@
-"""Rate limits without a broker: the adaptive window, the Retry-After pause, the stall clock,
+"""Rate limits without a broker: the window of open requests, the Retry-After pause, the stall clock,
 the throttle's queue, and the simulator's token bucket and open-request cap."""
 
 from __future__ import annotations
@@ -8,88 +8,122 @@ import asyncio
 import pytest
 
 from services.common.config import ProviderSettings
-from services.inference.limits import KEY_SCOPE, AimdWindow, Pause, ProviderLimits, StallClock
+from services.inference.limits import KEY_SCOPE, PLATEAU_SLOWDOWN, OpenWindow, Pause, ProviderLimits, StallClock
+from services.inference.pacer import CLOSED_RUN
 from services.inference.throttle import ProviderThrottle
 from services.simulator.limits import OverCap, RequestLimiter, retry_after_text
 
-# --- the adaptive window ---------------------------------------------------------------
+# --- the window of open requests ----------------------------------------------------------
 
 
-def test_a_first_refusal_halves_the_window_once_per_round_and_later_ones_cut_by_the_share_refused() -> None:
-    window = AimdWindow(ceiling=256)
-    assert window.limit == 256
-    assert window.refused(seq=10, last_seq=40) is True
-    assert window.limit == 128  # nothing to go by yet: a half
-    # Requests 11..40 were sent under the old window: their refusals say nothing new.
-    assert window.refused(seq=40, last_seq=45) is False
-    assert window.limit == 128
-    for _ in range(39):
-        window.answered(in_flight=128)
-    # The round since the cut: 39 answered, 1 refused before this one, and this one: 39/41 got through.
-    assert window.refused(seq=41, last_seq=60) is True
-    # 95 % got through; the cut is nine tenths at most (the window had grown by 39 / 128 meanwhile).
-    assert window.size == pytest.approx((128.0 + 39 / 128) * 0.9, abs=0.01)
-    assert window.limit == 115
-    assert window.refused(seq=61, last_seq=61) is True  # nothing answered since: a half
-    assert window.limit == 57
-
-
-def test_after_the_first_refusal_the_window_grows_by_one_per_window_of_answers() -> None:
-    fast = AimdWindow(ceiling=256, size=64.0)
+def test_a_window_grows_by_one_an_answer_until_a_cap_is_found_then_probes_past_it_slowly() -> None:
+    window = OpenWindow(ceiling=256, size=64.0)
     for _ in range(300):
-        fast.answered(in_flight=fast.limit)
-    assert fast.limit == 256  # slow start: one per answer, never past provider.concurrency
-    slow = AimdWindow(ceiling=256, size=128.0)
-    slow.refused(seq=1, last_seq=1)
-    assert slow.limit == 64
-    for _ in range(64):
-        slow.answered(in_flight=64)
-    assert slow.size == pytest.approx(65.0, abs=0.01)  # one more per 64 answers
-    slow.answered(in_flight=10)  # most of the window idle: the demand is not there, no growth
-    assert slow.size == pytest.approx(65.0, abs=0.01)
-    slow.restart()  # a stall was lifted: fast again
-    slow.answered(in_flight=65)
-    assert slow.size == pytest.approx(66.0, abs=0.01)
+        window.answered(in_flight=window.limit)
+    assert window.limit == 256  # slow start: one per answer, never past provider.concurrency
+    window.hold(16, seq=10, last_seq=40)  # a cap on open requests found at 16
+    assert window.limit == 16
+    window.hold(8, seq=30, last_seq=41)  # requests sent before the hold: nothing new
+    assert window.limit == 16
+    answers = 0
+    while window.limit == 16:
+        window.answered(in_flight=16)
+        answers += 1
+    # Past the cap, one more per PLATEAU_SLOWDOWN windows of answers: a probe now and then.
+    assert window.limit == 17 and answers == pytest.approx(16 * PLATEAU_SLOWDOWN, rel=0.05)
+    window.answered(in_flight=2)  # most of the window idle: the demand is not there, no growth
+    assert window.size == pytest.approx(17.0, abs=0.01)
 
 
-def test_the_window_never_shrinks_below_one_and_an_idle_window_does_not_grow() -> None:
-    window = AimdWindow(ceiling=8)
-    for seq in range(1, 20):
-        window.refused(seq=seq * 100, last_seq=seq * 100)
+def test_a_tentative_window_keeps_to_a_count_refused_once_and_grows_one_an_answer() -> None:
+    window = OpenWindow(ceiling=256)
+    window.tentative(16)
+    assert window.limit == 16 and window.trial
+    window.answered(in_flight=16)
+    assert window.limit == 17  # unlike a cap found, it grows as fast as before
+    window.tentative(40)
+    assert window.limit == 17  # never grows by a tentative count
+    window.cap_at(8, seq=5, last_seq=5)  # stated: held for good, the trial is over
+    assert window.limit == 8 and not window.trial
+    for _ in range(100):
+        window.answered(in_flight=8)
+    assert window.limit == 8
+    window.restart()
+    window.answered(in_flight=8)
+    assert window.limit == 9
+
+
+def test_the_window_never_shrinks_below_one() -> None:
+    window = OpenWindow(ceiling=8)
+    window.hold(0, seq=1, last_seq=1)
     assert window.limit == 1
-    window.answered(in_flight=1)  # the one request it admits was in use: grows
-    assert window.limit == 2
-    grown = AimdWindow(ceiling=100, size=40.0)
-    grown.answered(in_flight=5)  # a tenth of it in flight: the demand is not there, no growth
-    assert grown.limit == 40
+    window.tentative(0)
+    assert window.limit == 1
 
 
-def test_an_upstream_refusal_shrinks_that_upstreams_window_and_the_sum_of_upstreams_bounds_the_key() -> None:
+def test_an_open_cap_nobody_states_is_found_from_the_counts_refused_and_admitted() -> None:
+    # 16 open at once, no header says so: the 17th is refused, tentatively a cap...
+    limits = ProviderLimits(ceiling=256, stall_s=30)
+    seqs = [limits.start(0.0) for _ in range(17)]
+    limits.refused(seqs[-1], now=0.01, retry_after_s=1.0)
+    assert limits.limit == 16 and limits.windows[KEY_SCOPE].trial
+    pace = limits.pacer.rate  # (once, it may as well be the rate: the pace moved too)
+    # ...refused there again after answers came: a cap found (held, grown past slowly).
+    limits.answered(None, 0.6, seqs[0])
+    limits.answered(None, 0.6, seqs[1])  # (each answer grows a tentative window by one: 18)
+    more = [limits.start(0.6) for _ in range(3)]
+    assert limits.opens[more[-1]] == 17
+    limits.refused(more[-1], now=0.61, retry_after_s=1.0)
+    assert limits.limit == 16 and not limits.windows[KEY_SCOPE].trial
+    assert limits.pause.remaining(0.61) == 0.0  # nobody else waits: the window keeps the others to it
+    assert limits.pacer.rate == pace  # a cap found is not a pace: not cut again
+
+
+def test_a_count_admitted_as_often_as_refused_is_not_a_cap() -> None:
+    # A bucket refuses at whatever count is open: counts it also admitted are the rate's.
+    limits = ProviderLimits(ceiling=256, stall_s=30)
+    now = 0.0
+    for _ in range(3):  # three requests answered with 8 open each
+        seqs = [limits.start(now) for _ in range(8)]
+        for seq in seqs:
+            limits.answered(None, now + 0.5, seq)
+        now += 1.0
+    seqs = [limits.start(now) for _ in range(8)]
+    limits.refused(seqs[-1], now=now + 0.01, retry_after_s=1.0)
+    assert limits.limit == 256  # refused once at 8, admitted three times there: the rate
+    assert limits.pacer.rate is not None  # the pace moved instead
+
+
+def test_an_upstream_refusal_paces_that_upstream_and_the_sum_of_upstreams_bounds_the_key() -> None:
     limits = ProviderLimits(ceiling=64, stall_s=30)
-    seq = limits.start()
-    limits.answered("Alpha")
-    assert limits.limit == 64
-    seq = limits.start()
-    limits.refused(seq, now=0.0, retry_after_s=None, upstream="Alpha")
-    assert limits.windows["Alpha"].limit == 32 and limits.windows[KEY_SCOPE].limit == 64
-    assert limits.limit == 32  # the only upstream seen takes 32
-    limits.start()
-    limits.answered("Beta")  # a second upstream serves the model too
-    assert limits.limit == 64
+    seq = limits.start(0.0)
+    limits.answered("Alpha", 0.5, seq)
+    seq = limits.start(1.0)
+    limits.refused(seq, now=1.01, retry_after_s=None, upstream="Alpha")
+    alpha = limits.pacer.estimate("Alpha").rate
+    assert alpha is not None and limits.pacer.estimate(None).rate is None
+    assert limits.pacer.rate == alpha  # the only upstream seen takes the key's pace
+    seq = limits.start(1.5)
+    limits.answered("Beta", 2.0, seq)  # a second upstream serves the model too: not paced yet
+    assert limits.pacer.rate is None or limits.pacer.rate >= alpha
 
 
-def test_refusals_pause_new_requests_for_the_retry_after_and_count_the_seconds_paused() -> None:
-    limits = ProviderLimits(ceiling=4, stall_s=30, default_pause_s=0.5)
-    seqs = [limits.start() for _ in range(4)]
-    assert not limits.may_start(now=0.0)  # the window is full
-    assert limits.refused(seqs[0], now=10.0, retry_after_s=2.0) == pytest.approx(2.0)
-    # A shorter Retry-After does not cut the pause short; a later, longer one extends it.
-    assert limits.refused(seqs[1], now=10.5, retry_after_s=1.0) == 0.0
-    assert limits.refused(seqs[2], now=11.0, retry_after_s=3.0) == pytest.approx(2.0)
-    assert limits.wait_s(11.0) == pytest.approx(3.0) and not limits.may_start(11.0)
-    assert limits.pause.paused_s == pytest.approx(4.0)
-    assert limits.may_start(14.0)  # one in flight, window 2
-    assert limits.refused(seqs[3], now=20.0, retry_after_s=None) == pytest.approx(0.5)  # no header: the default
+def test_refusals_in_a_row_pause_new_requests_for_the_retry_after_and_one_alone_does_not() -> None:
+    limits = ProviderLimits(ceiling=8, stall_s=30, default_pause_s=0.5)
+    seqs = [limits.start(10.0) for _ in range(8)]
+    assert not limits.may_start(now=10.0)  # the window is full
+    # One refused among answered ones: the rate; only the refused request waits (the throttle's hold).
+    limits.answered(None, 10.4, seqs[0])
+    assert limits.refused(seqs[1], now=10.5, retry_after_s=2.0, stated_rps=5.0) == 0.0
+    assert limits.wait_s(10.5) == 0.0
+    # CLOSED_RUN refused in a row: the key admits nothing now (a window spent): everyone waits.
+    run = seqs[8 - CLOSED_RUN:]
+    for seq in run[:-1]:
+        assert limits.refused(seq, now=11.0, retry_after_s=2.0, stated_rps=5.0) == 0.0
+    assert limits.refused(run[-1], now=11.0, retry_after_s=2.0, stated_rps=5.0) == pytest.approx(2.0)
+    assert limits.wait_s(11.0) == pytest.approx(2.0) and not limits.may_start(11.0)
+    assert limits.pause.paused_s == pytest.approx(2.0)
+    assert limits.may_start(13.0)  # the pause over: one request at the pace
 
 
 def test_pause_extend_from_an_expired_pause_starts_now() -> None:
@@ -128,7 +162,8 @@ class _Clock:
 async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_order() -> None:
     throttle = ProviderThrottle(ProviderSettings(concurrency=2), "simulator")
     first, second = await throttle.admit(), await throttle.admit()
-    throttle.limits.pacer.first_start -= 1.0  # as if the run had begun a second ago: its last second counts
+    pacer = throttle.limits.pacer
+    pacer.measure_from -= 1.0  # as if the run had begun a second ago: its last second counts
     order: list[int] = []
 
     async def one(n: int) -> None:
@@ -138,22 +173,23 @@ async def test_the_throttle_admits_no_more_than_the_window_and_wakes_waiters_in_
     waiting = [asyncio.create_task(one(n)) for n in range(3)]
     await asyncio.sleep(0.05)
     assert order == [] and throttle.waiting == 3
-    throttle.answered(None, 10)
+    throttle.answered(None, 10, first)
     await asyncio.sleep(0.05)
     assert order == [0]  # one place freed: one waiter goes
-    throttle.refused(second, retry_after_s=0.2, upstream=None)  # window 2 -> 1, pause 0.2 s
-    # Nothing stated a rate: the pace is 0.85 of what was started over the last second (3 requests).
-    assert throttle.pace == pytest.approx(0.85 * 3)
+    # Refused alone, the rest admitted: it waits its Retry-After by itself, nobody pauses, and
+    # the pace is what the key admitted: 2 of the 3 sent over the second or so the run is old.
+    # Refused with 2 open and never admitted there: maybe a cap at 1, which the window keeps to.
+    assert throttle.refused(second, retry_after_s=0.2, upstream=None) == pytest.approx(0.2)
+    assert throttle.pace is not None and 1.5 < throttle.pace < 2.0 and throttle.window == 1
     await asyncio.sleep(0.05)
-    assert order == [0] and throttle.window == 1
-    throttle.release(first)  # the first request ends, and the first waiter's: the window is empty, but paused
-    throttle.release(3)
-    await asyncio.sleep(0.3)
-    assert order == [0, 1]  # after the pause, the window of one admits one
+    assert order == [0]
+    throttle.release(3)  # the first waiter's request ends: the window of one admits the next
+    await asyncio.sleep(0.05)
+    assert order == [0, 1]
     throttle.release(4)
     await asyncio.sleep(0.05)
-    assert order == [0, 1]  # the window has room, the pace not yet: one request every 1 / 2.55 s
-    await asyncio.sleep(1 / 2.55)
+    assert order == [0, 1]  # the window has room, the pace not yet: one request every 1 / pace s
+    await asyncio.sleep(1.0 / throttle.pace)
     assert order == [0, 1, 2]
     assert first == 1
     for task in waiting:
@@ -303,14 +339,16 @@ async def test_status_reads_the_window_429s_and_pause_from_a_workers_metrics() -
     from services.status.core import StatusSnapshot, rate_limits_from_metrics, render
 
     throttle = ProviderThrottle(ProviderSettings(concurrency=256), "status-test")
-    seq = await throttle.admit()
-    throttle.refused(seq, retry_after_s=2.5, upstream=None)
+    seqs = [await throttle.admit() for _ in range(CLOSED_RUN)]
+    for seq in seqs:  # refused in a row, at the stated rate: the key admits nothing now, a pause
+        throttle.refused(seq, retry_after_s=2.5, upstream=None, stated_rps=10.0)
     throttle.close()
     rows = [r for r in rate_limits_from_metrics(generate_latest(REGISTRY).decode()) if r.provider == "status-test"]
-    assert [(r.upstream, r.window, r.refused, r.paused_s) for r in rows] == [(KEY_SCOPE, 128, 1, pytest.approx(2.5))]
+    expected = [(KEY_SCOPE, 256, CLOSED_RUN, pytest.approx(2.5, abs=0.1))]
+    assert [(r.upstream, r.window, r.refused, r.paused_s) for r in rows] == expected
     console = Console(width=160, record=True)
     console.print(render(StatusSnapshot(taken_at=0.0, rate_limits=rows)))
     text = console.export_text()
-    assert "rate limits" in text and "status-test" in text and "128" in text and "2.5 s" in text
+    assert "rate limits" in text and "status-test" in text and "256" in text and "2.5 s" in text
     console.print(render(StatusSnapshot(taken_at=0.0, rate_limits_source="http://127.0.0.1:9401/metrics")))
     assert "no inference metrics at http://127.0.0.1:9401/metrics" in console.export_text()
