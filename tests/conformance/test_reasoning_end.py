@@ -18,6 +18,10 @@ the reply from vLLM's own non-streaming path (``engines.py``, in a child process
 - where the engine stripped, the refusal names the place (``reasoning_end``); with the ids vLLM returns
   (``return_token_ids``) every answer is accepted exact;
 - answers of the parsers that keep the whitespace are still accepted (the fix is no blanket refusal).
+
+Before the ``vllm`` convention declared the place (``strips_reasoning_end``), 29 of these 288 answers were
+accepted with wrong ids, all V4 (13 as the stage judges them, facts on); Kimi's fixture, one id per byte,
+shows every stripped byte in the count, which its real vocabulary would not (2026-12-07).
 """
 
 from __future__ import annotations
