@@ -59,6 +59,11 @@ class Convention:
     # into the system text) does not come back, so its calls cannot be proven through this server
     # (vLLM 0.33's deepseek_v4 pair, run by tests/conformance/test_raw_tool_text.py).
     drops_block_without_tools: frozenset[str] = frozenset()
+    # Tool formats (the model families) whose reasoning parser ``.rstrip()``s the reasoning wherever it ends
+    # (at the think-end, a tool block, or the cut): the whitespace the model wrote before its think-end does
+    # not come back and nothing in the text shows it (vLLM 0.33's grammar-engine parsers ``deepseek_v4`` and
+    # ``kimi_k2``: ``strip_trailing_reasoning_whitespace``; run by tests/conformance/test_reasoning_end.py).
+    strips_reasoning_end: frozenset[str] = frozenset()
 
     def open_strip_units(self, shown: frozenset[str]) -> frozenset[str]:
         """The units that may have been stripped, given those whose ends show whitespace (kept)."""
@@ -91,7 +96,8 @@ CONVENTIONS: dict[str, Convention] = {
         strips_whitespace=False,
         reserialized_tool_formats=frozenset({"qwen", "dsml", "kimi"}),
         trimmed_argument_formats=frozenset({"kimi"}),
-        source="vLLM reasoning parsers partition at </think> with no strip; hermes re-serialises "
+        source="vLLM's deepseek_r1 and qwen3 reasoning parsers partition at </think> with no strip; its "
+        "deepseek_v4 and kimi_k2 parsers .rstrip() the reasoning (0.33.0, run); hermes re-serialises "
         "arguments with json.dumps; kimi_k2's regex consumes \\s* around arguments; its request "
         "model renders a missing tool description as null (PARSERS.md); "
         "deepseek_v4 (0.33.0, run) returns JSON built from the DSML parameters; kimi_k2 (0.33.0, run by "
@@ -99,6 +105,7 @@ CONVENTIONS: dict[str, Convention] = {
         "drops a DSML block from the content even with no tools parameter (0.33.0, run)",
         tool_null_fields=("description",),
         drops_block_without_tools=frozenset({"dsml"}),
+        strips_reasoning_end=frozenset({"dsml", "kimi"}),
     ),
     "sglang": Convention(
         name="sglang",

@@ -241,12 +241,15 @@ def _assemble(
     # The tool parser's own strip of the content before the block (SGLang's detectors), whatever the
     # reasoning parser kept: both ends of that content.
     detector_strips = bool(calls) and profile.tool_format in convention.strips_before_tool
-    detector_places = {"content_start", "text_start", "before_tool"} if detector_strips else set()
+    declared_places = {"content_start", "text_start", "before_tool"} if detector_strips else set()
+    # The reasoning parser's own .rstrip() of the reasoning (vLLM's deepseek_v4 and kimi_k2), wherever it ends.
+    if profile.tool_format in convention.strips_reasoning_end:
+        declared_places |= {"reasoning_end", "reasoning_cut", "answer_end"}
 
     def edge(units: set[str], place: str, shows: bool) -> None:
         if shows:
             shown.add(place)
-        elif not open_units.isdisjoint(units) or place in detector_places:
+        elif not open_units.isdisjoint(units) or place in declared_places:
             out.gap(WHERE_STRIP, place=place)
 
     if layout.think_start and profile.think_start:

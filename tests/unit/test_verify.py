@@ -139,3 +139,20 @@ def test_the_probe_reports_an_upstream_caught_stripping_before_the_main_run() ->
     assert answers[0].reason == "whitespace_ambiguous"
     fact = book.strips("openai/m")
     assert fact is not None and fact.evidence == "math:t1"
+
+
+def test_a_miss_at_a_place_the_convention_loses_is_no_evidence_of_strips() -> None:
+    """vLLM's deepseek_v4 .rstrip()s the reasoning (the convention says so): V4 answers whose "\\n\\n" before
+    </think> it took miss their count there, which says nothing about the upstream's other edges."""
+    from services.profiles import load_profile
+    from tests.unit.test_reconstruct import v4_truth
+
+    book, answers = FactBook(), []
+    for k, words in enumerate(("Plan it", "Then stop", "So it ends", "We are done")):
+        truth = v4_truth().encode(f"{words}.\n \n</think>Done.<｜end▁of▁sentence｜>", add_special_tokens=False).ids
+        rebuilt = v4_truth().encode(f"{words}.</think>Done.<｜end▁of▁sentence｜>", add_special_tokens=False).ids
+        assert len(rebuilt) != len(truth)  # the miss a stripping upstream would show
+        answers.append(response(sample_id=f"v{k}", reasoning=f"{words}.", content="Done.", completion=len(truth)))
+    verdicts, changes = reconstruct_with_facts(answers, load_profile("deepseek-v4"), VLLM, book, at=5.0)
+    assert all(v.reason == "whitespace_stripped" and "reasoning_end" in v.message for v in verdicts)  # type: ignore[union-attr]
+    assert changes == [] and book.strips("openai/m") is None
