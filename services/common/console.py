@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -70,17 +71,18 @@ class FittedTable:
         self.table.add_row(*row)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        """The table, its figure columns kept whole when the width leaves the others room to wrap."""
-        others = len(self.columns) - len(self._whole)
-        needed = sum(self._whole.values()) + others * _NARROWEST + len(self.columns) * 3 + 4  # padding, edges
-        keep = needed <= options.max_width
+        """The table, its figure columns kept whole when the others can still wrap beside them."""
         for index, width in self._whole.items():
-            self.table.columns[index].min_width = width if keep else None
+            self.table.columns[index].min_width = width
+        if self._whole and _widest(Segment.split_lines(console.render(self.table, options))) > options.max_width:
+            for index in self._whole:  # no room: every column wraps, so the table still fits
+                self.table.columns[index].min_width = None
         yield self.table
 
 
-_NARROWEST = 10
-"""Columns a wrapping column keeps when the figure columns are held whole."""
+def _widest(lines: Iterable[list[Segment]]) -> int:
+    """The widest of rendered lines, in cells (uncropped: render_lines would crop them to the width)."""
+    return max((Segment.get_line_length(line) for line in lines), default=0)
 
 
 __all__ = ["Column", "FittedTable", "data_console", "styled"]

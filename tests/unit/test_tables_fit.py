@@ -160,7 +160,8 @@ def test_probe_table_fits_the_terminal(width: int, wide: bool) -> None:
     lines = rendered(table, width)
     assert_fits(lines, width)
     headers = [c.name for c in table.columns]
-    assert {"accepted", "reasons of the rest", "forecast" if not wide else "$/accepted", "verdict"} <= set(headers)
+    shown = {"accepted (share)", "reasons of the rest", "forecast" if not wide else "$/accepted", "verdict"}
+    assert shown <= set(headers)
     assert ("what the answers proved" in headers) is wide and ("answers" in headers) is wide
     assert ("dataset" in headers and "upstream" in headers) is wide
     # What each view says (laid out wide enough to read a cell whole): the verdicts, who was caught stripping.
