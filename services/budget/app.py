@@ -450,6 +450,9 @@ class BudgetService:
                 ends = await consumer.end_offsets(parts)
                 starts = await consumer.beginning_offsets(parts)
                 waiting = sum(max(0, end - committed.get(tp, starts.get(tp, 0))) for tp, end in ends.items())
+                # The group commits in order, so a prompt answered behind an unanswered one is still
+                # uncommitted: the records written less the answers bound it from the other side.
+                waiting = min(waiting, max(0, sum(ends.values()) - self.ledger.scopes[dataset].responses))
                 if self._waiting_prompts.get(dataset) != waiting:
                     self._waiting_prompts[dataset] = waiting
                     self.ledger.touch(dataset)  # the next checkpoint carries the new projection
