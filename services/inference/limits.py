@@ -14,7 +14,9 @@ What a 429 shows of the limit decides what it moves:
   slower (a probe now and then); before anything is found it is ``provider.concurrency``.
 - **The pause** (:class:`Pause`): a ``Retry-After`` holds the refused request; it holds every
   new request only when the key admits nothing now (``CLOSED_RUN`` requests refused in a row: a
-  window of requests spent until its reset). A pause ends at the pace, one request at a time.
+  window of requests spent until its reset; not when the last was refused at an open count that
+  may be a cap on open requests, which explains a run too). A pause ends at the pace, one request
+  at a time.
 - :class:`ProviderLimits` keeps one window for the provider (the key's own limit) and one
   per OpenRouter upstream that a reply or a refusal names; what may be in flight is the
   provider's window, and never more than the upstreams seen so far take together.
@@ -176,6 +178,8 @@ class ProviderLimits:
     trial: float | None = None  # when a tentative window may try one request past its limit
     probe: tuple[int, float] | None = None  # that request, and when it counts as admitted
     answers: int = 0
+    open_cut: tuple[str | None, float | None] | None = None  # (upstream, the pace before): refusals
+    # since cut the pace while they could not be told from a cap on open requests (see refused)
 
     def __post_init__(self) -> None:
         self.stall = StallClock(self.stall_s)
@@ -293,8 +297,9 @@ class ProviderLimits:
         state instead. A cap on open requests (stated, or found from the open count) moves the
         window; any other refusal sets the pace to the rate admitted (:mod:`services.inference.pacer`).
         New requests are paused for the ``Retry-After`` only when the key admits nothing now
-        (``CLOSED_RUN`` refused in a row: a window spent until its reset); otherwise only the refused
-        request waits it, and the others go at the pace. Returns the seconds added to the pause.
+        (``CLOSED_RUN`` refused in a row, the last not at a count that may be a cap on open requests:
+        a window spent until its reset); otherwise only the refused request waits it, and the others
+        go at the pace. Returns the seconds added to the pause.
         """
         open_with_it = self.opens.pop(seq, self.in_flight)
         if self.probe is not None and self.probe[0] == seq:
@@ -308,36 +313,50 @@ class ProviderLimits:
             window.cap_at(stated_count, seq, self.sent)  # a cap on open requests, stated
             self.pacer.forget(seq)  # not an outcome of the pace
             return 0.0
-        if stated_rps is None and self._capped_open(window, open_with_it, now):
+        found = self._capped_open(window, open_with_it, now) if stated_rps is None else None
+        estimate = self.pacer.estimate(upstream)
+        if found is True:
             window.hold(open_with_it - 1, seq, self.sent)  # a cap on open requests, found
             self.pacer.forget(seq)
+            if self.open_cut is not None and self.open_cut[0] == upstream:
+                # The refusals that cut the pace while they could not be told from a cap were
+                # the cap's: the pace goes back to what it was before them (unpaced, when it was).
+                estimate.rate = self.open_cut[1]
+                self.pacer.sync(now)
+            self.open_cut = None
             return 0.0
+        before = estimate.rate
         # Refusals that do not follow the pace (a share of everything refused, whatever the
         # pace) do not cut it: sending slower would not refuse fewer.
         follows = True if stated_rps is not None else self.pacer.judge(seq, now)
         self.pacer.refused(seq, self.sent, now, upstream, stated_rps, follows=follows)
         self.pacer.forget(seq)  # kept as an outcome by judge(), when it was asked
-        if not self.pacer.closed(seq):
-            return 0.0
+        if found is None:
+            self.open_cut = None  # a cut for the rate: none to undo
+        elif self.open_cut is None or self.open_cut[0] != upstream:
+            self.open_cut = (upstream, before)
+        if found is False or not self.pacer.closed(seq):
+            return 0.0  # (refused above every count the key admitted: a cap's run, not a key closed)
         added = self.pause.extend(now, self.default_pause_s if retry_after_s is None else retry_after_s)
         self.pacer.resume_at(max(now, self.pause.until))
         return added
 
-    def _capped_open(self, window: OpenWindow, open_with_it: int, now: float) -> bool:
+    def _capped_open(self, window: OpenWindow, open_with_it: int, now: float) -> bool | None:
         """Whether a refusal stating nothing, with ``open_with_it`` open (itself too), shows a cap on
         open requests: at that count, more were refused than admitted, and it was refused there
-        before with answers since (once, it may as well have been the rate: the window then keeps
-        to it tentatively), and never admitted with ``OPEN_SLACK`` more open. The worker counts an
-        answer open until it has read it, a little longer than the provider does, so a cap shows as
-        a count refused more often than not, not as one never admitted."""
+        before with answers since, and never admitted with ``OPEN_SLACK`` more open (True). Refused
+        there once, it may as well have been the rate (False): the window keeps to the count
+        tentatively, and the pace is cut too until the cap is found. None: not a cap. The worker
+        counts an answer open until it has read it, a little longer than the provider does, so a
+        cap shows as a count refused more often than not, not as one never admitted."""
         if open_with_it < 2:
-            return False  # refused alone: the rate, not a cap
+            return None  # refused alone: the rate, not a cap
         seen = self.at_open.setdefault(open_with_it, [0, 0, -1])  # admitted, refused, answers at the last refusal
         again = seen[1] > 0 and self.answers > seen[2]
         seen[1] += 1
         seen[2] = self.answers
         if seen[1] <= seen[0] or self.admitted_max >= open_with_it + OPEN_SLACK:
-            return False
+            return None
         if again:
             return True
         window.tentative(open_with_it - 1)

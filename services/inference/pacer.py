@@ -280,7 +280,8 @@ class Pacer:
         rates = [r for r in (own, total) if r is not None]
         return min(rates) if rates else None
 
-    def _sync(self, now: float) -> None:
+    def sync(self, now: float) -> None:
+        """The bucket takes the rate the estimates give now (after one was set from outside)."""
         if not self.paced:
             return
         rate = self.rate
@@ -289,17 +290,17 @@ class Pacer:
 
     def available(self, now: float) -> int:
         """Requests that may go now."""
-        self._sync(now)
+        self.sync(now)
         return self.bucket.available(now)
 
     def wait_s(self, now: float) -> float:
         """Seconds until the next request may go."""
-        self._sync(now)
+        self.sync(now)
         return self.bucket.wait_s(now)
 
     def take(self, now: float, seq: int | None = None) -> None:
         """Request ``seq`` goes now."""
-        self._sync(now)
+        self.sync(now)
         self.bucket.take(now)
         starts = self.starts
         if self.first_start is None:
@@ -460,7 +461,7 @@ class Pacer:
             cut = estimate.refused(seq, last_seq, admitted, sent_rate, in_use=self.in_use(now), sure=sure)
             if cut:
                 self.changed_at = now
-        self._sync(now)
+        self.sync(now)
         return cut
 
     def stated(self, limit_rps: float | None, now: float) -> None:
@@ -468,11 +469,11 @@ class Pacer:
         if limit_rps is not None:
             self.estimate(None).state(limit_rps)
             self.paced = True
-            self._sync(now)
+            self.sync(now)
 
     def resume_at(self, at: float) -> None:
         """A pause ends at ``at``: requests resume one at a time at the paced rate (measured afresh from then)."""
-        self._sync(at)
+        self.sync(at)
         self.bucket.resume_at(at)
         if self.measure_from is None or at > self.measure_from:
             self.measure_from = at

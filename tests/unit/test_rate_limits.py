@@ -67,7 +67,7 @@ def test_an_open_cap_nobody_states_is_found_from_the_counts_refused_and_admitted
     seqs = [limits.start(0.0) for _ in range(17)]
     limits.refused(seqs[-1], now=0.01, retry_after_s=1.0)
     assert limits.limit == 16 and limits.windows[KEY_SCOPE].trial
-    pace = limits.pacer.rate  # (once, it may as well be the rate: the pace moved too)
+    assert limits.pacer.rate is not None  # (once, it may as well be the rate: the pace moved too)
     # ...refused there again after answers came: a cap found (held, grown past slowly).
     limits.answered(None, 0.6, seqs[0])
     limits.answered(None, 0.6, seqs[1])  # (each answer grows a tentative window by one: 18)
@@ -76,7 +76,29 @@ def test_an_open_cap_nobody_states_is_found_from_the_counts_refused_and_admitted
     limits.refused(more[-1], now=0.61, retry_after_s=1.0)
     assert limits.limit == 16 and not limits.windows[KEY_SCOPE].trial
     assert limits.pause.remaining(0.61) == 0.0  # nobody else waits: the window keeps the others to it
-    assert limits.pacer.rate == pace  # a cap found is not a pace: not cut again
+    # The cut the first refusal made was the cap's: the pace is back where it was (none). Kept,
+    # a pace well above the rate the window allows holds back the refill after a clump of answers.
+    assert limits.pacer.rate is None and limits.pacer.available(0.61) > 16
+
+
+def test_a_cap_found_keeps_the_pace_a_refusal_at_another_count_set() -> None:
+    # The 17th open is refused once (a cap or the rate?), then one with 5 open (the rate: the
+    # pace is cut for it), then the 17th again: the cap is found, and the pace the rate set stays.
+    limits = ProviderLimits(ceiling=256, stall_s=30)
+    seqs = [limits.start(0.0) for _ in range(17)]
+    limits.refused(seqs[-1], now=0.01, retry_after_s=1.0)
+    for seq in seqs[:12]:
+        limits.answered(None, 0.6, seq)
+    low = [limits.start(0.7) for _ in range(1)]
+    assert limits.opens[low[-1]] == 5
+    limits.refused(low[-1], now=0.71, retry_after_s=1.0)
+    paced = limits.pacer.rate
+    assert paced is not None
+    more = [limits.start(0.8) for _ in range(13)]
+    assert limits.opens[more[-1]] == 17
+    limits.refused(more[-1], now=0.81, retry_after_s=1.0)
+    assert limits.limit == 16 and not limits.windows[KEY_SCOPE].trial
+    assert limits.pacer.rate == paced
 
 
 def test_a_count_admitted_as_often_as_refused_is_not_a_cap() -> None:
@@ -124,6 +146,19 @@ def test_refusals_in_a_row_pause_new_requests_for_the_retry_after_and_one_alone_
     assert limits.wait_s(11.0) == pytest.approx(2.0) and not limits.may_start(11.0)
     assert limits.pause.paused_s == pytest.approx(2.0)
     assert limits.may_start(13.0)  # the pause over: one request at the pace
+
+
+def test_a_run_of_refusals_past_a_cap_on_open_requests_pauses_nobody() -> None:
+    # 16 open at once, none answered yet: the ramp's 17th to 20th are refused in a row. A cap on
+    # open requests explains them (the key admitted every request below): the 16 open are not
+    # refused, and the next may go the moment an answer frees a place.
+    limits = ProviderLimits(ceiling=256, stall_s=30)
+    seqs = [limits.start(0.0) for _ in range(20)]
+    for seq in seqs[16:]:
+        assert limits.refused(seq, now=0.01, retry_after_s=1.0) == 0.0
+    assert limits.wait_s(0.01) == 0.0 and limits.pause.paused_s == 0.0
+    limits.answered(None, 0.6, seqs[0])
+    assert limits.may_start(0.6)
 
 
 def test_pause_extend_from_an_expired_pause_starts_now() -> None:
