@@ -22,6 +22,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,9 @@ class HaltFollower:
         self._gauge_scopes: set[str] = {GLOBAL_SCOPE}
         self._producer: AIOKafkaProducer | None = None
         self._lock = threading.Lock()  # the state is written by the follower thread and the loop
+        self._applied = 0  # events the follower thread applied (see _observe)
+        self._observed = 0  # ...as the main loop last saw that count
+        self._observed_at: deque[tuple[int, float]] = deque()  # (that count, when the loop first saw it)
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,7 +144,9 @@ class HaltFollower:
         return self._handing_over or self.state.is_halted(*scopes, *self._own)
 
     def may_go(self, *scopes: str) -> bool:
-        """Whether a request of ``scopes`` may leave now: not held back, and the owner not stopping."""
+        """Whether a request of ``scopes`` may leave now: not held back, and the owner not stopping
+        (asked on the main loop at the last moment before a request is written)."""
+        self._observe()
         return not self.held_back(*scopes) and not self._stopping.is_set()
 
     def hold_for_hand_over(self) -> None:
@@ -255,7 +261,9 @@ class HaltFollower:
             return
         with self._lock:
             changed = self.state.apply(event)
-        self._call_main(self._deliver, event, changed, time.time())
+            self._applied += 1  # (after the state: the loop reads it changed once it sees this)
+            applied = self._applied
+        self._call_main(self._deliver, event, changed, applied)
 
     def _call_main(self, callback: Callable[..., object], *args: object) -> None:
         try:
@@ -263,12 +271,30 @@ class HaltFollower:
         except RuntimeError:  # the main loop is closed: the process is ending
             self._closing.set()
 
-    def _deliver(self, event: Halt | Resume, changed: bool, applied_at: float) -> None:
-        """On the main loop: what an event read by the follower thread means beyond the state."""
+    def _observe(self) -> None:
+        """On the main loop: the first read of the state since the follower thread changed it.
+
+        A request is written by the main loop right after its ``may_send`` said yes, with no
+        turn of the loop between: one that said yes just before the follower thread applied a
+        halt may still be written after that, until the loop runs its next line of anything
+        else. From this first read on, every request that asks sees the change: the moment a
+        halt is in force here (the follower thread's own clock would be a GIL switch early).
+        """
+        applied = self._applied
+        if applied != self._observed:
+            self._observed = applied
+            self._observed_at.append((applied, time.time()))
+
+    def _deliver(self, event: Halt | Resume, changed: bool, applied: int) -> None:
+        """On the main loop: what event number ``applied`` read by the follower thread means beyond the state."""
+        self._observe()
+        in_force_at = next(at for number, at in self._observed_at if number >= applied)
+        while self._observed_at and self._observed_at[0][0] <= applied:
+            self._observed_at.popleft()
         for listener in self.event_listeners:
             listener(event)
         if changed:
-            self._log_change(event, applied_at if self._live else None)
+            self._log_change(event, in_force_at if self._live else None)
             self._changed_now()
 
     @staticmethod
