@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 from aiokafka import ConsumerRecord
 
-from schemas import DEAD_LETTER_TOPIC, ReplayRecorded, encode
+from schemas import ACCEPTED_TOPIC, DEAD_LETTER_TOPIC, ReplayRecorded, encode
 from services.common.config import KafkaSettings, Settings
 from services.common.errors import CommandError
 from services.common.kafka import Outgoing, create_topics, make_admin, make_producer, publish_all
@@ -63,6 +63,18 @@ async def read_dead_letters(settings: Settings, filters: Filters | None = None) 
     await read_to_end(settings.kafka, settings.kafka.topic(DEAD_LETTER_TOPIC), keep)
     found.sort(key=lambda r: (r.partition, r.offset))
     return found
+
+
+async def read_accepted_keys(settings: Settings) -> set[str]:
+    """The keys with a sample on ``accepted``: a dead letter of one was superseded by a replay that passed."""
+    keys: set[str] = set()
+
+    def note(record: ConsumerRecord[bytes, bytes]) -> None:
+        if record.key is not None:
+            keys.add(record.key.decode("utf-8", "replace"))
+
+    await read_to_end(settings.kafka, settings.kafka.topic(ACCEPTED_TOPIC), note)
+    return keys
 
 
 async def read_replayed(kafka: KafkaSettings) -> set[str]:

@@ -76,29 +76,34 @@ def dlq_list(
     until: UntilOpt = None,
     key: KeyOpt = None,
     history: Annotated[
-        bool, typer.Option("--all", help="Every dead letter, also those a later replay of the same key superseded")
+        bool,
+        typer.Option("--all", help="Every dead letter, also those a later replay of the same key superseded or passed"),
     ] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Dead letters grouped by stage and reason, with counts and one example key each.
 
-    One row per key by default: the latest dead letter of each key (a replay that failed again
-    supersedes the one before it); --all counts every record on the topic.
+    One per key by default, as ``status`` counts them: the latest dead letter of each key (a
+    replay that failed again supersedes the one before it), none for a key with a sample on
+    ``accepted`` (a replay passed); --all counts every record on the topic.
     """
     from rich.table import Table
 
     from schemas import DEAD_LETTER_TOPIC
     from services.common.cli import settings_from
-    from services.dlq.app import read_dead_letters
+    from services.dlq.app import read_accepted_keys, read_dead_letters
     from services.dlq.core import group_by_reason, latest_per_key
 
     settings = settings_from(config)
     filters = _filters_or_fail(stage, reason, dataset, since, until, key)
     found = asyncio.run(read_dead_letters(settings))
+    if not history:
+        accepted = asyncio.run(read_accepted_keys(settings))
+        found = [r for r in latest_per_key(found) if r.key is None or r.key_text not in accepted]
     # The latest per key first, then the filters: a key whose latest failure no longer matches is not listed.
-    records = [r for r in (found if history else latest_per_key(found)) if filters.matches(r)]
+    records = [r for r in found if filters.matches(r)]
     groups = group_by_reason(records)
-    what = "dead letters" if history else "keys dead-lettered (latest per key; --all for every record)"
+    what = "dead letters" if history else "keys dead-lettered, not accepted (latest per key; --all for every record)"
     table = Table(title=f"{what} on {settings.kafka.topic(DEAD_LETTER_TOPIC)}: {len(records)}")
     table.add_column("stage")
     table.add_column("reason")

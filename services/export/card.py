@@ -240,8 +240,8 @@ def card_body(figures: dict[str, Any]) -> str:
         )
     else:
         out += [
-            f"Dead letters of these datasets on the dead-letter topic when this export was made: "
-            f"{sum(r['count'] for r in dead)} (a letter replayed and then accepted still counts).",
+            f"Prompts of these datasets dead-lettered when this export was made: {sum(r['count'] for r in dead)} "
+            f"(one per key, by its latest dead letter; none for a key a replay got accepted).",
             "",
             "| dataset | stage | reason | dead letters |",
             "|---|---|---|---|",

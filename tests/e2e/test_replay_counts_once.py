@@ -154,7 +154,8 @@ async def test_replays_that_fail_again_count_each_prompt_once_and_a_fresh_one_is
         would.output
     )
     topic = wrong.kafka.topic("dead-letter")
-    assert f"keys dead-lettered (latest per key; --all for every record) on {topic}: {N}" in words(listed.output)
+    title = f"keys dead-lettered, not accepted (latest per key; --all for every record) on {topic}: {N}"
+    assert title in words(listed.output)
     assert f"dead letters on {topic}: {3 * N}" in words(listed_all.output)
     row = next(ln for ln in listed.output.splitlines() if "unknown_profile" in ln)
     assert f" {N} " in row, listed.output

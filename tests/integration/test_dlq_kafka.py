@@ -220,6 +220,35 @@ async def test_replay_to_a_named_stage(scenario) -> None:
     assert header(list(prompts[0].headers), DLQ_HEADERS.REPLAY_COUNT) == "1"
 
 
+def test_cli_list_leaves_out_a_key_a_replay_got_accepted(settings_factory, tmp_path: Path) -> None:
+    # As status counts them: a key with a sample on accepted is no longer dead-lettered; --all keeps its record.
+    import asyncio
+
+    from services.cli import app
+
+    async def scenario_with_one_accepted():
+        settings = await setup_scenario(settings_factory())
+        producer = make_producer(settings.kafka)
+        await producer.start()
+        try:
+            await producer.send_and_wait(settings.kafka.topic("accepted"), sample_value("s1"), key=b"math:s1")
+        finally:
+            await producer.stop()
+        return settings
+
+    settings = asyncio.run(scenario_with_one_accepted())
+    config = str(cli_config(settings, tmp_path))
+    runner = CliRunner()
+    listed = runner.invoke(app, ["dlq", "list", "-c", config], terminal_width=200)
+    assert listed.exit_code == 0, listed.output
+    line = next(ln for ln in listed.output.splitlines() if "roundtrip_mismatch" in ln)
+    assert " 3 " in line and "math:s1" not in listed.output, listed.output
+    assert "not accepted" in " ".join(listed.output.split()) and ": 5" in listed.output, listed.output
+    every = runner.invoke(app, ["dlq", "list", "--all", "-c", config], terminal_width=200)
+    line = next(ln for ln in every.output.splitlines() if "roundtrip_mismatch" in ln)
+    assert every.exit_code == 0 and " 4 " in line and ": 6" in every.output, every.output
+
+
 def test_cli_list_show_replay(settings_factory, tmp_path: Path) -> None:
     import asyncio
 
