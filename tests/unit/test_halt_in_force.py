@@ -23,19 +23,19 @@ from services.common.config import KafkaSettings
 from services.common.halts import HaltFollower
 
 
-def _follower() -> HaltFollower:
+def _halted_on_a_thread(caplog: pytest.LogCaptureFixture) -> tuple[HaltFollower, float]:
+    """A follower whose thread step took a halt of ``ds``, joined without a turn of the loop (nothing delivered yet)."""
+    caplog.set_level(logging.WARNING, logger="services.common.halts")
     follower = HaltFollower(KafkaSettings(), asyncio.Event())
     follower._loop = asyncio.get_running_loop()  # noqa: SLF001 - the thread step without a broker
     follower._live = True  # noqa: SLF001
-    return follower
-
-
-def _applied_on_a_thread(follower: HaltFollower, halt: Halt) -> None:
-    """The follower thread's step for one record; joined without a turn of the loop (nothing delivered yet)."""
+    issued = time.time()
+    halt = Halt(scope="ds", reason="test", by="test", at=issued)
     record = SimpleNamespace(value=encode(halt), topic="control", partition=0, offset=0)
     thread = threading.Thread(target=follower._take, args=(record,))  # noqa: SLF001
     thread.start()
     thread.join()
+    return follower, issued
 
 
 def _in_force_ms(caplog: pytest.LogCaptureFixture) -> float:
@@ -47,10 +47,7 @@ def _in_force_ms(caplog: pytest.LogCaptureFixture) -> float:
 async def test_a_halt_is_in_force_from_the_loops_first_read_after_the_thread_applied_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="services.common.halts")
-    follower = _follower()
-    issued = time.time()
-    _applied_on_a_thread(follower, Halt(scope="ds", reason="test", by="test", at=issued))
+    follower, issued = _halted_on_a_thread(caplog)
     # The state is changed at once (a request asking now is withheld)...
     assert follower.state.is_halted("ds")
     time.sleep(0.2)  # ...but the loop, busy, asks nothing for 200 ms (a request it cleared meanwhile goes out)
@@ -65,10 +62,7 @@ async def test_a_halt_is_in_force_from_the_loops_first_read_after_the_thread_app
 async def test_with_no_request_asking_a_halt_is_in_force_when_the_loop_delivers_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="services.common.halts")
-    follower = _follower()
-    issued = time.time()
-    _applied_on_a_thread(follower, Halt(scope="ds", reason="test", by="test", at=issued))
+    follower, issued = _halted_on_a_thread(caplog)
     time.sleep(0.15)
     await asyncio.sleep(0)
     assert _in_force_ms(caplog) >= 150
