@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -102,6 +103,18 @@ def settings_factory(
         return load_settings(None, kafka=kafka, metrics=metrics, sink=sink, **overrides)
 
     return build
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """A service command run in this process (``run sink`` through a CLI runner) sets up logging
+    for the whole process: a root handler on stderr that would put a later command's aiokafka
+    errors next to its one error line. Each test leaves the root logger as it found it."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    yield
+    root.handlers[:], level = saved
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -173,7 +173,11 @@ def test_dead_letters_are_shown_verbatim(monkeypatch: pytest.MonkeyPatch) -> Non
     async def fake_read(settings, filters=None):
         return [record]
 
+    async def none_accepted(settings):
+        return set()
+
     monkeypatch.setattr("services.dlq.app.read_dead_letters", fake_read)
+    monkeypatch.setattr("services.dlq.app.read_accepted_keys", none_accepted)
     shown = CliRunner().invoke(app, ["dlq", "show"], env={"COLUMNS": "400"})
     assert shown.exit_code == 0, shown.output
     assert message in shown.stdout and "ds:[id]" in shown.stdout and "[red]x[/red]" in shown.stdout
