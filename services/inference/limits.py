@@ -39,6 +39,8 @@ OPEN_SLACK = 3
 """A cap on open requests is not found at a count when answers came with this many more open."""
 PLATEAU_SLOWDOWN = 32.0
 """How much slower the window grows past a cap on open requests it found."""
+BELOW_MIN = 8
+"""Outcomes at lower open counts needed to tell a cap on open requests from a share of everything refused."""
 
 
 @dataclass
@@ -349,19 +351,33 @@ class ProviderLimits:
         tentatively, and the pace is cut too until the cap is found. None: not a cap. The worker
         counts an answer open until it has read it, a little longer than the provider does, so a
         cap shows as a count refused more often than not, not as one never admitted."""
-        if open_with_it < 2:
-            return None  # refused alone: the rate, not a cap
         seen = self.at_open.setdefault(open_with_it, [0, 0, -1])  # admitted, refused, answers at the last refusal
         again = seen[1] > 0 and self.answers > seen[2]
         seen[1] += 1
         seen[2] = self.answers
+        if open_with_it < 2:
+            return None  # refused alone: the rate, not a cap
         if seen[1] <= seen[0] or self.admitted_max >= open_with_it + OPEN_SLACK:
+            return None
+        if self._refused_below(open_with_it, seen):
             return None
         if again:
             return True
         window.tentative(open_with_it - 1)
         self.trial = now + TRIAL_S
         return False
+
+    def _refused_below(self, count: int, seen: list[int]) -> bool:
+        """Whether fewer open were refused about as often as ``count`` was (half its share or more, of
+        ``BELOW_MIN`` outcomes or more): a share of everything refused, not a cap on open requests,
+        which admits what is below it."""
+        admitted = refused = 0
+        for below, (a, r, _) in self.at_open.items():
+            if below < count:
+                admitted, refused = admitted + a, refused + r
+        if admitted + refused < BELOW_MIN:
+            return False
+        return 2 * refused / (admitted + refused) >= seen[1] / (seen[0] + seen[1])
 
     def stalled(self, now: float) -> bool:
         """Nothing but 429s for ``stall_s``."""

@@ -15,7 +15,8 @@ the key admits, alongside the window of :mod:`services.inference.limits`.
   OpenRouter's ``GET /key``) seeds the estimate while too little was sent to measure; after
   that, what is admitted wins over what is stated. Before anything is known a scope is not paced.
 - Only refusals that follow the pace cut it (:meth:`Pacer.follows_pace`): every outcome is kept
-  for ``HISTORY_S`` with the rate requests were being started at when it was sent; the
+  for ``HISTORY_S`` (the newest ``HISTORY_MIN`` however old: a pace cut low still judges)
+  with the rate requests were being started at when it was sent; the
   outcomes sent at the higher half of those rates must be refused significantly more often
   than those sent at the lower half (a one-sided two-proportion test at ``FOLLOWS_Z``). A
   rate limit refuses more of a faster pace; an overloaded upstream that refuses a share of
@@ -80,7 +81,11 @@ MIN_SPAN_S = 0.05
 BURST = 1.0
 """Requests the bucket lets go at once: one (no catching up after a delay)."""
 HISTORY_S = 10.0
-"""How long an outcome (answered or refused, and the rate it was sent at) counts towards :meth:`Pacer.follows_pace`."""
+"""How long an outcome (answered or refused, and the rate it was sent at) counts in :meth:`Pacer.follows_pace`..."""
+HISTORY_MIN = 45
+"""...the newest this many however old: at a request a second, ten seconds hold too few to judge
+(``2 * MIN_HALF`` settled), every refusal would cut, and a share of everything refused would pace
+a run down to the floor."""
 HISTORY_MAX = 4096
 """At most this many outcomes are kept (the newest)."""
 MIN_HALF = 15
@@ -103,7 +108,7 @@ class RateEstimate:
     stated: float | None = None
     cut_after: int = 0
     cut_at: float | None = None  # when it was last cut (or first known)
-    peak: float | None = None  # the highest rate since the last cut found to follow the pace
+    peak: float | None = None  # the highest rate since the last cut found to follow the pace (inf: unpaced)
 
     def state(self, limit_rps: float | None) -> None:
         """The provider stated its limit (a header, ``GET /key``): it seeds the estimate while nothing is known."""
@@ -150,15 +155,17 @@ class RateEstimate:
         known = self.rate is not None  # before: nothing to go back to
         self.cut_at = None  # (the next answer's time)
         self.rate = self._capped(max(MIN_RATE_RPS, rate))
-        if sure or not known:
-            self.peak = self.rate if known else None
+        if sure:
+            self.peak = self.rate
+        elif not known:
+            self.peak = math.inf  # cut from unpaced, not surely for the pace: undone, back to unpaced
         return True
 
     def undo(self, last_seq: int) -> None:
         """Refusals were found not to follow the pace: back to the peak (requests up to ``last_seq`` are judged)."""
         self.cut_after = max(self.cut_after, last_seq)
         if self.rate is not None and self.peak is not None and self.peak > self.rate:
-            self.rate = self._capped(self.peak)
+            self.rate = None if math.isinf(self.peak) and self.ceiling is None else self._capped(self.peak)
 
     def restart(self) -> None:
         """After a stall was lifted: where the limit now lies is not known (measured afresh at the next refusal)."""
@@ -351,11 +358,16 @@ class Pacer:
             return
         outcomes = self.outcomes
         outcomes.append((sent[0], sent[1], refused, now - sent[0]))
-        while outcomes and (outcomes[0][0] < now - HISTORY_S or len(outcomes) > HISTORY_MAX):
+        self._drop_outcomes(now)
+
+    def _drop_outcomes(self, now: float) -> None:
+        outcomes = self.outcomes
+        while len(outcomes) > HISTORY_MAX or (len(outcomes) > HISTORY_MIN and outcomes[0][0] < now - HISTORY_S):
             outcomes.popleft()
 
     def follows_pace(self, now: float) -> bool | None:
-        """Whether the refusals of the last ``HISTORY_S`` follow the pace (None: it cannot be told).
+        """Whether the refusals of the last ``HISTORY_S`` (at least the last ``HISTORY_MIN``) follow the
+        pace (None: it cannot be told).
 
         The requests sent over that time whose outcomes are all in (sent longer ago than the
         slowest outcome took: a refusal comes back sooner than an answer, and counting the
@@ -364,8 +376,9 @@ class Pacer:
         more often than the slower half by ``FOLLOWS_Z`` standard errors (pooled
         two-proportion test).
         """
+        self._drop_outcomes(now)
         settle = max((o[3] for o in self.outcomes), default=0.0)
-        outcomes = [o for o in self.outcomes if now - HISTORY_S <= o[0] <= now - settle]
+        outcomes = [o for o in self.outcomes if o[0] <= now - settle]
         if len(outcomes) < 2 * MIN_HALF:
             return None
         outcomes.sort(key=lambda o: o[1])

@@ -22,6 +22,9 @@ from services.common.config import ProviderSettings
 from services.common.metrics import PROVIDER_WINDOW, RATE_LIMIT_PAUSED, RATE_LIMITED
 from services.inference.limits import KEY_SCOPE, ProviderLimits
 
+TIMER_SLACK_S = 0.005
+"""A wake-up timer is moved forward only when the new wait ends this much sooner (not on every answer)."""
+
 
 class ProviderThrottle:
     """Admits a provider's requests under its adaptive window and ceilings (see the module docstring).
@@ -180,8 +183,15 @@ class ProviderThrottle:
         room = self._room(now)
         if room <= 0:
             delay = self.limits.next_s(now)
-            if delay > 0 and self._timer is None:
-                self._timer = asyncio.get_running_loop().call_later(delay, self._pause_over)
+            if delay > 0:
+                # A timer set for a slower pace is brought forward when the pace rises (an answer
+                # grew it): a waiter must not sleep out the old, longer wait.
+                loop = asyncio.get_running_loop()
+                if self._timer is not None and self._timer.when() > loop.time() + delay + TIMER_SLACK_S:
+                    self._timer.cancel()
+                    self._timer = None
+                if self._timer is None:
+                    self._timer = loop.call_later(delay, self._pause_over)
             return
         while room > 0 and self._waiters:
             turn = self._waiters.popleft()

@@ -255,19 +255,24 @@ def test_refusals_that_follow_the_pace_are_told_from_a_share_of_everything() -> 
     """The same sends, 10/s then 20/s: refusals of the faster requests only follow the pace; a
     third of every request refused does not."""
     for faster_only in (True, False):
-        pacer = Pacer()
-        now, seq = 0.0, 0
-        for gap, count in ((0.1, 60), (0.05, 60)):
-            for _ in range(count):
-                seq += 1
-                now += gap
-                pacer.take(now, seq)
-                refused = seq % 3 == 0 and (gap < 0.1 or not faster_only)
-                if refused:
-                    pacer.judge(seq, now + 0.01)
-                else:
-                    pacer.answered(None, now + 0.01, seq)
-        assert pacer.follows_pace(now + 1.0) is faster_only
+        assert _judged(((0.1, 60), (0.05, 60)), faster_only=faster_only) is faster_only
+
+
+def _judged(spells: tuple[tuple[float, int], ...], *, faster_only: bool) -> bool | None:
+    """Requests sent ``count`` at a time ``gap`` apart, spell after spell; every third refused (in
+    the faster spell only, or in every spell): what :meth:`Pacer.follows_pace` says a second later."""
+    pacer = Pacer()
+    now, seq, slowest = 0.0, 0, max(gap for gap, _ in spells)
+    for gap, count in spells:
+        for _ in range(count):
+            seq += 1
+            now += gap
+            pacer.take(now, seq)
+            if seq % 3 == 0 and (gap < slowest or not faster_only):
+                pacer.judge(seq, now + 0.01)
+            else:
+                pacer.answered(None, now + 0.01, seq)
+    return pacer.follows_pace(now + 1.0)
 
 
 def test_a_young_run_is_measured_over_its_age_and_at_least_a_fifth_of_a_second() -> None:
@@ -305,3 +310,35 @@ def test_the_pace_keeps_the_send_rate_of_requests_in_flight_only() -> None:
         assert len(limits.pacer.sent_rates) == 0, (i, ending)
     held = [limits.start(now + 1.0) for _ in range(7)]
     assert sorted(limits.pacer.sent_rates) == held
+
+
+def test_most_of_everything_refused_neither_paces_a_small_run_to_the_floor_nor_finds_a_cap() -> None:
+    """60 % refused whatever the pace, 16 open at most (the integration test's provider): before the
+    cuts were judged, each refusal cut the pace to the share admitted, down to one request in five
+    seconds (660 s here, 23 s now), and the refusals at every open count looked like a cap."""
+    limits = ProviderLimits(ceiling=16, stall_s=600.0)
+    elapsed, refused = _run(_RandomRefusals(0.6, 0.02, seed=3), 120, latency=(0.0, 0.2), limits=limits)
+    assert refused > 120, refused  # most requests were refused...
+    assert elapsed < 60.0, (elapsed, refused)  # ...and the run still went at the window's pace
+    assert limits.windows["key"].plateau == math.inf and limits.limit == 16  # no cap on open requests found
+
+
+def test_refusals_at_a_slow_pace_are_still_judged_from_the_last_outcomes() -> None:
+    """At one or two requests a second, ten seconds hold too few outcomes to judge: the newest
+    ``HISTORY_MIN`` count however old, and a share of everything refused is told apart."""
+    for faster_only in (True, False):
+        assert _judged(((1.0, 25), (0.5, 25)), faster_only=faster_only) is faster_only
+
+
+def test_cuts_from_unpaced_that_were_never_sure_are_undone_back_to_unpaced() -> None:
+    estimate = RateEstimate()
+    assert estimate.refused(1, 5, admitted=4.0, sent_rate=10.0, in_use=False, sure=False)
+    assert estimate.refused(6, 9, admitted=2.0, sent_rate=4.0, in_use=True, sure=False)
+    assert estimate.rate == pytest.approx(ADMITTED_SHARE * 2.0)
+    estimate.undo(9)  # refusals found not to follow the pace: nothing was ever sure
+    assert estimate.rate is None
+    sure = RateEstimate()
+    sure.refused(1, 5, admitted=4.0, sent_rate=10.0, in_use=False, sure=True)
+    sure.refused(6, 9, admitted=2.0, sent_rate=4.0, in_use=True, sure=False)
+    sure.undo(9)
+    assert sure.rate == 4.0  # back to the sure cut, not past it

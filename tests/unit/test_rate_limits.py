@@ -387,3 +387,20 @@ async def test_status_reads_the_window_429s_and_pause_from_a_workers_metrics() -
     assert "rate limits" in text and "status-test" in text and "256" in text and "2.5 s" in text
     console.print(render(StatusSnapshot(taken_at=0.0, rate_limits_source="http://127.0.0.1:9401/metrics")))
     assert "no inference metrics at http://127.0.0.1:9401/metrics" in console.export_text()
+
+
+async def test_a_waiter_sleeping_out_a_slow_pace_goes_when_the_pace_rises() -> None:
+    # One request in five seconds: the second waits on a timer. An answer that raises the pace
+    # must bring the timer forward, not leave the waiter to sleep out the old five seconds.
+    throttle = ProviderThrottle(ProviderSettings(concurrency=4), "simulator")
+    pacer = throttle.limits.pacer
+    pacer.ramp.over = pacer.paced = True
+    pacer.estimate(None).rate = 0.2
+    first = await throttle.admit()
+    second = asyncio.create_task(throttle.admit())
+    await asyncio.sleep(0.01)
+    assert not second.done()
+    pacer.estimate(None).rate = 50.0
+    throttle.answered(None, 10, first)
+    await asyncio.wait_for(second, 1.0)
+    throttle.close()
